@@ -1,0 +1,49 @@
+"""The thin `jaxopt-train` entry point.
+
+Each subcommand lives in the module that owns its idea and exposes
+`main(argv: list[str] | None) -> int`; this file only dispatches, importing
+lazily so that `jaxopt-train --help` never starts a JAX backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, one-line help)
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("jaxopt_train.train.cli", "train a model (default: gpt-tiny on the embedded corpus)"),
+    "bench": ("jaxopt_train.bench.cli", "benchmarks: train | collectives | matmul | accumulation"),
+    "doctor": ("jaxopt_train.runtime.doctor", "check the environment (versions, GPUs, drivers, flags)"),
+    "plot": ("jaxopt_train.plot", "plot loss/throughput/MFU/memory curves of run directories"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: jaxopt-train COMMAND [ARGS ...]", "", "commands:"]
+    lines += [f"  {name:<8} {help_}" for name, (_, help_) in _COMMANDS.items()]
+    lines += ["", "Run `jaxopt-train COMMAND --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        if not argv:
+            # No arguments: the main job, as the README promises.
+            argv = ["train"]
+        else:
+            print(_usage())
+            return 0
+    command, rest = argv[0], argv[1:]
+    if command not in _COMMANDS:
+        print(f"jaxopt-train: unknown command {command!r}; expected one of {sorted(_COMMANDS)}",
+              file=sys.stderr)
+        print(_usage(), file=sys.stderr)
+        return 2
+    module = importlib.import_module(_COMMANDS[command][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""jaxopt_train.data."""
