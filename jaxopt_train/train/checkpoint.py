@@ -1,0 +1,141 @@
+"""Checkpoints: orbax `CheckpointManager` with keep-last-N and atomic saves.
+
+Orbax writes each checkpoint into a temporary directory and renames it into
+place only once every file is written, so a crash mid-save leaves at worst a
+`*.orbax-checkpoint-tmp-*` directory that `latest_step()` ignores: the previous
+checkpoint stays the latest restorable one.
+
+Each checkpoint holds the train state (restored into an abstract target, so
+optax's namedtuples and our loss-scale pytrees come back with their types)
+and a small JSON record of the run's model shape, used to refuse resuming a
+run directory into a model of another shape.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+CHECKPOINT_SUBDIR = "checkpoints"
+
+
+class RunDirError(RuntimeError):
+    """The run directory's contents conflict with what was asked (resume/overwrite/shape)."""
+
+
+class Checkpointer:
+    """Periodic, keep-last-N checkpoints of a train state under `run_dir/checkpoints`.
+
+    Args:
+      run_dir: the run directory.
+      keep: how many most recent checkpoints to keep.
+      async_save: write in a background thread (the device-to-host copy is
+        still synchronous, so the next step may donate the state's buffers).
+    """
+
+    def __init__(self, run_dir: str, *, keep: int = 3, async_save: bool = True):
+        if not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep={keep!r} must be an integer >= 1")
+        self.directory = os.path.abspath(os.path.join(run_dir, CHECKPOINT_SUBDIR))
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, enable_async_checkpointing=async_save)
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def save(self, step: int, state: Any, meta: dict[str, Any]) -> bool:
+        """Saves `state` at `step` (skipped if that step is already saved); True if saved."""
+        if step in self._manager.all_steps():
+            return False
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                  meta=ocp.args.JsonSave(meta))
+        return bool(self._manager.save(step, args=args, force=True))
+
+    def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+        """Restores `(state, meta)` at `step` (default: latest) into `abstract_state`'s structure.
+
+        `abstract_state` is a pytree of `jax.ShapeDtypeStruct` (with shardings)
+        or concrete arrays of the target shapes.
+        """
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint to restore in {self.directory}")
+        target = jax.tree.map(_as_abstract, abstract_state)
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                  meta=ocp.args.JsonRestore())
+        restored = self._manager.restore(step, args=args)
+        return restored["state"], dict(restored["meta"] or {})
+
+    def read_meta(self, step: int | None = None) -> dict[str, Any]:
+        """The JSON record of a checkpoint, without touching its arrays."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(restored["meta"] or {})
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+
+def _as_abstract(x):
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    sharding = getattr(x, "sharding", None)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def existing_checkpoint_steps(run_dir: str) -> list[int]:
+    """Finished checkpoint steps under run_dir (tmp dirs of interrupted saves excluded)."""
+    directory = os.path.join(run_dir, CHECKPOINT_SUBDIR)
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(name) for name in os.listdir(directory)
+                  if name.isdigit() and os.path.isdir(os.path.join(directory, name)))
+
+
+def prepare_run_dir(run_dir: str, *, resume: bool, overwrite: bool) -> None:
+    """Creates run_dir, refusing to clobber an existing run unless told.
+
+    Raises:
+      RunDirError: checkpoints exist and neither `resume` nor `overwrite` is set,
+        or `resume` is set and there is nothing to resume.
+    """
+    steps = existing_checkpoint_steps(run_dir)
+    if steps and not (resume or overwrite):
+        raise RunDirError(
+            f"run_dir={run_dir!r} already holds checkpoints (steps {steps}); pass --resume to "
+            "continue that run, --overwrite to delete it and start over, or another --run-dir")
+    if resume and not steps:
+        raise RunDirError(f"--resume: run_dir={run_dir!r} has no finished checkpoint to resume from")
+    if overwrite and jax.process_index() == 0:
+        for name in (CHECKPOINT_SUBDIR, "metrics.jsonl", "config.json", "tb"):
+            path = os.path.join(run_dir, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
+                os.remove(path)
+    os.makedirs(run_dir, exist_ok=True)
+
+
+def check_same_model(saved: dict[str, Any], current: dict[str, Any], run_dir: str) -> None:
+    """Raises RunDirError naming every model-shape field that differs from the saved run."""
+    keys = sorted(set(saved) | set(current))
+    diffs = [f"{k}: saved {saved.get(k)!r}, now {current.get(k)!r}"
+             for k in keys if saved.get(k) != current.get(k)]
+    if diffs:
+        raise RunDirError(
+            f"cannot resume run_dir={run_dir!r}: its checkpoints hold a model of another shape ("
+            + "; ".join(diffs) + "). Use the original settings or a new --run-dir.")

@@ -1,0 +1,222 @@
+"""`TrainConfig`: every knob of a training run, validated where it enters.
+
+Validation happens once, in `__post_init__`, so that a bad value fails before
+any device work starts, with a message naming the field, the value given and
+what is allowed. Checks that need the device count (batch divisibility) live
+in the trainer, which knows the mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+GPT_PRESETS = ("gpt-tiny", "gpt-124m", "gpt-350m", "gpt-1b", "gpt-7b")
+VISION_PRESETS = ("cnn-small", "resnet18", "resnet50")
+PRESETS = GPT_PRESETS + VISION_PRESETS
+PRECISIONS = ("fp32", "tf32", "bf16", "bf16-pure", "fp16")
+GRAD_SYNCS = ("psum", "ring", "ring_bidir", "hierarchical")
+GRAD_COMPRESSIONS = ("none", "bf16", "int8")
+MATMULS = ("xla",)
+ATTENTIONS = ("auto", "xla", "cudnn")
+REMATS = ("none", "dots", "full")
+
+# Fields that fix the shapes of the parameters: a run directory created with
+# one value cannot be resumed with another.
+MODEL_SHAPE_FIELDS = ("preset", "model_overrides", "num_classes", "image_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """A training run.
+
+    Attributes:
+      preset: model preset, one of `PRESETS`.
+      steps: total optimizer steps of the run (a resumed run continues to it).
+      batch_size: global batch (sequences or images per optimizer step, all
+        devices together); divisible by devices x microbatches.
+      microbatches: micro-batches accumulated per device per optimizer step.
+      precision: precision policy name (`PRECISIONS`) or a spec such as
+        "p=f32,c=bf16,o=f32" (see `jaxopt_train.precision.Policy.from_string`).
+      lr: peak learning rate of the warmup-cosine schedule.
+      warmup: linear warmup steps.
+      weight_decay: AdamW decoupled weight decay (matrices only).
+      clip_norm: global gradient-norm clip; 0 disables clipping.
+      data: text file/folder, `.bin` token file or `.npz` images; None means
+        the embedded corpus (GPT) or synthetic images (vision).
+      run_dir: directory for metrics.jsonl, config.json and checkpoints;
+        None makes a fresh `runs/<preset>-<date>-<time>`.
+      resume: continue from the latest checkpoint in `run_dir`.
+      overwrite: delete an existing run's checkpoints and metrics and start over.
+      log_every: steps between metric lines (also the host-sync interval).
+      eval_every: steps between evaluations; 0 evaluates only at the end.
+      eval_batches: validation batches per evaluation.
+      checkpoint_every: steps between checkpoints; 0 saves only at the end.
+      keep_checkpoints: how many recent checkpoints to keep.
+      seed: seed of parameter init and of per-step RNG keys.
+      grad_sync: cross-device gradient reduction (`GRAD_SYNCS`).
+      grad_compression: wire format of the gradient reduction.
+      steps_per_dispatch: optimizer steps run by one compiled call (lax.scan
+        over pre-staged batches): fewer host round trips for small models.
+      matmul: dense-layer matmul implementation (`MATMULS`).
+      attention: attention implementation for GPT presets (`ATTENTIONS`).
+      remat: per-block rematerialisation policy (`REMATS`).
+      scan_layers: scan over stacked GPT layers (faster compile).
+      model_overrides: extra GPT config fields, e.g. {"d_model": 64}.
+      seq_len: GPT sequence length; None keeps the preset's.
+      num_classes: classes of the vision presets.
+      image_size: side of the synthetic square images of the vision presets.
+      peak_tflops: per-device peak TFLOP/s for MFU; None looks it up.
+      max_nonfinite_steps: stop after this many consecutive non-finite steps.
+      tensorboard: also write TensorBoard event files to run_dir/tb.
+      prometheus_port: serve metrics for Prometheus on this port.
+      profile_steps: "START:STOP" step range traced with jax.profiler.
+      progress: "auto" (a bar on a terminal), "bar" or "lines".
+    """
+
+    preset: str = "gpt-tiny"
+    steps: int = 300
+    batch_size: int = 16
+    microbatches: int = 1
+    precision: str = "fp32"
+    lr: float = 3e-3
+    warmup: int = 30
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    data: str | None = None
+    run_dir: str | None = None
+    resume: bool = False
+    overwrite: bool = False
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    seed: int = 0
+    grad_sync: str = "psum"
+    grad_compression: str = "none"
+    steps_per_dispatch: int = 1
+    matmul: str = "xla"
+    attention: str = "auto"
+    remat: str = "none"
+    scan_layers: bool = False
+    model_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    seq_len: int | None = None
+    num_classes: int = 10
+    image_size: int = 32
+    peak_tflops: float | None = None
+    max_nonfinite_steps: int = 25
+    tensorboard: bool = False
+    prometheus_port: int | None = None
+    profile_steps: str | None = None
+    progress: str = "auto"
+
+    def __post_init__(self):
+        _check_choice("preset", self.preset, PRESETS)
+        for name in ("steps", "batch_size", "microbatches", "log_every", "eval_batches",
+                     "keep_checkpoints", "steps_per_dispatch", "max_nonfinite_steps",
+                     "num_classes", "image_size"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("warmup", "eval_every", "checkpoint_every", "seed"):
+            _check_int(name, getattr(self, name), minimum=0)
+        _check_float("lr", self.lr, positive=True)
+        _check_float("weight_decay", self.weight_decay, positive=False)
+        _check_float("clip_norm", self.clip_norm, positive=False)
+        if self.peak_tflops is not None:
+            _check_float("peak_tflops", self.peak_tflops, positive=True)
+        if self.seq_len is not None:
+            _check_int("seq_len", self.seq_len, minimum=1)
+        if self.prometheus_port is not None:
+            _check_int("prometheus_port", self.prometheus_port, minimum=1)
+            if self.prometheus_port > 65535:
+                raise ValueError(f"prometheus_port={self.prometheus_port} must be a TCP port in 1..65535")
+        _check_precision(self.precision)
+        _check_choice("grad_sync", self.grad_sync, GRAD_SYNCS)
+        _check_choice("grad_compression", self.grad_compression, GRAD_COMPRESSIONS)
+        _check_choice("matmul", self.matmul, MATMULS)
+        _check_choice("attention", self.attention, ATTENTIONS)
+        _check_choice("remat", self.remat, REMATS)
+        _check_choice("progress", self.progress, ("auto", "bar", "lines"))
+        if self.batch_size % self.microbatches:
+            raise ValueError(
+                f"batch_size={self.batch_size} must be divisible by microbatches={self.microbatches}")
+        if not isinstance(self.model_overrides, dict):
+            raise TypeError(f"model_overrides={self.model_overrides!r} must be a dict of GPT config fields")
+        if self.model_overrides and self.preset not in GPT_PRESETS:
+            raise ValueError(f"model_overrides={self.model_overrides} only apply to GPT presets "
+                             f"{GPT_PRESETS}, not preset={self.preset!r}")
+        if self.resume and self.overwrite:
+            raise ValueError("resume=True and overwrite=True contradict each other: pick one")
+        if self.run_dir is not None and (not isinstance(self.run_dir, str) or not self.run_dir):
+            raise ValueError(f"run_dir={self.run_dir!r} must be a non-empty path or None")
+        if self.resume and self.run_dir is None:
+            raise ValueError("resume=True needs run_dir: the directory of the run to continue")
+        if self.profile_steps is not None:
+            parse_profile_steps(self.profile_steps)
+
+    @property
+    def is_vision(self) -> bool:
+        return self.preset in VISION_PRESETS
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    def model_shape(self) -> dict[str, Any]:
+        """The fields that determine parameter shapes (compared on resume)."""
+        shape = {name: getattr(self, name) for name in MODEL_SHAPE_FIELDS}
+        shape["seq_len"] = self.seq_len
+        if self.is_vision:
+            shape.pop("model_overrides")
+            shape.pop("seq_len")
+        else:
+            shape.pop("num_classes")
+            shape.pop("image_size")
+        return shape
+
+
+def parse_profile_steps(spec: str) -> tuple[int, int]:
+    """Parses "START:STOP" into (start, stop) with 0 <= start < stop."""
+    try:
+        start_text, stop_text = spec.split(":")
+        start, stop = int(start_text), int(stop_text)
+    except (ValueError, AttributeError):
+        raise ValueError(f"profile_steps={spec!r} must look like START:STOP, e.g. 10:12") from None
+    if not 0 <= start < stop:
+        raise ValueError(f"profile_steps={spec!r} needs 0 <= START < STOP")
+    return start, stop
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported; expected one of {list(allowed)}")
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r} must be an integer >= {minimum}")
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be an integer >= {minimum}")
+
+
+def _check_float(name: str, value: Any, *, positive: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}={value!r} must be a number")
+    bad = not math.isfinite(value) or value < 0 or (positive and value == 0)
+    if bad:
+        kind = "a finite number > 0" if positive else "a finite number >= 0"
+        raise ValueError(f"{name}={value} must be {kind}")
+
+
+def _check_precision(value: Any) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"precision={value!r} must be a string: one of {list(PRECISIONS)} "
+                        f"or a spec like 'p=f32,c=bf16,o=f32'")
+    if value in PRECISIONS or value.startswith("p="):
+        return
+    raise ValueError(f"precision={value!r} is not supported; expected one of {list(PRECISIONS)} "
+                     f"or a spec like 'p=f32,c=bf16,o=f32'")

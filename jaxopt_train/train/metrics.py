@@ -1,0 +1,182 @@
+"""Where step metrics go: run_dir/metrics.jsonl always, a terminal, optional sinks.
+
+The JSONL file is opened in append mode, so a resumed run continues the same
+file and an earlier run's lines are never lost. Each line is one JSON object
+with "step", "time" (unix seconds) and the metrics of that log interval.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+import jax
+
+
+class JsonlWriter:
+    """Appends one JSON object per `write` to `path` (flushed each time)."""
+
+    def __init__(self, path: str | os.PathLike):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = os.fspath(path)
+        self._file: TextIO | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        if self._file is None:
+            raise RuntimeError(f"JsonlWriter({self.path!r}) is closed")
+        record = {"step": int(step), "time": round(time.time(), 3)}
+        record.update({k: _jsonable(v) for k, v in metrics.items()})
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """All records of a metrics file, in order."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no inf/nan; keep them readable rather than invalid
+    return value
+
+
+def peak_memory_bytes() -> int | None:
+    """The largest `peak_bytes_in_use` over local devices; None where not reported (CPU)."""
+    peaks = []
+    for device in jax.local_devices():
+        try:
+            stats = device.memory_stats()
+        except (RuntimeError, NotImplementedError):  # some backends raise instead of returning None
+            stats = None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    return max(peaks) if peaks else None
+
+
+class MetricsLogger:
+    """Fans metrics out to JSONL, the terminal and optional TensorBoard/Prometheus sinks.
+
+    Args:
+      run_dir: the run directory; metrics go to run_dir/metrics.jsonl.
+      total_steps: for the progress bar.
+      start_step: the first step of this (possibly resumed) run.
+      tensorboard: also write TensorBoard events to run_dir/tb.
+      prometheus_port: also serve the metrics on this port.
+      progress: "auto" (bar on a terminal, lines otherwise), "bar" or "lines".
+      stream: where lines go (default stdout).
+    """
+
+    def __init__(self, run_dir: str, *, total_steps: int, start_step: int = 0,
+                 tensorboard: bool = False, prometheus_port: int | None = None,
+                 progress: str = "auto", stream: TextIO | None = None):
+        self.is_main = jax.process_index() == 0
+        self.stream = stream or sys.stdout
+        self.jsonl = JsonlWriter(os.path.join(run_dir, "metrics.jsonl")) if self.is_main else None
+        self.sinks = _optional_sinks(run_dir, tensorboard, prometheus_port) if self.is_main else []
+        use_bar = progress == "bar" or (progress == "auto" and _isatty(self.stream))
+        self.bar = _make_bar(total_steps, start_step, self.stream) if (use_bar and self.is_main) else None
+
+    def advance(self, steps: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(steps)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.is_main:
+            return
+        self.jsonl.write(step, metrics)
+        numeric = {k: float(v) for k, v in metrics.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        for sink in self.sinks:
+            sink.write(step, numeric)
+        line = format_metrics(step, metrics)
+        if self.bar is not None:
+            self.bar.set_postfix_str(_short(metrics), refresh=False)
+            self.bar.write(line, file=self.stream)
+        else:
+            print(line, file=self.stream, flush=True)
+
+    def message(self, text: str) -> None:
+        if not self.is_main:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+        for sink in self.sinks:
+            sink.close()
+
+
+_FORMATS = (("loss", "loss {:.4f}"), ("eval_loss", "eval {:.4f}"),
+            ("tokens_per_s", "{:,.0f} tok/s"), ("images_per_s", "{:,.1f} img/s"),
+            ("step_time_s", "{:.3f} s/step"), ("mfu", "MFU {:.1%}"),
+            ("peak_memory_gib", "mem {:.2f} GiB"), ("loss_scale", "scale {:g}"),
+            ("skipped_steps", "skipped {:d}"))
+
+
+def format_metrics(step: int, metrics: dict[str, Any]) -> str:
+    """One human line: `step 100 | loss 2.1234 | eval 2.2 | 12,000 tok/s | ...`."""
+    parts = [f"step {step}"]
+    for key, fmt in _FORMATS:
+        value = metrics.get(key)
+        if value is None:
+            continue
+        if key == "skipped_steps" and not value:
+            continue
+        if key == "loss_scale" and value == 1:
+            continue
+        parts.append(fmt.format(int(value) if key == "skipped_steps" else value))
+    return " | ".join(parts)
+
+
+def _short(metrics: dict[str, Any]) -> str:
+    loss = metrics.get("loss")
+    return "" if loss is None else f"loss={loss:.3f}"
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _make_bar(total: int, start: int, stream: TextIO):
+    from tqdm.auto import tqdm  # noqa: PLC0415  (only on a terminal)
+
+    return tqdm(total=total, initial=start, file=stream, unit="step", dynamic_ncols=True)
+
+
+def _optional_sinks(run_dir: str, tensorboard: bool, prometheus_port: int | None) -> list:
+    if not tensorboard and prometheus_port is None:
+        return []
+    try:
+        from jaxopt_train.runtime import sinks  # noqa: PLC0415
+    except ImportError as err:
+        raise RuntimeError(
+            "tensorboard / prometheus_port need jaxopt_train.runtime.sinks, which failed to "
+            f"import: {err}") from err
+    out = []
+    if tensorboard:
+        out.append(sinks.TensorBoardSink(os.path.join(run_dir, "tb")))
+    if prometheus_port is not None:
+        out.append(sinks.PrometheusSink(prometheus_port))
+    return out

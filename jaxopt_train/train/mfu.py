@@ -1,0 +1,88 @@
+"""Model FLOP utilisation: achieved FLOP/s over the hardware's dense peak.
+
+MFU = (model FLOPs per step / step time) / (peak FLOP/s per device x devices).
+Model FLOPs are counted from the model (PaLM appendix B: 6N + 12*L*d*T per
+token for a decoder), not from what XLA executes, so rematerialisation does
+not inflate the figure.
+
+The peak is the datasheet's *dense* figure for the dtype the matmuls run in.
+A device we have no figure for (CPU included) omits MFU with one warning;
+`peak_tflops=` (the CLI's `--peak-tflops`) overrides the table.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+# Dense TFLOP/s per device, by the dtype the matmuls run in. Keys of the outer
+# table are lowercase substrings of `jax.Device.device_kind`, checked in order
+# (more specific names first: "h100 pcie" before "h100", "v5 lite" before "v5").
+PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("h100 pcie", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0}),
+    ("h100", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0}),
+    ("h200", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0}),
+    ("a100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    ("tpu v4", {"bf16": 275.0}),
+    ("tpu v5 lite", {"bf16": 197.0}),
+    ("tpu v5e", {"bf16": 197.0}),
+    ("tpu v5p", {"bf16": 459.0}),
+    ("tpu v5", {"bf16": 459.0}),
+    ("tpu v6 lite", {"bf16": 918.0}),
+    ("tpu v6e", {"bf16": 918.0}),
+)
+
+_warned: set[tuple[str, str]] = set()
+
+
+def matmul_dtype_name(compute_dtype, matmul_precision: str | None = None) -> str:
+    """The peak-table column for a policy: "bf16", "fp16", "tf32" or "fp32".
+
+    float32 matmuls count as TF32 unless the precision forces full f32 passes,
+    because that is what XLA runs on NVIDIA Ampere+ at its default precision.
+    """
+    dtype = np.dtype(compute_dtype)
+    if dtype.name == "bfloat16":
+        return "bf16"
+    if dtype == np.float16:
+        return "fp16"
+    if dtype in (np.float32, np.float64):
+        return "fp32" if matmul_precision in ("highest", "float32") else "tf32"
+    raise ValueError(f"compute_dtype={dtype} has no peak-table column; expected bf16, f16 or f32")
+
+
+def peak_tflops(device_kind: str, dtype_name: str) -> float | None:
+    """Dense peak TFLOP/s of one device, or None when the table has no entry."""
+    kind = device_kind.lower()
+    for pattern, by_dtype in PEAK_TFLOPS:
+        if pattern in kind:
+            return by_dtype.get(dtype_name)
+    return None
+
+
+def resolve_peak_tflops(device_kind: str, dtype_name: str, override: float | None = None,
+                        *, warn: bool = True) -> float | None:
+    """The override if given, else the table's entry; warns once per unknown device/dtype."""
+    if override is not None:
+        if not override > 0:
+            raise ValueError(f"peak_tflops={override} must be > 0")
+        return float(override)
+    peak = peak_tflops(device_kind, dtype_name)
+    if peak is None and warn and (device_kind, dtype_name) not in _warned:
+        _warned.add((device_kind, dtype_name))
+        warnings.warn(
+            f"MFU omitted: no dense peak TFLOP/s known for device kind {device_kind!r} with "
+            f"{dtype_name} matmuls; pass --peak-tflops (TrainConfig.peak_tflops) to set one.",
+            stacklevel=2)
+    return peak
+
+
+def mfu(flops_per_step: float, step_time_s: float, peak_tflops_per_device: float | None,
+        num_devices: int) -> float | None:
+    """Model FLOP utilisation in [0, 1] (None when the peak is unknown)."""
+    if peak_tflops_per_device is None:
+        return None
+    if step_time_s <= 0 or num_devices < 1:
+        raise ValueError(f"{step_time_s=} must be > 0 and {num_devices=} >= 1")
+    return flops_per_step / step_time_s / (peak_tflops_per_device * 1e12 * num_devices)
