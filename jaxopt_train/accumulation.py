@@ -1,0 +1,234 @@
+"""Micro-batch gradient accumulation.
+
+Two ways to train with a batch larger than memory allows:
+
+- `accumulate_gradients(loss_fn, K)`: one compiled step splits the batch into
+  K micro-batches and sums their gradients with `lax.scan` (f32 accumulators).
+  Under data parallelism, reduce the returned gradients across devices once,
+  after the scan (e.g. `lax.psum` inside `jax.shard_map`), never per
+  micro-batch: `tests/test_accumulation.py` checks the compiled HLO for it.
+- `multi_steps(optimizer, K)`: `optax.MultiSteps` for micro-batches fed from
+  the host one jit call at a time; the inner optimizer only steps every K calls.
+
+Both follow `jaxopt_train.precision`'s conventions: gradients are of the
+(possibly scaled) loss w.r.t. f32 master weights; unscale before the optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+AUX_COMBINE = ("mean", "sum", "stack")
+
+
+def check_divisible(global_batch: int, num_microbatches: int, num_devices: int = 1) -> int:
+    """Returns the per-device micro-batch size, or raises ValueError naming the numbers.
+
+    Each of `num_microbatches` micro-batches must split evenly over `num_devices`.
+    """
+    for name, value in (("global_batch", global_batch), ("num_microbatches", num_microbatches),
+                        ("num_devices", num_devices)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+    if global_batch % num_microbatches:
+        raise ValueError(f"{global_batch=} is not divisible by {num_microbatches=}; pick a batch "
+                         "size that is a multiple of the number of micro-batches")
+    micro = global_batch // num_microbatches
+    if micro % num_devices:
+        raise ValueError(f"micro-batch size {micro} ({global_batch=} / {num_microbatches=}) is not "
+                         f"divisible by {num_devices=}; use a global batch that is a multiple of "
+                         f"{num_microbatches * num_devices}")
+    return micro // num_devices
+
+
+def _is_key(x) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and x.shape == ()
+
+
+def _batch_size(batch) -> int:
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+        raise ValueError("batch has no array leaves to split into micro-batches")
+    sizes = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
+    if None in sizes or len(sizes) != 1:
+        shapes = [np.shape(x) for x in leaves]
+        raise ValueError(f"every batch leaf needs the same leading batch axis; got shapes {shapes}")
+    return sizes.pop()
+
+
+def _split_microbatches(batch, num_microbatches: int):
+    # Micro-batch k takes rows k, k+K, k+2K, ... : reshaping (B, ...) to
+    # (B/K, K, ...) keeps a batch sharded in blocks along its leading axis
+    # local to each device, so the split needs no communication.
+    def split(x):
+        x = jnp.reshape(x, (x.shape[0] // num_microbatches, num_microbatches) + x.shape[1:])
+        return jnp.swapaxes(x, 0, 1)
+    return jax.tree.map(split, batch)
+
+
+def _varying_axes(x) -> frozenset:
+    """Mesh axes along which `x` varies inside shard_map (empty outside)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10+
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))  # older spelling
+
+
+def _zeros_like(x, dtype):
+    # Inside shard_map a gradient carries its param's varying axes; the scan
+    # carry must start with the same ones.
+    zeros = jnp.zeros(jnp.shape(x), dtype)
+    vma = tuple(sorted(_varying_axes(x)))
+    return lax.pcast(zeros, vma, to="varying") if vma else zeros
+
+
+def _combine_aux(aux, how: str, accum_dtype):
+    if how == "stack":
+        return aux
+
+    def one(x):
+        if how == "sum" or not jnp.issubdtype(x.dtype, jnp.floating):
+            return jnp.sum(x, axis=0, dtype=x.dtype)
+        return jnp.mean(x.astype(accum_dtype), axis=0).astype(x.dtype)
+    return jax.tree.map(one, aux)
+
+
+def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
+                         accum_dtype=jnp.float32, has_aux: bool = False,
+                         aux_combine: str = "mean") -> Callable[..., Any]:
+    """Wraps `jax.value_and_grad(loss_fn, has_aux=...)` to run over micro-batches.
+
+    Args:
+      loss_fn: `loss_fn(params, batch, *extra) -> loss` (or `(loss, aux)` with
+        `has_aux`), where `loss` is a scalar mean over the batch.
+      num_microbatches: K; the batch's leading axis B must be divisible by K.
+        Micro-batch k holds rows `k::K` of every batch leaf (shard-friendly).
+      accum_dtype: dtype of the gradient and loss accumulators (f32 keeps
+        bf16 gradients from losing low bits over K additions).
+      has_aux: as in `jax.value_and_grad`.
+      aux_combine: how per-micro-batch aux values combine: "mean" (default:
+        floating leaves are averaged, so per-batch means match the full batch;
+        integer leaves, e.g. counts, are summed), "sum" (every leaf summed) or
+        "stack" (leaves get a leading axis of size K).
+
+    Returns:
+      `grad_fn(params, batch, *extra)` returning `(loss, grads)` or
+      `((loss, aux), grads)`: the mean loss and mean gradients over the K
+      micro-batches (equal to the full-batch ones when `loss_fn` is a mean over
+      examples), grads in the dtype of `params`. Any scalar typed PRNG key in
+      `extra` (`jax.random.key`) is split into K keys, micro-batch k getting
+      `jax.random.split(key, K)[k]`; other `extra` arguments reach every
+      micro-batch unchanged.
+    """
+    if not isinstance(num_microbatches, (int, np.integer)) or isinstance(num_microbatches, bool) \
+            or num_microbatches < 1:
+        raise ValueError(f"num_microbatches={num_microbatches!r} must be a positive int")
+    if aux_combine not in AUX_COMBINE:
+        raise ValueError(f"{aux_combine=}; expected one of {AUX_COMBINE}")
+    if not jnp.issubdtype(accum_dtype, jnp.floating):
+        raise ValueError(f"accum_dtype={accum_dtype!r} must be a floating dtype, e.g. jnp.float32")
+    value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
+    num_microbatches = int(num_microbatches)
+
+    def grad_fn(params, batch, *extra):
+        batch_size = _batch_size(batch)
+        if batch_size % num_microbatches:
+            raise ValueError(f"batch size {batch_size} is not divisible by {num_microbatches=}; "
+                             "pick a batch size that is a multiple of the number of micro-batches")
+        if num_microbatches == 1:
+            return value_and_grad(params, batch, *extra)
+        key_positions = [i for i, x in enumerate(extra) if _is_key(x)]
+        keys = [jax.random.split(extra[i], num_microbatches) for i in key_positions]
+        micro = _split_microbatches(batch, num_microbatches)
+
+        def body(grad_sum, xs):
+            micro_batch, micro_keys = xs
+            args = list(extra)
+            for i, key in zip(key_positions, micro_keys):
+                args[i] = key
+            out, grads = value_and_grad(params, micro_batch, *args)
+            loss, aux = out if has_aux else (out, None)
+            grad_sum = jax.tree.map(lambda s, g: s + g.astype(accum_dtype), grad_sum, grads)
+            return grad_sum, (loss, aux)
+
+        zeros = jax.tree.map(lambda p: _zeros_like(p, accum_dtype), params)
+        grad_sum, (losses, aux) = lax.scan(body, zeros, (micro, keys))
+        loss = jnp.mean(losses.astype(accum_dtype)).astype(losses.dtype)
+        # A gradient has its primal's dtype: cast the f32 means back to it.
+        grads = jax.tree.map(lambda s, p: (s / num_microbatches).astype(jnp.result_type(p)),
+                             grad_sum, params)
+        if has_aux:
+            return (loss, _combine_aux(aux, aux_combine, accum_dtype)), grads
+        return loss, grads
+
+    return grad_fn
+
+
+def multi_steps(optimizer, every_k: int, *, skip_non_finite: bool = True):
+    """`optax.MultiSteps(optimizer, every_k)` as a GradientTransformation.
+
+    Feed it one micro-batch's gradients per `update` call (one jit call per
+    micro-batch); the inner optimizer steps on the mean gradient every
+    `every_k` calls and the returned updates are zero in between. Follow the
+    loss-scale convention: pass `loss_scale.unscale(grads)` and call
+    `loss_scale.adjust(all_finite(grads))` per micro-step. With
+    `skip_non_finite` a micro-step with inf/nan gradients is dropped (not
+    accumulated, not counted toward `every_k`; params and the state's
+    accumulators stay unchanged). The state's `mini_step` is 0 right after
+    an optimizer step. Accumulators have the params' dtype (keep f32 master
+    weights).
+    """
+    import optax  # noqa: PLC0415
+
+    if not isinstance(every_k, (int, np.integer)) or isinstance(every_k, bool) or every_k < 1:
+        raise ValueError(f"every_k={every_k!r} must be a positive int")
+    skip = optax.skip_not_finite if skip_non_finite else None
+    return optax.MultiSteps(optimizer, every_k_schedule=int(every_k),
+                            should_skip_update_fn=skip).gradient_transformation()
+
+
+def _to_varying(tree, axis_name: str):
+    # Under shard_map's varying-axes checking, differentiating replicated
+    # params against per-device data makes JAX insert a psum into the
+    # backward pass (the transpose of the implicit broadcast to "varying"),
+    # inside the scan: one all-reduce per micro-batch. Marking the params
+    # varying up front keeps the per-device gradients local until our psum.
+    def one(x):
+        if not hasattr(x, "dtype") or axis_name in _varying_axes(x):
+            return x
+        if hasattr(lax, "pcast"):
+            return lax.pcast(x, axis_name, to="varying")
+        return lax.pvary(x, axis_name)  # jax < 0.9 spelling
+    return jax.tree.map(one, tree)
+
+
+def data_parallel_value_and_grad(loss_fn: Callable[..., Any], num_microbatches: int,
+                                 axis_name: str = "data", *, accum_dtype=jnp.float32,
+                                 has_aux: bool = False, aux_combine: str = "mean"):
+    """`accumulate_gradients` for use inside `jax.shard_map` over `axis_name`.
+
+    Each device accumulates its local micro-batches with `lax.scan`; then one
+    `lax.pmean` of `(loss, grads)` runs after the scan, so the step has a single
+    all-reduce however many micro-batches there are. Aux values (with
+    `has_aux`) stay per-device.
+
+    Returns:
+      `fn(params, local_batch, *extra) -> (loss, grads)` (or
+      `((loss, aux), grads)`), loss and grads averaged over devices.
+    """
+    local = accumulate_gradients(loss_fn, num_microbatches, accum_dtype=accum_dtype,
+                                 has_aux=has_aux, aux_combine=aux_combine)
+
+    def fn(params, batch, *extra):
+        out, grads = local(_to_varying(params, axis_name), batch, *extra)
+        loss, aux = out if has_aux else (out, None)
+        loss, grads = lax.pmean((loss, grads), axis_name)
+        return ((loss, aux), grads) if has_aux else (loss, grads)
+    return fn
