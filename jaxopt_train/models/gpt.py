@@ -249,9 +249,13 @@ class CausalSelfAttention(nnx.Module):
         cfg = self.cfg
         qkv = self.qkv(x).reshape(batch, length, 3, cfg.n_heads, cfg.head_dim)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        y = jax.nn.dot_product_attention(
-            q, k, v, is_causal=True, implementation=_attention_implementation(cfg.attention)
-        )
+        implementation = _attention_implementation(cfg.attention)
+        # jax's XLA attention promotes bf16 against a float32 constant, which
+        # strict dtype promotion (our tests, careful users) rejects.
+        with jax.numpy_dtype_promotion("standard"):
+            y = jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, implementation=implementation
+            )
         return self.out(y.reshape(batch, length, cfg.d_model))
 
 
