@@ -2,24 +2,146 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
+from jaxopt_train.collectives import buckets as buckets_lib
+from jaxopt_train.collectives import compression as compression_lib
 from jaxopt_train.collectives._axis import AxisName, axis_size
+from jaxopt_train.collectives.hierarchical import group_rings
+from jaxopt_train.collectives.ring import _Ring, all_reduce_rings, single_ring
 
 METHODS = ("psum", "ring", "ring_bidir", "hierarchical")
 
 
-def all_reduce_tree(tree: Any, axis_name: AxisName, *, method: str = "psum") -> Any:
-    """Sums every leaf of `tree` over `axis_name` (like `lax.psum`), by the chosen algorithm.
+def _default_group_size(n: int) -> int:
+    """Devices per process when that splits the axis into whole groups, else the whole axis."""
+    local = jax.local_device_count()
+    return local if 0 < local <= n and n % local == 0 else n
 
-    Call inside `jax.shard_map` or `jax.pmap`.
+
+def _hierarchy(axis_name, group_size, ring_order) -> list[_Ring]:
+    if isinstance(axis_name, tuple):
+        if len(axis_name) != 2:
+            raise ValueError(f"method='hierarchical' takes one axis or a pair (outer_axis, inner_axis); got {axis_name=}")
+        if ring_order is not None or group_size is not None:
+            raise ValueError("ring_order= and group_size= apply to a single axis, not to a (outer, inner) pair")
+        outer, inner = axis_name
+        return [single_ring(inner), single_ring(outer)]
+    n = axis_size(axis_name)
+    inner, outer = group_rings(axis_name, _default_group_size(n) if group_size is None else group_size, ring_order)
+    return [inner, outer]
+
+
+def _reducer(method: str, axis_name, *, ring_order, group_size, num_chunks):
+    """The function flat -> sum over the axis for one bucket, by `method`."""
+    if method == "psum":
+        return lambda flat: lax.psum(flat, axis_name)
+    if method == "hierarchical":
+        rings = _hierarchy(axis_name, group_size, ring_order)
+    else:
+        ring = single_ring(axis_name, ring_order)
+        rings = [ring]
+    if method == "ring_bidir":
+        def bidirectional(flat):
+            half = (flat.size + 1) // 2
+            forward = all_reduce_rings(flat[:half], [ring], num_chunks=num_chunks)
+            backward = all_reduce_rings(flat[half:], [ring.reversed()], num_chunks=num_chunks)
+            return jnp.concatenate([forward, backward])
+        return bidirectional
+    return lambda flat: all_reduce_rings(flat, rings, num_chunks=num_chunks)
+
+
+def _check_leaves(leaves):
+    for leaf in leaves:
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None or not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+            raise TypeError(f"all_reduce_tree needs floating or integer array leaves; got a leaf of type "
+                            f"{type(leaf).__name__} with dtype={dtype}")
+
+
+def all_reduce_tree(tree: Any, axis_name: AxisName, *, method: str = "psum", bucket_mb: float = 25.0,
+                    first_bucket_mb: float | None = None, compression: str | None = None,
+                    error_state: compression_lib.ErrorFeedbackState | None = None,
+                    ring_order: Sequence[int] | None = None, group_size: int | None = None,
+                    num_chunks: int = 1):
+    """Sums every leaf of `tree` over `axis_name` (like `lax.psum`), in buckets, by the chosen algorithm.
+
+    Call inside `jax.shard_map` or `jax.pmap`. Leaves are packed, last leaf
+    first, into flat buckets of about `bucket_mb` (see `buckets.plan_buckets`);
+    each bucket is one reduction, and bucket size changes only which elements
+    travel together, never an element's sum.
+
+    Ring methods return values typed as varying over the axis: in
+    `jax.shard_map` use `out_specs=P(axis)` for them or `check_vma=False`.
+
+    Args:
+      tree: pytree of floating or integer arrays (e.g. gradients).
+      axis_name: mapped axis; for "hierarchical" also a pair (outer_axis, inner_axis).
+      method: "psum" (XLA's all-reduce), "ring", "ring_bidir" (two opposite
+        rings over halves), or "hierarchical" (rings inside groups of
+        `group_size` consecutive devices, default the devices of one process,
+        then across groups).
+      bucket_mb: bucket size in MiB (0: one bucket per leaf).
+      first_bucket_mb: size of the first bucket (default min(1, bucket_mb)).
+      compression: None, "bf16" or "int8" (see `compression` module for the
+        scheme and the error bound); floating leaves only, summed in f32.
+      error_state: an `ErrorFeedbackState` from `init_error_feedback`, to
+        carry compression error across steps; then the result is a pair.
+      ring_order: axis indices in ring order for the ring methods.
+      group_size: devices per group for "hierarchical" on one axis.
+      num_chunks: pipelined rings per shard for the ring methods.
+
+    Returns:
+      The summed tree (leaves keep shape and dtype), or
+      `(summed_tree, new_error_state)` when `error_state` is given.
     """
     if method not in METHODS:
-        raise ValueError(f"{method=} is not one of {METHODS}")
-    axis_size(axis_name)
-    if method != "psum":
-        raise NotImplementedError(f"{method=} lands in the next commit; use method='psum'")
-    return jax.tree.map(lambda x: lax.psum(x, axis_name), tree)
+        raise ValueError(f"{method=} must be one of {METHODS}")
+    compression_lib.check_codec(compression)
+    if error_state is not None and compression is None:
+        raise ValueError("error_state= is only used with compression='bf16' or 'int8'; got compression=None")
+    if method in ("ring", "ring_bidir") and isinstance(axis_name, tuple):
+        raise ValueError(f"method={method!r} runs over one axis; got {axis_name=} (use 'hierarchical' for a pair)")
+    n = axis_size(axis_name)
+    leaves, treedef = jax.tree.flatten(tree)
+    _check_leaves(leaves)
+    errors = None
+    if error_state is not None:
+        errors = treedef.flatten_up_to(error_state.error)
+        for leaf, err in zip(leaves, errors):
+            if err.size != leaf.size:
+                raise ValueError(f"error_state leaf of shape {err.shape} does not match gradient leaf of "
+                                 f"shape {leaf.shape}; build it with init_error_feedback(params)")
+    reduce_flat = _reducer(method, axis_name, ring_order=ring_order, group_size=group_size, num_chunks=num_chunks)
+    exchange_ring = None
+    if compression is not None:
+        if isinstance(axis_name, tuple):
+            raise ValueError(f"compression runs over one axis; got {axis_name=}")
+        if method != "psum":  # "hierarchical" exchanges over the flat ring: chunks are not re-reduced
+            exchange_ring = single_ring(axis_name, ring_order)
+    out: list = [None] * len(leaves)
+    new_errors: list = [None] * len(leaves)
+    for bucket in buckets_lib.plan_buckets(leaves, bucket_mb, first_bucket_mb):
+        flat = buckets_lib.pack(bucket, leaves)
+        if compression is None or not jnp.issubdtype(bucket.dtype, jnp.floating):
+            buckets_lib.unpack(bucket, reduce_flat(flat), leaves, out)
+            if errors is not None:
+                for i in bucket.leaf_indices:
+                    new_errors[i] = errors[i]
+            continue
+        error = None if errors is None else buckets_lib.pack(bucket, [e.astype(jnp.float32) for e in errors])
+        summed, error = compression_lib.compressed_all_reduce(
+            flat, axis_name, n, codec=compression, ring=exchange_ring, error=error)
+        buckets_lib.unpack(bucket, summed.astype(bucket.dtype), leaves, out)
+        if error is not None:
+            buckets_lib.unpack(bucket, error, errors, new_errors)
+    reduced = jax.tree.unflatten(treedef, out)
+    if error_state is None:
+        return reduced
+    return reduced, compression_lib.ErrorFeedbackState(jax.tree.unflatten(treedef, new_errors))
+
