@@ -1,0 +1,144 @@
+"""How the trainer sees a model: trainable params, other state, and one loss function.
+
+Every model - our GPT and ResNet presets, a user's `nnx.Module`, a user's
+`linen.Module` - is reduced to a `ModelFns`:
+
+    loss(params, model_state, batch, train) -> (f32 scalar loss, new_model_state)
+
+`params` are the trainable weights in the policy's param dtype (the f32
+master weights for mixed precision); `model_state` is everything else the
+forward pass updates (BatchNorm statistics), carried in the train state.
+The forward pass runs under the `Policy`: params and floating inputs cast to
+the compute dtype, its matmul precision applied.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxopt_train.precision import Policy
+
+
+class ModelFns(NamedTuple):
+    """A model as the trainer uses it (see the module docstring)."""
+
+    params: Any
+    model_state: Any
+    loss: Callable[[Any, Any, Any, bool], tuple[jax.Array, Any]]
+    merge: Callable[[Any, Any], Any]  # (params, model_state) -> the user's model object
+
+
+def _cast_like(tree, reference):
+    def one(x, r):
+        floating = hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+        return x.astype(r.dtype) if floating else x
+    return jax.tree.map(one, tree, reference)
+
+
+def _wants_train_flag(loss_fn: Callable) -> bool:
+    try:
+        parameters = inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "train" in parameters
+
+
+def _call_loss(loss_fn: Callable, model, batch, train: bool) -> jax.Array:
+    out = loss_fn(model, batch, train=train) if _wants_train_flag(loss_fn) else loss_fn(model, batch)
+    loss = jnp.asarray(out)
+    if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise ValueError(f"loss_fn must return a floating scalar; got shape={loss.shape} "
+                         f"dtype={loss.dtype}")
+    return loss.astype(jnp.float32)
+
+
+def nnx_model_fns(model, loss_fn: Callable, policy: Policy) -> ModelFns:
+    """Wraps an `nnx.Module` and `loss_fn(model, batch[, train=...]) -> scalar`.
+
+    `model.train()` / `model.eval()` are called before the loss, so Dropout and
+    BatchNorm switch modes; a `loss_fn` with a `train` keyword also gets it.
+    Note: RNG streams held by the module (`nnx.Rngs`) are not advanced between
+    steps (they are part of the static graph here), so Dropout masks repeat.
+    """
+    from flax import nnx  # noqa: PLC0415
+
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}")
+    graphdef, params, rng_state, model_state = nnx.split(model, nnx.Param, nnx.RngState, ...)
+    params = policy.cast_to_param(params)
+
+    def merge(params, model_state):
+        return nnx.merge(graphdef, params, rng_state, model_state)
+
+    def loss(params, model_state, batch, train):
+        module = nnx.merge(graphdef, policy.cast_to_compute(params), rng_state, model_state)
+        module.train() if train else module.eval()
+        with policy.matmul_scope():
+            value = _call_loss(loss_fn, module, policy.cast_to_compute(batch), train)
+        _, _, _, new_state = nnx.split(module, nnx.Param, nnx.RngState, ...)
+        return value, _cast_like(new_state, model_state)
+
+    return ModelFns(params, model_state, loss, merge)
+
+
+def linen_model_fns(module, loss_fn: Callable, policy: Policy, init_args: tuple,
+                    rng: jax.Array) -> ModelFns:
+    """Wraps a `linen.Module` and `loss_fn(apply, batch[, train=...]) -> scalar`.
+
+    `apply(*args, **kwargs)` runs `module.apply(variables, *args, **kwargs)`
+    under the policy with the current variables; collections other than
+    "params" (e.g. "batch_stats") are made mutable while training and carried
+    as model state. `init_args` are example inputs for `module.init`.
+    """
+    import flax.linen as nn  # noqa: PLC0415
+
+    from jaxopt_train.precision import linen_apply  # noqa: PLC0415
+
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a linen.Module, got {type(module).__name__}")
+    if not isinstance(init_args, tuple):
+        raise TypeError(f"init_args={type(init_args).__name__} must be a tuple of example inputs "
+                        "for module.init")
+    variables = dict(module.init(rng, *init_args))
+    params = policy.cast_to_param(variables.pop("params"))
+    model_state = variables
+
+    def merge(params, model_state):
+        return {"params": params, **model_state}
+
+    def loss(params, model_state, batch, train):
+        updates: dict[str, Any] = {}
+        variables = {"params": params, **model_state}
+
+        def apply(*args, **kwargs):
+            if train and model_state:
+                out, new = linen_apply(policy, module, variables, *args,
+                                       mutable=list(model_state), **kwargs)
+                updates.update(new)
+                return out
+            return linen_apply(policy, module, variables, *args, **kwargs)
+
+        value = _call_loss(loss_fn, apply, batch, train)
+        new_state = {**model_state, **updates}
+        return value, _cast_like(new_state, model_state)
+
+    return ModelFns(params, model_state, loss, merge)
+
+
+def gpt_loss_fn(model, batch) -> jax.Array:
+    """Next-token cross-entropy of a GPT on {"inputs", "targets"} batches."""
+    from jaxopt_train.models import gpt_loss  # noqa: PLC0415
+
+    return gpt_loss(model(batch["inputs"]), batch["targets"])
+
+
+def vision_loss_fn(model, batch, train: bool) -> jax.Array:
+    """Softmax cross-entropy of an image classifier on {"images", "labels"} batches."""
+    import optax  # noqa: PLC0415
+
+    logits = model(batch["images"], train=train).astype(jnp.float32)
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]))

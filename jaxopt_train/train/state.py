@@ -1,0 +1,69 @@
+"""The train state and the default optimizer.
+
+`TrainState` is a NamedTuple pytree, so it passes through `jax.jit`,
+`jax.shard_map` and orbax unchanged. Everything that must survive a resume
+lives here; the step number also fixes the data order (`batch(step)`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+class TrainState(NamedTuple):
+    """Attributes:
+    step: int32 optimizer steps taken (skipped non-finite steps included).
+    params: trainable weights in the policy's param dtype.
+    model_state: non-trainable model variables (BatchNorm statistics).
+    opt_state: the optax state.
+    loss_scale: a `jaxopt_train.precision` loss scale (NoOp unless fp16).
+    nonfinite_streak: int32 consecutive steps whose gradients were not finite.
+    """
+
+    step: jax.Array
+    params: Any
+    model_state: Any
+    opt_state: Any
+    loss_scale: Any
+    nonfinite_streak: jax.Array
+
+
+def init_train_state(params, model_state, optimizer: optax.GradientTransformation,
+                     loss_scale) -> TrainState:
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
+                      opt_state=optimizer.init(params), loss_scale=loss_scale,
+                      nonfinite_streak=jnp.zeros((), jnp.int32))
+
+
+def _decay_mask(params):
+    # No weight decay on biases, norm scales and other vectors (GPT-2/nanoGPT).
+    return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+
+
+def default_optimizer(*, lr: float, total_steps: int, warmup: int = 0, weight_decay: float = 0.1,
+                      clip_norm: float = 1.0, b1: float = 0.9, b2: float = 0.95
+                      ) -> optax.GradientTransformation:
+    """AdamW on a linear-warmup cosine schedule (to lr/10), after global-norm clipping.
+
+    `clip_norm=0` disables clipping. The schedule's cosine spans `total_steps`.
+    """
+    if not lr > 0:
+        raise ValueError(f"lr={lr} must be > 0")
+    if not isinstance(total_steps, int) or total_steps < 1:
+        raise ValueError(f"total_steps={total_steps!r} must be an int >= 1")
+    warmup = min(warmup, total_steps - 1) if total_steps > 1 else 0
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if warmup else lr, peak_value=lr, warmup_steps=warmup,
+        decay_steps=total_steps, end_value=lr / 10)
+    adamw = optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay, mask=_decay_mask)
+    if clip_norm:
+        return optax.chain(optax.clip_by_global_norm(clip_norm), adamw)
+    return adamw
+
+
+def param_count(params) -> int:
+    return int(sum(jnp.size(x) for x in jax.tree.leaves(params)))

@@ -1,0 +1,190 @@
+"""`Trainer`: train your own Flax model data-parallel under a precision policy.
+
+    from flax import nnx
+    import jaxopt_train.train as jt
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.l1, self.l2 = nnx.Linear(8, 32, rngs=rngs), nnx.Linear(32, 1, rngs=rngs)
+        def __call__(self, x):
+            return self.l2(jax.nn.relu(self.l1(x)))
+
+    def loss_fn(model, batch):
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    trainer = jt.Trainer(MLP(nnx.Rngs(0)), loss_fn, precision="bf16", lr=1e-2, total_steps=100)
+    for step in range(100):
+        metrics = trainer.step({"x": x[step], "y": y[step]})   # numpy global batch
+    model = trainer.model                                       # the trained nnx.Module
+
+Linen: `Trainer(module, loss_fn, init_args=(example_x,))` with
+`loss_fn(apply, batch)` where `apply(*args, **kw)` calls `module.apply`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+from jaxopt_train.accumulation import check_divisible
+from jaxopt_train.precision import Policy, get_policy, loss_scale_for
+from jaxopt_train.train.model import ModelFns, linen_model_fns, nnx_model_fns
+from jaxopt_train.train.state import TrainState, default_optimizer, init_train_state
+from jaxopt_train.train.step import (AXIS, build_eval_step, build_train_step, make_data_mesh,
+                                     memory_summary, place_batch, replicate)
+
+GRAD_SYNCS = ("psum", "ring", "ring_bidir", "hierarchical")
+
+
+class Trainer:
+    """Data-parallel training of one model over all devices (or `devices`).
+
+    Args:
+      model: an `nnx.Module` or a `linen.Module`.
+      loss_fn: `loss_fn(model, batch) -> scalar` (NNX: the module; Linen: an
+        `apply` callable); a `train` keyword, if it has one, is passed too.
+      optimizer: any optax GradientTransformation; default AdamW with a
+        warmup-cosine schedule over `total_steps` and global-norm clipping.
+      precision: policy name or `Policy` (see `jaxopt_train.precision`).
+      microbatches: micro-batches accumulated per device per step.
+      grad_sync: "psum", "ring", "ring_bidir" or "hierarchical".
+      grad_compression: None/"none", "bf16" or "int8" (ring methods).
+      steps_per_dispatch: optimizer steps per compiled call; `step()` then
+        takes batches with a leading axis of this size.
+      devices: devices of the data mesh (default: all).
+      init_args: example inputs for a Linen module's `init`.
+      seed: PRNG seed for Linen init.
+      lr, total_steps, warmup, weight_decay, clip_norm: the default optimizer.
+      verbose: print the compiled step's memory analysis.
+    """
+
+    def __init__(self, model, loss_fn: Callable, *, optimizer: optax.GradientTransformation | None = None,
+                 precision: str | Policy = "fp32", microbatches: int = 1, grad_sync: str = "psum",
+                 grad_compression: str | None = None, steps_per_dispatch: int = 1, devices=None,
+                 init_args: tuple | None = None, seed: int = 0, lr: float = 1e-3,
+                 total_steps: int = 1000, warmup: int = 0, weight_decay: float = 0.0,
+                 clip_norm: float = 1.0, verbose: bool = False):
+        import flax.linen as nn  # noqa: PLC0415
+
+        policy = get_policy(precision)
+        if isinstance(model, nn.Module):
+            if init_args is None:
+                raise ValueError("a linen.Module needs init_args=(example inputs,) for module.init")
+            fns = linen_model_fns(model, loss_fn, policy, init_args, jax.random.key(seed))
+        else:
+            fns = nnx_model_fns(model, loss_fn, policy)
+        if optimizer is None:
+            optimizer = default_optimizer(lr=lr, total_steps=total_steps, warmup=warmup,
+                                          weight_decay=weight_decay, clip_norm=clip_norm)
+        self._setup(fns, optimizer, policy, microbatches=microbatches, grad_sync=grad_sync,
+                    grad_compression=grad_compression, steps_per_dispatch=steps_per_dispatch,
+                    devices=devices, verbose=verbose)
+
+    @classmethod
+    def from_model_fns(cls, fns: ModelFns, optimizer: optax.GradientTransformation, policy: Policy,
+                       **kwargs) -> Trainer:
+        """A Trainer over an already-wrapped model (what `train(config)` uses)."""
+        self = cls.__new__(cls)
+        self._setup(fns, optimizer, policy, **kwargs)
+        return self
+
+    def _setup(self, fns: ModelFns, optimizer, policy: Policy, *, microbatches: int = 1,
+               grad_sync: str = "psum", grad_compression: str | None = None,
+               steps_per_dispatch: int = 1, devices=None, verbose: bool = False) -> None:
+        if grad_sync not in GRAD_SYNCS:
+            raise ValueError(f"grad_sync={grad_sync!r}; expected one of {list(GRAD_SYNCS)}")
+        for name, value in (("microbatches", microbatches), ("steps_per_dispatch", steps_per_dispatch)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        self.fns, self.optimizer, self.policy = fns, optimizer, policy
+        self.microbatches, self.steps_per_dispatch, self.verbose = microbatches, steps_per_dispatch, verbose
+        self.mesh = make_data_mesh(devices)
+        self.num_devices = self.mesh.shape[AXIS]
+        state = init_train_state(fns.params, fns.model_state, optimizer, loss_scale_for(policy))
+        self.state: TrainState = replicate(state, self.mesh)
+        self._train_step = build_train_step(
+            fns.loss, optimizer, self.mesh, microbatches=microbatches, grad_sync=grad_sync,
+            grad_compression=grad_compression, steps_per_dispatch=steps_per_dispatch)
+        self._eval_step = build_eval_step(fns.loss, self.mesh)
+        self._compiled = None
+        self._compiled_shapes = None
+        self.compile_seconds: float | None = None
+        self.memory_report: str | None = None
+
+    # ------------------------------------------------------------------ batches
+
+    def _stage(self, batch) -> Any:
+        """Host batch -> device batches [k, B, ...] sharded over the data axis."""
+        batch = jax.tree.map(np.asarray, batch)
+        leaves = jax.tree.leaves(batch)
+        if not leaves:
+            raise ValueError("batch has no array leaves")
+        k = self.steps_per_dispatch
+        if k == 1 and leaves[0].ndim >= 1:
+            batch = jax.tree.map(lambda x: x[None], batch)
+        elif any(x.ndim < 2 or x.shape[0] != k for x in jax.tree.leaves(batch)):
+            shapes = [x.shape for x in jax.tree.leaves(batch)]
+            raise ValueError(f"with steps_per_dispatch={k} every batch leaf needs a leading axis "
+                             f"of size {k} (then the batch axis); got shapes {shapes}")
+        sizes = {x.shape[1] for x in jax.tree.leaves(batch)}
+        if len(sizes) != 1:
+            raise ValueError(f"batch leaves disagree on the batch size: {sorted(sizes)}")
+        check_divisible(sizes.pop(), self.microbatches, self.num_devices)
+        return place_batch(batch, self.mesh, P(None, AXIS))
+
+    def compile(self, batch) -> None:
+        """Compiles the step ahead of time for `batch`'s shapes and records its memory analysis."""
+        staged = self._stage(batch)
+        self._compile_staged(staged)
+
+    def _compile_staged(self, staged) -> None:
+        shapes = jax.tree.map(lambda x: (x.shape, x.dtype), staged)
+        start = time.perf_counter()
+        self._compiled = self._train_step.lower(self.state, staged).compile()
+        self.compile_seconds = time.perf_counter() - start
+        self._compiled_shapes = shapes
+        self.memory_report = memory_summary(self._compiled)
+        if self.verbose and jax.process_index() == 0:
+            print(f"compiled train step in {self.compile_seconds:.1f} s; {self.memory_report}",
+                  flush=True)
+
+    # ------------------------------------------------------------------ steps
+
+    def step(self, batch) -> dict[str, jax.Array]:
+        """Runs `steps_per_dispatch` optimizer steps; returns per-step metrics (device arrays).
+
+        `batch` is the host (numpy) global batch: leaves [B, ...], or
+        [steps_per_dispatch, B, ...] when steps_per_dispatch > 1. Metrics
+        ("loss", "grad_norm", "finite", "loss_scale") have shape [k]; reading
+        them waits for the device.
+        """
+        staged = self._stage(batch)
+        shapes = jax.tree.map(lambda x: (x.shape, x.dtype), staged)
+        if self._compiled is None:
+            self._compile_staged(staged)
+        elif shapes != self._compiled_shapes:
+            raise ValueError(f"batch shapes {shapes} differ from the compiled step's "
+                             f"{self._compiled_shapes}; keep the global batch shape fixed")
+        self.state, metrics = self._compiled(self.state, staged)
+        return metrics
+
+    def evaluate(self, batch) -> float:
+        """Mean loss of the current params on a host global batch [B, ...] (eval mode)."""
+        batch = jax.tree.map(np.asarray, batch)
+        return float(self._eval_step(self.state, place_batch(batch, self.mesh, P(AXIS))))
+
+    # ------------------------------------------------------------------ results
+
+    @property
+    def params(self):
+        return self.state.params
+
+    @property
+    def model(self):
+        """The user's model with the current weights (an nnx.Module, or Linen variables)."""
+        return self.fns.merge(self.state.params, self.state.model_state)
