@@ -1,0 +1,334 @@
+"""Device memory: limit what XLA may take, measure what a block used, check a step fits.
+
+- `limit_memory` sets the XLA client allocator before the backend starts: JAX's answer
+  to MIG quotas and CUDA memory limits (a second process on the same GPU then fits).
+- `track_memory` reports peak and delta bytes per device around a block or function.
+- `fits` compiles ahead of time and compares XLA's memory analysis with a budget,
+  without allocating anything, so a GPU-sized budget can be checked on a CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jaxopt_train.runtime._backend import require_backend_not_started
+
+_FRACTION_VAR = "XLA_CLIENT_MEM_FRACTION"
+# jaxlib >= 0.10 reads the name above and refuses start-up when both are set.
+_DEPRECATED_FRACTION_VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+_PREALLOCATE_VAR = "XLA_PYTHON_CLIENT_PREALLOCATE"
+_ALLOCATOR_VAR = "XLA_PYTHON_CLIENT_ALLOCATOR"
+ALLOCATORS = ("default", "platform", "bfc", "cuda_async", "vmm")
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """Bytes from an int or a string such as "16GiB", "80 GB", "512MiB".
+
+    Raises:
+      ValueError: for a negative number or an unknown unit.
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"expected a byte count (int or str like '16GiB'), got {value=}")
+    if isinstance(value, (int, float)):
+        amount, unit = float(value), ""
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"cannot read a byte count from {value=}; expected e.g. 17179869184, "
+                             f"'16GiB' or '80GB' (units: {sorted(u for u in _UNITS if u)})")
+        amount, unit = float(match.group(1)), match.group(2).lower()
+    if amount < 0:
+        raise ValueError(f"a byte count must be >= 0, got {value=}")
+    return int(amount * _UNITS[unit])
+
+
+def _gpu_total_bytes() -> int:
+    """Smallest total memory over the visible GPUs, read through NVML."""
+    from jaxopt_train.runtime.nvml import device_handles, nvml_session
+
+    with nvml_session() as (nvml, reason):
+        if nvml is None:
+            raise RuntimeError(
+                f"limit_memory(bytes=...) needs the GPU's total memory to turn bytes into the "
+                f"fraction XLA takes, but {reason}. Pass fraction=... or total_bytes=... instead.")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        indices = None
+        if visible and all(part.strip().isdigit() for part in visible.split(",")):
+            indices = [int(part) for part in visible.split(",")]
+        handles = device_handles(nvml, indices)
+        if not handles:
+            raise RuntimeError("limit_memory(bytes=...): NVML sees no GPU; pass fraction=... instead")
+        return min(int(nvml.nvmlDeviceGetMemoryInfo(h).total) for _, h in handles)
+
+
+def memory_env(*, fraction: float | None = None, bytes: int | str | None = None,  # noqa: A002
+               total_bytes: int | str | None = None, preallocate: bool | None = None,
+               allocator: str | None = None) -> dict[str, str]:
+    """The environment variables `limit_memory` would set (validated, nothing applied).
+
+    See `limit_memory` for the arguments.
+    """
+    if (fraction is None) == (bytes is None):
+        raise ValueError(f"pass exactly one of fraction= or bytes=; got {fraction=}, {bytes=}")
+    if fraction is None:
+        limit = parse_bytes(bytes)
+        total = parse_bytes(total_bytes) if total_bytes is not None else _gpu_total_bytes()
+        if total <= 0:
+            raise ValueError(f"total_bytes must be > 0, got {total_bytes=}")
+        fraction = limit / total
+        if not 0 < fraction <= 1:
+            raise ValueError(f"bytes={limit} is {fraction:.3f} of the device's {total} bytes; "
+                             "it must be > 0 and no more than the device holds")
+    elif isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be a number in (0, 1], got {fraction=}")
+    env = {_FRACTION_VAR: f"{float(fraction):.4f}"}
+    if preallocate is not None:
+        env[_PREALLOCATE_VAR] = "true" if preallocate else "false"
+    if allocator is not None:
+        if allocator not in ALLOCATORS:
+            raise ValueError(f"allocator must be one of {ALLOCATORS}, got {allocator=}")
+        env[_ALLOCATOR_VAR] = allocator
+    return env
+
+
+def limit_memory(fraction: float | None = None, bytes: int | str | None = None,  # noqa: A002
+                 *, total_bytes: int | str | None = None, preallocate: bool | None = None,
+                 allocator: str | None = None) -> dict[str, str]:
+    """Caps the GPU memory XLA takes in this process. Call before any JAX computation.
+
+    XLA's GPU client reserves a fraction of each device's memory at start-up (75% by
+    default, all of it preallocated). Two processes sharing a GPU, or a job that must
+    stay inside a MIG-like quota, each set their own fraction here.
+
+    Args:
+      fraction: share of each GPU's total memory, in (0, 1].
+      bytes: an absolute cap (int or "20GiB"); turned into a fraction of the device's
+        total memory, read via NVML (or from `total_bytes`). Exactly one of
+        `fraction`/`bytes` is required.
+      total_bytes: the device's total memory, for `bytes` without NVML.
+      preallocate: reserve the whole share at start-up (XLA's default, fastest) or grow
+        on demand (`False`: more fragmentation, but idle processes hold less).
+      allocator: XLA_PYTHON_CLIENT_ALLOCATOR, one of `ALLOCATORS`; "platform" frees
+        memory immediately (slow; for debugging out-of-memory errors).
+
+    Returns:
+      The environment variables set.
+
+    Raises:
+      RuntimeError: if the JAX backend has already started (the setting would be ignored).
+      ValueError: for arguments out of range.
+    """
+    require_backend_not_started("limit_memory()")
+    env = memory_env(fraction=fraction, bytes=bytes, total_bytes=total_bytes,
+                     preallocate=preallocate, allocator=allocator)
+    # jaxlib refuses to start when both spellings are set; ours is the explicit request.
+    os.environ.pop(_DEPRECATED_FRACTION_VAR, None)
+    os.environ.update(env)
+    return env
+
+
+@dataclasses.dataclass
+class DeviceMemory:
+    """Memory of one device over a tracked block (bytes; None where unavailable)."""
+
+    device: str
+    bytes_in_use_before: int | None = None
+    bytes_in_use_after: int | None = None
+    peak_bytes_in_use: int | None = None  # allocator high-water mark at the end
+    peak_increase: int | None = None  # how far the block raised the high-water mark
+    bytes_limit: int | None = None
+
+    @property
+    def delta(self) -> int | None:
+        """Bytes still held after the block minus those held before."""
+        if self.bytes_in_use_before is None or self.bytes_in_use_after is None:
+            return None
+        return self.bytes_in_use_after - self.bytes_in_use_before
+
+
+@dataclasses.dataclass
+class MemoryReport:
+    """What `track_memory` measured; `available` is False on backends without stats (CPU)."""
+
+    devices: list[DeviceMemory] = dataclasses.field(default_factory=list)
+    available: bool = False
+    reason: str = ""
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """Largest allocator high-water mark over the devices."""
+        peaks = [d.peak_bytes_in_use for d in self.devices if d.peak_bytes_in_use is not None]
+        return max(peaks) if peaks else None
+
+    def __str__(self) -> str:
+        if not self.available:
+            return f"memory: unavailable ({self.reason})"
+        gib = 2**30
+        lines = []
+        for d in self.devices:
+            lines.append(f"{d.device}: peak {d.peak_bytes_in_use / gib:.3f} GiB "
+                         f"(+{d.peak_increase / gib:.3f}), delta {d.delta / gib:+.3f} GiB")
+        return "\n".join(lines)
+
+
+def _stats(device) -> dict[str, int] | None:
+    try:
+        return device.memory_stats()
+    except Exception:  # some backends raise instead of returning None
+        return None
+
+
+class track_memory(contextlib.ContextDecorator):  # noqa: N801 - used like a function
+    """Reports peak and delta device memory of a block, as a context manager or decorator.
+
+    The allocator's high-water mark is process-wide and cannot be reset, so a block's
+    own peak is exact only when it raises that mark (`peak_increase > 0`); otherwise the
+    block peaked somewhere at or below the earlier mark. Work is asynchronous: the
+    exit waits for pending computations (`jax.effects_barrier`) before reading.
+
+    Example:
+      >>> with track_memory() as report:
+      ...     y = jax.numpy.ones((1024, 1024)) @ jax.numpy.ones((1024, 1024))
+      >>> print(report)  # "memory: unavailable (...)" on CPU
+
+    Args:
+      devices: devices to watch (default: `jax.local_devices()`).
+      print_report: print the report on exit (always on for the decorator form's use).
+    """
+
+    def __init__(self, devices: Sequence[Any] | None = None, *, print_report: bool = False):
+        self._devices = devices
+        self._print = print_report
+        self.report = MemoryReport()
+
+    def __enter__(self) -> MemoryReport:
+        import jax
+
+        devices = list(self._devices) if self._devices is not None else jax.local_devices()
+        self.report = MemoryReport()
+        self._before = [(d, _stats(d)) for d in devices]
+        return self.report
+
+    def __exit__(self, *exc) -> bool:
+        import jax
+
+        with contextlib.suppress(Exception):
+            jax.effects_barrier()
+        if all(stats is None for _, stats in self._before):
+            kinds = sorted({getattr(d, "platform", "?") for d, _ in self._before})
+            self.report.reason = f"devices of platform {kinds} give no memory_stats()"
+        for device, before in self._before:
+            after = _stats(device)
+            if before is None or after is None:
+                continue
+            peak_before = before.get("peak_bytes_in_use", 0)
+            peak_after = after.get("peak_bytes_in_use", 0)
+            self.report.devices.append(DeviceMemory(
+                device=str(device),
+                bytes_in_use_before=before.get("bytes_in_use"),
+                bytes_in_use_after=after.get("bytes_in_use"),
+                peak_bytes_in_use=peak_after,
+                peak_increase=peak_after - peak_before,
+                bytes_limit=after.get("bytes_limit"),
+            ))
+        self.report.available = bool(self.report.devices)
+        if self._print:
+            print(self.report)
+        return False
+
+    def __call__(self, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with track_memory(self._devices, print_report=True):
+                return fn(*args, **kwargs)
+        return wrapper
+
+
+@dataclasses.dataclass(frozen=True)
+class FitReport:
+    """Bytes a compiled step needs on one device against a budget."""
+
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    generated_code_bytes: int
+    budget_bytes: int
+
+    @property
+    def needed_bytes(self) -> int:
+        """Arguments + outputs + scratch, counting donated (aliased) buffers once."""
+        return (self.argument_bytes + self.output_bytes - self.alias_bytes
+                + self.temp_bytes + self.generated_code_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return self.needed_bytes <= self.budget_bytes
+
+    def __bool__(self) -> bool:
+        return self.fits
+
+    def __str__(self) -> str:
+        gib = 2**30
+        verdict = "fits" if self.fits else "does NOT fit"
+        return (f"needs {self.needed_bytes / gib:.3f} GiB of {self.budget_bytes / gib:.3f} GiB budget: "
+                f"{verdict} (args {self.argument_bytes / gib:.3f}, outputs {self.output_bytes / gib:.3f}, "
+                f"aliased {self.alias_bytes / gib:.3f}, temp {self.temp_bytes / gib:.3f} GiB)")
+
+
+def fits(fn_or_lowered: Any, args: Sequence[Any] = (), budget: int | str = 0,
+         *, kwargs: dict[str, Any] | None = None) -> FitReport:
+    """Whether a step fits a per-device memory budget, from XLA's ahead-of-time analysis.
+
+    Nothing is allocated: pass `jax.ShapeDtypeStruct`s (with shardings for a sharded
+    step) as `args` to check a GPU-sized model on a CPU. XLA's CPU and GPU compilers
+    fuse differently, so the CPU figure is an estimate of the GPU's (arguments and
+    outputs are exact; scratch differs).
+
+    Args:
+      fn_or_lowered: a function (jitted or not), a `jax.stages.Lowered`, or a
+        `jax.stages.Compiled`.
+      args: positional arguments (arrays or ShapeDtypeStructs) for a function.
+      budget: bytes per device, int or string such as "16GiB".
+      kwargs: keyword arguments for a function.
+
+    Returns:
+      A FitReport; `bool(report)` is True when it fits.
+    """
+    import jax
+
+    budget_bytes = parse_bytes(budget)
+    if budget_bytes <= 0:
+        raise ValueError(f"budget must be a positive byte count, got {budget=}")
+    compiled = fn_or_lowered
+    if isinstance(compiled, jax.stages.Lowered):
+        compiled = compiled.compile()
+    elif not isinstance(compiled, jax.stages.Compiled):
+        if not callable(compiled):
+            raise TypeError("fits() takes a function, a jax.stages.Lowered or a jax.stages.Compiled; "
+                            f"got {type(fn_or_lowered).__name__}")
+        jitted = compiled if hasattr(compiled, "lower") else jax.jit(compiled)
+        compiled = jitted.lower(*args, **(kwargs or {})).compile()
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise RuntimeError("this backend gives no memory analysis for compiled code")
+    if isinstance(stats, (list, tuple)):  # one entry per program on some backends
+        stats = stats[0]
+    return FitReport(
+        argument_bytes=int(stats.argument_size_in_bytes),
+        output_bytes=int(stats.output_size_in_bytes),
+        alias_bytes=int(stats.alias_size_in_bytes),
+        temp_bytes=int(stats.temp_size_in_bytes),
+        generated_code_bytes=int(stats.generated_code_size_in_bytes),
+        budget_bytes=budget_bytes,
+    )
+

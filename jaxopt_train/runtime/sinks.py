@@ -1,0 +1,178 @@
+"""Where step metrics go: JSONL (always), TensorBoard event files, a Prometheus endpoint.
+
+Every sink has `write(step: int, metrics: dict[str, float]) -> None` and `close()`.
+Values may be Python, NumPy or JAX scalars; they are converted with `float()`, so
+pass host values (a JAX array here forces a device sync).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+
+def _as_floats(step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
+    if isinstance(step, bool) or not isinstance(step, int) and not hasattr(step, "__index__"):
+        raise TypeError(f"step must be an int, got {step=}")
+    try:
+        return {str(name): float(value) for name, value in metrics.items()}
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"metric values must be scalars convertible to float: {err}; "
+                        f"got {dict(metrics)=}") from err
+
+
+class JsonlSink:
+    """Appends one JSON object per write: `{"step": s, "time": unix_s, **metrics}`.
+
+    The file is flushed after each line, so a crashed run keeps its log and
+    `jaxopt-train plot` can read a live run. Non-finite values are written as
+    NaN/Infinity (which Python's json reads back).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = os.fspath(path)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        record = {"step": int(step), "time": time.time(), **_as_floats(step, metrics)}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, float]]:
+    """The records of a JsonlSink file (a torn last line from a crash is skipped)."""
+    records = []
+    with open(path, encoding="utf-8") as file:
+        for line in file:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
+class TensorBoardSink:
+    """Scalars in TensorBoard event files, written without TensorFlow.
+
+    Uses tensorboard's own event writer and protobufs; `tensorboard --logdir LOGDIR`
+    (or its EventAccumulator) reads them. Tags are the metric names.
+    """
+
+    def __init__(self, logdir: str | os.PathLike, *, flush_secs: float = 10.0):
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        os.makedirs(logdir, exist_ok=True)
+        self.logdir = os.fspath(logdir)
+        self._writer = EventFileWriter(self.logdir, flush_secs=flush_secs)
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+
+        values = [summary_pb2.Summary.Value(tag=name, simple_value=value)
+                  for name, value in _as_floats(step, metrics).items()]
+        event = event_pb2.Event(wall_time=time.time(), step=int(step),
+                                summary=summary_pb2.Summary(value=values))
+        self._writer.add_event(event)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+_PROMETHEUS_NAME = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def prometheus_name(metric: str, prefix: str = "jaxopt_train_") -> str:
+    """`prefix + metric` with characters Prometheus forbids replaced by "_".
+
+    "DCGM_FI_DEV_GPU_UTIL/gpu0" -> "jaxopt_train_DCGM_FI_DEV_GPU_UTIL_gpu0".
+    """
+    return prefix + _PROMETHEUS_NAME.sub("_", metric)
+
+
+class PrometheusSink:
+    """Serves the latest value of each metric as a gauge `jaxopt_train_<metric>`.
+
+    Runs prometheus_client's HTTP server on a daemon thread with a registry of its
+    own (so several sinks, or a restarted one, never clash on metric names).
+    `jaxopt_train_step` holds the step of the latest write.
+
+    Args:
+      port: TCP port; 0 picks a free one (read it back from `.port`).
+      addr: address to bind; "0.0.0.0" for scrapers on other hosts.
+    """
+
+    def __init__(self, port: int = 9400, addr: str = "0.0.0.0", *, prefix: str = "jaxopt_train_"):
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port must be an int in [0, 65535] (0 = any free port), got {port=}")
+        import prometheus_client
+
+        self._prefix = prefix
+        self.registry = prometheus_client.CollectorRegistry()
+        self._gauges: dict[str, Any] = {}
+        self._gauge_type = prometheus_client.Gauge
+        started = prometheus_client.start_http_server(port, addr=addr, registry=self.registry)
+        # prometheus_client >= 0.17 returns (server, thread); older ones cannot be stopped.
+        self._server, self._thread = started if isinstance(started, tuple) else (None, None)
+        self.port = self._server.server_port if self._server is not None else port
+        self.addr = addr
+
+    def _gauge(self, metric: str):
+        gauge = self._gauges.get(metric)
+        if gauge is None:
+            name = prometheus_name(metric, self._prefix)
+            gauge = self._gauge_type(name, f"jaxopt_train metric {metric}", registry=self.registry)
+            self._gauges[metric] = gauge
+        return gauge
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        values = _as_floats(step, metrics)
+        self._gauge("step").set(int(step))
+        for metric, value in values.items():
+            self._gauge(metric).set(value)
+
+    def close(self) -> None:
+        """Stops the HTTP server and frees its port; unregisters the gauges."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._thread.join(timeout=5.0)
+            self._server = None
+        for gauge in self._gauges.values():
+            self.registry.unregister(gauge)
+        self._gauges.clear()
+
+
+class MultiSink:
+    """Writes to several sinks; `close()` closes all, then re-raises the first error."""
+
+    def __init__(self, sinks: Iterable[Any]):
+        self.sinks = list(sinks)
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.write(step, metrics)
+
+    def close(self) -> None:
+        errors = []
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as err:  # close the rest before reporting
+                errors.append(err)
+        if errors:
+            raise errors[0]
+
