@@ -1,0 +1,98 @@
+"""Image classification arrays from ``.npz`` files, in a resumable order."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import numpy as np
+
+from jaxopt_train.data.sampling import batch_indices, check_positive_int
+from jaxopt_train.data.tokens import SPLITS
+
+
+def load_image_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Loads ``{"images": [N, H, W, C], "labels": int32 [N]}`` from an ``.npz`` file.
+
+    ``images`` may be uint8 (0..255) or floating; it is returned as stored
+    (`ImageDataset` scales uint8 to [0, 1] per batch, keeping host memory small).
+
+    Raises:
+      FileNotFoundError: no such file.
+      ValueError: missing arrays, wrong ranks/dtypes, or mismatched lengths.
+    """
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"image file path={str(path)!r} does not exist")
+    with np.load(path, allow_pickle=False) as npz:
+        missing = {"images", "labels"} - set(npz.files)
+        if missing:
+            raise ValueError(
+                f"{str(path)!r} lacks arrays {sorted(missing)}; expected 'images' "
+                f"(N, H, W, C) and 'labels' (N,), found {sorted(npz.files)}"
+            )
+        images, labels = npz["images"], npz["labels"]
+    check_image_arrays(images, labels)
+    return {"images": images, "labels": labels.astype(np.int32)}
+
+
+def check_image_arrays(images: np.ndarray, labels: np.ndarray) -> None:
+    """Raises ValueError unless images is (N, H, W, C) uint8/float and labels (N,) int."""
+    if images.ndim != 4 or not (images.dtype == np.uint8 or np.issubdtype(images.dtype, np.floating)):
+        raise ValueError(
+            f"images must be (N, H, W, C) uint8 or float, got shape={images.shape} dtype={images.dtype}"
+        )
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(f"labels must be (N,) integers, got shape={labels.shape} dtype={labels.dtype}")
+    if images.shape[0] != labels.shape[0] or images.shape[0] == 0:
+        raise ValueError(
+            f"need as many labels as images (and at least one), got {images.shape[0]} images "
+            f"and {labels.shape[0]} labels"
+        )
+
+
+class ImageDataset:
+    """Image batches ``{"images": float32 [B,H,W,C], "labels": int32 [B]}``.
+
+    Uses the same epoch-aware, seeded order as `TokenDataset`; the last
+    ``val_fraction`` of the examples form the "val" split.
+    """
+
+    def __init__(
+        self,
+        images: np.ndarray,
+        labels: np.ndarray,
+        *,
+        split: str = "train",
+        val_fraction: float = 0.1,
+        seed: int = 0,
+    ):
+        check_image_arrays(images, labels)
+        if split not in SPLITS:
+            raise ValueError(f"split={split!r}; legal values: {SPLITS}")
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"val_fraction={val_fraction!r} must be in (0, 1)")
+        num_val = int(len(labels) * val_fraction)
+        cut = slice(0, len(labels) - num_val) if split == "train" else slice(len(labels) - num_val, None)
+        self.images, self.labels = images[cut], labels[cut].astype(np.int32)
+        if len(self.labels) == 0:
+            raise ValueError(
+                f"the {split!r} split is empty ({len(labels)} examples, val_fraction={val_fraction})"
+            )
+        self.split, self.seed = split, seed
+
+    @property
+    def num_examples(self) -> int:
+        return len(self.labels)
+
+    def num_batches_per_epoch(self, batch_size: int) -> int:
+        check_positive_int("batch_size", batch_size)
+        return max(1, self.num_examples // batch_size)
+
+    def batch(self, step: int, batch_size: int, *, rows: slice | None = None) -> dict[str, np.ndarray]:
+        """Returns batch ``step`` (uint8 images scaled to [0, 1])."""
+        items, _ = batch_indices(step, batch_size, self.num_examples, self.seed, rows)
+        images = self.images[items]
+        if images.dtype == np.uint8:
+            images = images.astype(np.float32) / np.float32(255.0)
+        return {"images": images.astype(np.float32), "labels": self.labels[items]}

@@ -1,0 +1,54 @@
+"""Deterministic, epoch-aware batch order shared by the datasets.
+
+Item ``i`` of the infinite stream is item ``perm_e[i % n]`` of epoch
+``e = i // n``, where ``perm_e`` is a permutation drawn from ``(seed, e)``.
+Batch ``step`` is stream items ``[step * B, (step + 1) * B)``: a pure function
+of (seed, step, B), so a resumed run sees exactly the batches it would have
+seen, and a batch may straddle two epochs instead of dropping a remainder.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+
+def check_positive_int(name: str, value) -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_permutation(num_items: int, seed: int, epoch: int) -> np.ndarray:
+    """The order of the items in ``epoch`` (cached: consecutive steps share it)."""
+    perm = np.random.default_rng([seed, epoch]).permutation(num_items)
+    perm.setflags(write=False)
+    return perm
+
+
+def batch_indices(
+    step: int, batch_size: int, num_items: int, seed: int, rows: slice | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Returns (item index, epoch) of each row of batch ``step``.
+
+    Args:
+      step: Non-negative batch number.
+      batch_size: Global batch size B.
+      num_items: Items per epoch.
+      seed: Seed of the permutations.
+      rows: Only these rows of the global batch (a process's share).
+    """
+    if not isinstance(step, (int, np.integer)) or step < 0:
+        raise ValueError(f"step={step!r} must be a non-negative int")
+    check_positive_int("batch_size", batch_size)
+    stream = step * batch_size + np.arange(batch_size, dtype=np.int64)
+    if rows is not None:
+        stream = stream[rows]
+    epochs = stream // num_items
+    positions = stream % num_items
+    items = np.empty_like(stream)
+    for epoch in np.unique(epochs):
+        mask = epochs == epoch
+        items[mask] = epoch_permutation(num_items, seed, int(epoch))[positions[mask]]
+    return items, epochs

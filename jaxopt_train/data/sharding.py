@@ -1,0 +1,113 @@
+"""Placing host batches on a mesh, sharded over its data axis.
+
+With one process, `shard_batch` gets the whole global batch. With several
+(`jax.distributed.initialize()`), each process loads only the rows that its
+own devices hold, as told by `process_batch_slice`, and `shard_batch`
+assembles the global `jax.Array` with `jax.make_array_from_process_local_data`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def _check_axis(mesh: Mesh, axis: str) -> int:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if axis not in mesh.axis_names:
+        raise ValueError(f"axis={axis!r} is not an axis of the mesh; its axes are {mesh.axis_names}")
+    return mesh.shape[axis]
+
+
+def _local_row_range(mesh: Mesh, axis: str, global_rows: int) -> tuple[int, int]:
+    """The contiguous rows of a ``global_rows`` batch held by this process's devices."""
+    index_map = NamedSharding(mesh, P(axis)).addressable_devices_indices_map((global_rows,))
+    bounds = sorted({(idx[0].start or 0, global_rows if idx[0].stop is None else idx[0].stop)
+                     for idx in index_map.values()})
+    for (_, stop), (start, _) in zip(bounds, bounds[1:]):
+        if stop != start:
+            raise ValueError(
+                f"this process's devices hold non-contiguous rows {bounds} of mesh axis "
+                f"{axis!r}; build the mesh with each process's devices adjacent "
+                "(jax.make_mesh does)"
+            )
+    return bounds[0][0], bounds[-1][1]
+
+
+def process_batch_slice(global_batch_size: int, mesh: Mesh | None = None, axis: str = "data") -> slice:
+    """Which rows of the global batch this process loads.
+
+    Args:
+      global_batch_size: Rows of the whole batch, over all processes.
+      mesh: The training mesh; None assumes processes own equal contiguous
+        shares in process order.
+      axis: The mesh's data axis.
+
+    Returns:
+      ``slice(start, stop)`` into the global batch (everything for one process).
+    """
+    if not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ValueError(f"global_batch_size={global_batch_size!r} must be a positive int")
+    if mesh is None:
+        count, index = jax.process_count(), jax.process_index()
+        if global_batch_size % count:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} must be divisible by the {count} processes"
+            )
+        share = global_batch_size // count
+        return slice(index * share, (index + 1) * share)
+    devices = _check_axis(mesh, axis)
+    _check_divisible(global_batch_size, devices, axis)
+    start, stop = _local_row_range(mesh, axis, global_batch_size)
+    return slice(start, stop)
+
+
+def _check_divisible(rows: int, devices: int, axis: str) -> None:
+    if rows % devices:
+        raise ValueError(
+            f"batch size {rows} is not divisible by the {devices} devices of mesh axis "
+            f"{axis!r}; use a multiple of {devices}"
+        )
+
+
+def shard_batch(batch: Any, mesh: Mesh, axis: str = "data") -> Any:
+    """Returns ``batch`` (a pytree of arrays with a leading batch axis) as global
+    `jax.Array` s sharded over ``mesh``'s ``axis`` and replicated over its other axes.
+
+    With several processes each leaf holds only this process's rows
+    (`process_batch_slice`); the global batch is their concatenation.
+
+    Raises:
+      ValueError: the leaves disagree on the batch size, or the global batch
+        size is not divisible by the number of devices along ``axis``.
+    """
+    devices = _check_axis(mesh, axis)
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+        raise ValueError("batch has no arrays")
+    local_rows = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
+    if len(local_rows) != 1 or None in local_rows:
+        raise ValueError(f"every batch leaf needs the same leading batch size, got {local_rows}")
+    (local,) = local_rows
+    # This process holds `held` of the `devices` shards along the axis.
+    start, stop = _local_row_range(mesh, axis, devices)
+    held = stop - start
+    global_rows = local * devices // held
+    if local * devices % held:
+        raise ValueError(
+            f"this process's batch of {local} rows cannot be split over its {held} of the "
+            f"{devices} shards of mesh axis {axis!r}; use a multiple of {held}"
+        )
+    _check_divisible(global_rows, devices, axis)
+
+    def put(leaf):
+        sharding = NamedSharding(mesh, P(axis))
+        global_shape = (global_rows, *np.shape(leaf)[1:])
+        return jax.make_array_from_process_local_data(sharding, np.asarray(leaf), global_shape)
+
+    return jax.tree.map(put, batch)

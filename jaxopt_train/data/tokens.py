@@ -1,0 +1,125 @@
+"""Token streams: pre-tokenised ``.bin`` files and packed next-token batches."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import numpy as np
+
+from jaxopt_train.data.sampling import batch_indices, check_positive_int
+
+TOKEN_FILE_DTYPES = ("uint16", "uint32")
+SPLITS = ("train", "val")
+
+
+def load_token_file(path: str | os.PathLike, dtype: str | np.dtype = "uint16") -> np.memmap:
+    """Memory-maps a pre-tokenised file in nanoGPT layout (raw little-endian ids, no header).
+
+    Args:
+      path: The ``.bin`` file, e.g. nanoGPT's ``train.bin``.
+      dtype: "uint16" (vocab <= 65536, nanoGPT's default) or "uint32".
+
+    Raises:
+      FileNotFoundError: no such file.
+      ValueError: illegal dtype, or a file size that is not a whole number of tokens.
+    """
+    name = np.dtype(dtype).name if _is_dtype_like(dtype) else repr(dtype)
+    if name not in TOKEN_FILE_DTYPES:
+        raise ValueError(f"dtype={dtype!r} for a token file; legal values: {TOKEN_FILE_DTYPES}")
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"token file path={str(path)!r} does not exist")
+    size = path.stat().st_size
+    itemsize = np.dtype(name).itemsize
+    if size == 0:
+        raise ValueError(f"token file {str(path)!r} is empty")
+    if size % itemsize:
+        raise ValueError(
+            f"token file {str(path)!r} has {size} bytes, not a multiple of {itemsize} "
+            f"(dtype={name}); was it written with another dtype?"
+        )
+    return np.memmap(path, dtype=np.dtype(name).newbyteorder("<"), mode="r")
+
+
+def _is_dtype_like(value) -> bool:
+    try:
+        np.dtype(value)
+    except TypeError:
+        return False
+    return True
+
+
+class TokenDataset:
+    """Packed next-token batches from a 1-D token array, in a resumable order.
+
+    The split's tokens are cut into ``num_sequences = (n - 1) // seq_len``
+    windows of ``seq_len + 1`` tokens (consecutive windows overlap by the one
+    target token); each epoch shifts all windows by a seeded offset within
+    the leftover tokens and visits them in a seeded permutation.
+    ``inputs = x[i : i + T]``, ``targets = x[i + 1 : i + T + 1]``.
+
+    The first ``1 - val_fraction`` of the tokens are "train", the rest "val".
+
+    Example:
+      >>> ds = TokenDataset(np.arange(1000) % 256, seq_len=8)
+      >>> b = ds.batch(0, batch_size=4)
+      >>> b["inputs"].shape, b["targets"].dtype
+      ((4, 8), dtype('int32'))
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        *,
+        split: str = "train",
+        val_fraction: float = 0.05,
+        seed: int = 0,
+    ):
+        tokens = np.asarray(tokens) if not isinstance(tokens, np.ndarray) else tokens
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(
+                f"tokens must be a 1-D integer array, got shape={tokens.shape} dtype={tokens.dtype}"
+            )
+        check_positive_int("seq_len", seq_len)
+        if split not in SPLITS:
+            raise ValueError(f"split={split!r}; legal values: {SPLITS}")
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"val_fraction={val_fraction!r} must be in (0, 1)")
+        num_val = int(tokens.size * val_fraction)
+        self.tokens = tokens[: tokens.size - num_val] if split == "train" else tokens[tokens.size - num_val :]
+        if self.tokens.size < seq_len + 1:
+            raise ValueError(
+                f"seq_len={seq_len} needs at least {seq_len + 1} tokens in the {split!r} split, "
+                f"which has {self.tokens.size} (of {tokens.size}, val_fraction={val_fraction}); "
+                "use a shorter seq_len or more data"
+            )
+        self.seq_len, self.split, self.seed = seq_len, split, seed
+        self.num_sequences = (self.tokens.size - 1) // seq_len
+        self._slack = self.tokens.size - 1 - self.num_sequences * seq_len
+
+    def num_batches_per_epoch(self, batch_size: int) -> int:
+        """Whole batches in one pass over the split (at least 1)."""
+        check_positive_int("batch_size", batch_size)
+        return max(1, self.num_sequences // batch_size)
+
+    def batch(self, step: int, batch_size: int, *, rows: slice | None = None) -> dict[str, np.ndarray]:
+        """Returns batch ``step`` as ``{"inputs", "targets"}`` int32 [B, seq_len].
+
+        Args:
+          step: Batch number; the same step always gives the same batch.
+          batch_size: The global batch size.
+          rows: Only these rows of the global batch (see `process_batch_slice`).
+        """
+        items, epochs = batch_indices(step, batch_size, self.num_sequences, self.seed, rows)
+        shifts = np.array([self._epoch_shift(int(e)) for e in epochs], dtype=np.int64)
+        starts = items * self.seq_len + shifts
+        window = np.asarray(self.tokens[starts[:, None] + np.arange(self.seq_len + 1)])
+        window = window.astype(np.int32)
+        return {"inputs": window[:, :-1], "targets": window[:, 1:]}
+
+    def _epoch_shift(self, epoch: int) -> int:
+        if self._slack == 0:
+            return 0
+        return int(np.random.default_rng([self.seed, epoch, 1]).integers(0, self._slack + 1))
