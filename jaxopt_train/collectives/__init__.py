@@ -16,3 +16,5 @@ from jaxopt_train.collectives.ring import ring_all_reduce as ring_all_reduce
 from jaxopt_train.collectives.ring import ring_reduce_scatter as ring_reduce_scatter
 from jaxopt_train.collectives.tree import METHODS as METHODS
 from jaxopt_train.collectives.tree import all_reduce_tree as all_reduce_tree
+from jaxopt_train.collectives.topology import describe_ring as describe_ring
+from jaxopt_train.collectives.topology import ring_order as ring_order

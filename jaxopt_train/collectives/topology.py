@@ -1,0 +1,133 @@
+"""Ring order from the machine topology, and a printable description of a ring.
+
+A ring is only as fast as its slowest hop, so neighbours on the ring should be
+neighbours on the hardware: devices of one process (one host) contiguous, then
+across processes (one slow hop in each direction per host boundary); on TPU a
+snake through the chip coordinates; on GPUs, where NVML reports NVLinks,
+consecutive devices that share the most links.
+
+The result is a permutation of indices into `devices`. Either build the mesh in
+that order (`jax.make_mesh(..., devices=[devices[i] for i in order])`, then the
+default ring is already right) or pass it as `ring_order=` to the collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def _snake_key(device: Any) -> tuple:
+    """TPU coords (x, y, z) walked as a snake: x reverses on odd rows so each step is one hop."""
+    x, y, z = (tuple(device.coords) + (0, 0, 0))[:3]
+    return (z, y, x if y % 2 == 0 else -x, getattr(device, "core_on_chip", 0))
+
+
+def nvlink_counts(devices: Sequence[Any]) -> list[list[int]] | None:
+    """NVLink counts between GPU `devices` (by CUDA ordinal), or None where NVML cannot say.
+
+    Reads NVML lazily (pynvml from nvidia-ml-py); any failure (no driver, no
+    NVLink, CPU devices) returns None so callers fall back to id order.
+    """
+    if not devices or any(getattr(d, "platform", "") != "gpu" for d in devices):
+        return None
+    try:
+        import pynvml  # noqa: PLC0415 (GPU-only dependency, imported lazily)
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 (no NVML here: no link information)
+        return None
+    try:
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(d.local_hardware_id) for d in devices]
+        bus = [pynvml.nvmlDeviceGetPciInfo(h).busId for h in handles]
+        bus = [b.decode() if isinstance(b, bytes) else b for b in bus]
+        counts = [[0] * len(devices) for _ in devices]
+        for i, handle in enumerate(handles):
+            for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
+                try:
+                    if not pynvml.nvmlDeviceGetNvLinkState(handle, link):
+                        continue
+                    remote = pynvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId
+                except pynvml.NVMLError:
+                    continue
+                remote = remote.decode() if isinstance(remote, bytes) else remote
+                for j, other in enumerate(bus):
+                    if j != i and other.lower() == remote.lower():
+                        counts[i][j] += 1
+        return counts
+    except Exception:  # noqa: BLE001 (partial NVML support: treat as no information)
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _greedy_by_links(indices: list[int], counts: list[list[int]]) -> list[int]:
+    """Walks from the first device, always to the unvisited neighbour with the most links."""
+    order, rest = [indices[0]], list(indices[1:])
+    while rest:
+        here = order[-1]
+        best = max(rest, key=lambda j: (counts[here][j], -rest.index(j)))
+        order.append(best)
+        rest.remove(best)
+    return order
+
+
+def ring_order(devices: Sequence[Any], *, override: Sequence[int] | None = None,
+               use_nvml: bool = True) -> tuple[int, ...]:
+    """Indices into `devices` in the order a ring should visit them.
+
+    Args:
+      devices: e.g. `mesh.devices.flat` or `jax.devices()`.
+      override: an explicit order (validated as a permutation), returned as is.
+      use_nvml: order GPUs of one process by NVLink counts when NVML reports them.
+
+    Returns:
+      A permutation of `range(len(devices))`: devices grouped by process (in
+      process order), within a process by TPU coords (snake) where present,
+      else by NVLink neighbourhood, else by device id.
+    """
+    n = len(devices)
+    if override is not None:
+        order = tuple(int(i) for i in override)
+        if sorted(order) != list(range(n)):
+            raise ValueError(f"{override=} must be a permutation of 0..{n - 1} (one index per device)")
+        return order
+    by_process: dict[int, list[int]] = {}
+    for i, device in enumerate(devices):
+        by_process.setdefault(getattr(device, "process_index", 0), []).append(i)
+    order: list[int] = []
+    for process in sorted(by_process):
+        local = by_process[process]
+        if all(getattr(devices[i], "coords", None) is not None for i in local):
+            local = sorted(local, key=lambda i: _snake_key(devices[i]))
+        else:
+            local = sorted(local, key=lambda i: devices[i].id)
+            counts = nvlink_counts([devices[i] for i in local]) if use_nvml else None
+            if counts is not None and any(map(any, counts)):
+                positions = _greedy_by_links(list(range(len(local))), counts)
+                local = [local[p] for p in positions]
+        order.extend(local)
+    return tuple(order)
+
+
+def describe_ring(devices: Sequence[Any], order: Sequence[int] | None = None) -> str:
+    """One line per hop of the ring, marking hops that leave a process.
+
+    Example output: `ring over 8 devices (2 processes, 2 cross-process hops):`
+    followed by `  0: TFRT_CPU_0 [p0] -> TFRT_CPU_1 [p0]` lines.
+    """
+    order = tuple(range(len(devices))) if order is None else tuple(order)
+    n = len(order)
+    processes = {getattr(devices[i], "process_index", 0) for i in order}
+    lines, crossings = [], 0
+    for pos in range(n):
+        a, b = devices[order[pos]], devices[order[(pos + 1) % n]]
+        pa, pb = getattr(a, "process_index", 0), getattr(b, "process_index", 0)
+        cross = pa != pb
+        crossings += cross
+        lines.append(f"  {pos}: {a} [p{pa}] -> {b} [p{pb}]" + ("   (cross-process)" if cross else ""))
+    head = f"ring over {n} devices ({len(processes)} processes, {crossings} cross-process hops):"
+    return "\n".join([head] + lines)
