@@ -178,14 +178,18 @@ def _cast_floating(tree, dtype):
 def nnx_apply_with_state(policy: Policy, graphdef, state, *args, **kwargs):
     """Runs an NNX module under `policy`; returns `(outputs, new_state)`.
 
-    Params and floating inputs are cast to the compute dtype, outputs to the
+    `nnx.Param`s and floating inputs are cast to the compute dtype (other
+    state, e.g. BatchStat, keeps its dtype), outputs to the
     output dtype, and the state after the call (BatchNorm statistics, RNG
     counters) back to the param dtype. Gradients w.r.t. `state` come back in
     the dtype of `state`, i.e. the f32 master weights.
     """
     from flax import nnx  # noqa: PLC0415  (keeps precision importable without flax)
 
-    model = nnx.merge(graphdef, policy.cast_to_compute(state))
+    model = nnx.merge(graphdef, state)
+    # Only Params go to the compute dtype: statistics (BatchStat) and other
+    # state keep their own dtype, as mixed-precision training wants.
+    nnx.update(model, policy.cast_to_compute(nnx.state(model, nnx.Param)))
     with policy.matmul_scope():
         out = model(*policy.cast_to_compute(args), **policy.cast_to_compute(kwargs))
     _, new_state = nnx.split(model)
@@ -203,16 +207,24 @@ def nnx_apply(policy: Policy, graphdef, state, *args, **kwargs):
 def linen_apply(policy: Policy, module, variables, *args, **kwargs):
     """`module.apply(variables, *args, **kwargs)` under `policy`.
 
-    With `mutable=...` Linen returns `(outputs, updates)`; the outputs are cast to
+    The "params" collection (all variables if there is none) and floating
+    inputs are cast to the compute dtype; other collections such as
+    "batch_stats" keep theirs. With `mutable=...` Linen returns `(outputs, updates)`; the outputs are cast to
     the output dtype and the updated collections back to the param dtype.
     """
     with policy.matmul_scope():
-        result = module.apply(policy.cast_to_compute(variables),
+        result = module.apply(_cast_linen_params(policy, variables),
                               *policy.cast_to_compute(args), **_cast_kwargs(policy, kwargs))
     if kwargs.get("mutable", False) is not False:
         out, updates = result
         return policy.cast_to_output(out), policy.cast_to_param(updates)
     return policy.cast_to_output(result)
+
+
+def _cast_linen_params(policy: Policy, variables):
+    if isinstance(variables, dict) and "params" in variables:
+        return {**variables, "params": policy.cast_to_compute(variables["params"])}
+    return policy.cast_to_compute(variables)
 
 
 def _cast_kwargs(policy: Policy, kwargs):
@@ -286,7 +298,7 @@ class _LossScale:
         def one(x):
             if not _is_floating_array(x):
                 return x
-            wide = jnp.promote_types(x.dtype, jnp.float32)
+            wide = x.dtype if jnp.finfo(x.dtype).bits > 32 else np.dtype(jnp.float32)
             return (x.astype(wide) * inverse.astype(wide)).astype(x.dtype)
         return jax.tree.map(one, tree)
 

@@ -1,0 +1,300 @@
+"""Tests for jaxopt_train.precision against fp32 / hand-worked references."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen, nnx
+
+from jaxopt_train import precision as prec
+
+F32, BF16, F16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)
+
+
+# ----------------------------------------------------------------------------- policies
+
+
+@pytest.mark.parametrize("name, param, compute, output, matmul", [
+    ("fp32", F32, F32, F32, None),
+    ("tf32", F32, F32, F32, "tensorfloat32"),
+    ("bf16", F32, BF16, F32, None),
+    ("bf16-pure", BF16, BF16, BF16, None),
+    ("fp16", F32, F16, F32, None),
+])
+def test_presets(name, param, compute, output, matmul):
+    policy = prec.get_policy(name)
+    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == (param, compute, output)
+    assert policy.matmul_precision == matmul
+    assert policy.needs_loss_scale == (name == "fp16")
+    expected = prec.DynamicLossScale if name == "fp16" else prec.NoOpLossScale
+    assert isinstance(prec.loss_scale_for(name), expected)
+    assert prec.get_policy(policy) is policy
+
+
+def test_from_string_and_defaults():
+    assert prec.Policy.from_string("p=f32,c=bf16,o=f32") == prec.get_policy("bf16")
+    assert prec.get_policy("p=float32, c=float16") == prec.Policy(F32, F16, F16)
+    assert prec.Policy.from_string("p=f32,m=tensorfloat32") == prec.get_policy("tf32")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        prec.get_policy("bf16").param_dtype = F16
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("bf17", "unknown precision policy 'bf17'.*fp32.*bf16-pure"),
+    ("p=f32,x=bf16", "bad policy item 'x=bf16'.*compute"),
+    ("p=f33", "param_dtype='f33' is not a known dtype name.*bf16"),
+    ("c=bf16", "must name the param dtype"),
+    ("p=f32,m=fast", "matmul_precision='fast'.*tensorfloat32"),
+])
+def test_bad_policy_strings(bad, match):
+    with pytest.raises(ValueError, match=match):
+        prec.get_policy(bad)
+
+
+def test_bad_policy_types():
+    with pytest.raises(ValueError, match="must be a floating dtype"):
+        prec.Policy(jnp.int32, jnp.float32, jnp.float32)
+    with pytest.raises(TypeError, match="must be a Policy or one of"):
+        prec.get_policy(3)
+
+
+def test_casts_leave_non_floating_leaves_alone():
+    tree = {"w": jnp.ones((2,), F32), "h": jnp.ones((2,), F16), "i": jnp.arange(3),
+            "b": jnp.array([True]), "key": jax.random.key(0), "raw_key": jax.random.PRNGKey(1),
+            "n": np.ones(2, np.float32), "py": 1.5}
+    policy = prec.get_policy("bf16-pure")
+    out = jax.jit(policy.cast_to_compute)(tree)
+    assert out["w"].dtype == BF16 and out["h"].dtype == BF16 and out["n"].dtype == BF16
+    for name in ("i", "b", "raw_key"):
+        assert out[name].dtype == tree[name].dtype
+        np.testing.assert_array_equal(out[name], tree[name])
+    assert jax.dtypes.issubdtype(out["key"].dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(out["key"]), jax.random.key_data(tree["key"]))
+    assert out["py"] == 1.5
+    back = prec.get_policy("fp32").cast_to_param(out)
+    assert back["w"].dtype == F32 and back["i"].dtype == tree["i"].dtype
+
+
+def test_tf32_scope_sets_matmul_precision():
+    x = jnp.ones((4, 4), jnp.float32)
+
+    def matmul(policy):
+        with policy.matmul_scope():
+            return jax.jit(lambda a: a @ a).lower(x).as_text()
+    assert "HIGH" in matmul(prec.get_policy("tf32"))
+    assert "precision = [HIGH" not in matmul(prec.get_policy("fp32"))
+
+
+# ----------------------------------------------------------------------------- model apply
+
+
+class _NNXMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(8, 16, rngs=rngs)
+        self.l2 = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(jax.nn.gelu(self.l1(x)))
+
+
+class _LinenMLP(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+        return linen.Dense(4)(jax.nn.gelu(linen.Dense(16)(x)))
+
+
+def _nnx_loss(policy, graphdef, state, x, y):
+    out = prec.nnx_apply(policy, graphdef, state, x)
+    assert out.dtype == policy.output_dtype
+    return jnp.mean((out.astype(jnp.float32) - y) ** 2)
+
+
+def _linen_loss(policy, variables, x, y):
+    out = prec.linen_apply(policy, _LinenMLP(), variables, x)
+    assert out.dtype == policy.output_dtype
+    return jnp.mean((out.astype(jnp.float32) - y) ** 2)
+
+
+@pytest.mark.parametrize("policy_name, rtol", [("bf16", 3e-2), ("fp16", 5e-3), ("tf32", 1e-5)])
+def test_nnx_and_linen_under_policy_match_fp32(policy_name, rtol):
+    x = jax.random.normal(jax.random.key(1), (16, 8), jnp.float32)
+    y = jax.random.normal(jax.random.key(2), (16, 4), jnp.float32)
+    graphdef, state = nnx.split(_NNXMLP(nnx.Rngs(0)))
+    variables = _LinenMLP().init(jax.random.key(0), x)
+    fp32, policy = prec.get_policy("fp32"), prec.get_policy(policy_name)
+    for loss, params, args in ((_nnx_loss, state, (graphdef,)), (_linen_loss, variables, ())):
+        ref_loss, ref_grads = jax.jit(jax.value_and_grad(
+            lambda p: loss(fp32, *args, p, x, y)))(params)
+        got_loss, got_grads = jax.jit(jax.value_and_grad(
+            lambda p: loss(policy, *args, p, x, y)))(params)
+        np.testing.assert_allclose(got_loss, ref_loss, rtol=rtol)
+        for g, r in zip(jax.tree.leaves(got_grads), jax.tree.leaves(ref_grads)):
+            assert g.dtype == F32  # gradients land on the f32 master weights
+            np.testing.assert_allclose(g, r, rtol=rtol * 4, atol=rtol * np.abs(r).max())
+        # A wrong compute dtype must show up: bf16 cannot match fp32 to 1e-6.
+        if policy_name == "bf16":
+            assert not np.allclose(got_loss, ref_loss, rtol=1e-7, atol=0)
+
+
+def test_nnx_apply_with_state_and_linen_mutable():
+    class WithStats(nnx.Module):
+        def __init__(self):
+            self.bn = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return self.bn(x)
+    x = jax.random.normal(jax.random.key(3), (8, 4))
+    graphdef, state = nnx.split(WithStats())
+    policy = prec.get_policy("bf16")
+    # Flax's BatchNorm calls jnp.promote_types(bf16, f32), which strict
+    # promotion (tests/conftest.py) rejects.
+    with jax.numpy_dtype_promotion("standard"):
+        out, new_state = prec.nnx_apply_with_state(policy, graphdef, state, x)
+        module = linen.BatchNorm(use_running_average=False)
+        variables = module.init(jax.random.key(0), x)
+        out_linen, updates = prec.linen_apply(policy, module, variables, x, mutable=["batch_stats"])
+    assert out.dtype == F32
+    assert all(a.dtype == b.dtype for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(state)))
+    mean = new_state["bn"]["mean"][...]
+    # Flax momentum 0.99: running mean = 0.01 * batch mean (of the bf16 input).
+    np.testing.assert_allclose(mean, 0.01 * x.mean(0), rtol=2e-2, atol=1e-4)
+    assert out_linen.dtype == F32 and updates["batch_stats"]["mean"].dtype == F32
+    np.testing.assert_allclose(updates["batch_stats"]["mean"], mean, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- loss scales
+
+
+def test_dynamic_loss_scale_hand_worked_sequence():
+    scale = prec.DynamicLossScale(initial_scale=8.0, growth_interval=3, growth_factor=2.0,
+                                  backoff_factor=0.5, hysteresis=2, min_scale=2.0)
+    adjust = jax.jit(lambda s, finite: s.adjust(finite))
+    # (finite?, scale after, skipped after). Worked by hand from the docstring rules.
+    sequence = [
+        (True, 8, 0), (True, 8, 0), (True, 16, 0),    # 3 finite steps -> grow
+        (False, 16, 1),                               # 1st overflow: hysteresis absorbs it
+        (True, 16, 1), (True, 16, 1),                 # counter restarted at 0 after overflow
+        (False, 8, 2),                                # 2nd overflow since growth: back off
+        (False, 4, 3),                                # budget spent: back off again
+        (False, 2, 4), (False, 2, 5),                 # floor at min_scale
+        (True, 2, 5), (True, 2, 5), (True, 4, 5),     # growth refills hysteresis
+        (False, 4, 6),                                # absorbed again
+    ]
+    for step, (finite, want_scale, want_skipped) in enumerate(sequence):
+        scale = adjust(scale, finite)
+        assert float(scale.loss_scale) == want_scale, f"step {step}"
+        assert int(scale.skipped_steps) == want_skipped, f"step {step}"
+    assert isinstance(scale, prec.DynamicLossScale) and scale.growth_interval == 3
+
+
+def test_dynamic_loss_scale_growth_never_overflows():
+    scale = prec.DynamicLossScale(initial_scale=2.0**127, growth_interval=1)
+    scale = scale.adjust(True)
+    assert float(scale.loss_scale) == 2.0**127
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(initial_scale=0.0), "initial_scale > 0"),
+    (dict(growth_interval=0), "growth_interval >= 1"),
+    (dict(growth_factor=0.5), "growth_factor >= 1"),
+    (dict(backoff_factor=1.5), "0 < backoff_factor <= 1"),
+    (dict(hysteresis=0), "hysteresis >= 1"),
+    (dict(min_scale=-1.0), "min_scale > 0"),
+])
+def test_dynamic_loss_scale_bad_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        prec.DynamicLossScale(**kwargs)
+
+
+def test_static_loss_scale_bad_scale():
+    with pytest.raises(ValueError, match="finite positive"):
+        prec.StaticLossScale(0.0)
+    with pytest.raises(TypeError, match="must be a scalar"):
+        prec.StaticLossScale(jnp.ones(2))
+
+
+@pytest.mark.parametrize("make", [prec.NoOpLossScale, lambda: prec.StaticLossScale(1024.0),
+                                  lambda: prec.DynamicLossScale(initial_scale=2.0**10)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_scale_unscale_round_trip_is_a_pytree(make, dtype):
+    scale = make()
+    grads = {"a": jnp.linspace(-3, 3, 7, dtype=dtype), "n": jnp.arange(3)}
+
+    @jax.jit
+    def round_trip(s, g):
+        return s.unscale(s.scale(g)), s.scale(jnp.asarray(2.0, dtype))
+    back, scaled_loss = round_trip(scale, grads)
+    np.testing.assert_array_equal(back["a"], grads["a"])
+    assert back["a"].dtype == dtype and back["n"].dtype == grads["n"].dtype
+    assert float(scaled_loss) == 2.0 * float(scale.loss_scale)
+    leaves, treedef = jax.tree.flatten(scale)
+    assert type(jax.tree.unflatten(treedef, leaves)) is type(scale)
+    assert scale.skipped_steps.dtype == jnp.int32 and scale.loss_scale.dtype == jnp.float32
+
+
+def test_all_finite_and_select_tree():
+    good = {"a": jnp.ones(3), "i": jnp.arange(2)}
+    assert bool(jax.jit(prec.all_finite)(good)) and bool(prec.all_finite({"i": jnp.arange(2)}))
+    for bad in (jnp.inf, -jnp.inf, jnp.nan):
+        assert not bool(jax.jit(prec.all_finite)({"a": jnp.array([1.0, bad]), "i": jnp.arange(2)}))
+    other = {"a": jnp.zeros(3), "i": jnp.arange(2) + 5}
+    picked = jax.jit(prec.select_tree)(jnp.asarray(False), good, other)
+    np.testing.assert_array_equal(picked["i"], other["i"])
+    with pytest.raises(ValueError, match="pred must be a scalar"):
+        prec.select_tree(jnp.array([True, False]), good, other)
+
+
+@pytest.mark.parametrize("bad", [jnp.inf, jnp.nan])
+def test_non_finite_step_is_skipped_with_real_optimizer(bad):
+    """fp16 training loop: an injected inf/nan leaves params and Adam state as they were."""
+    params = {"w": jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32).reshape(2, 3),
+              "b": jnp.zeros((3,), jnp.float32)}
+    x = jax.random.normal(jax.random.key(0), (4, 2), jnp.float32)
+    optimizer = optax.sgd(0.1, momentum=0.9)
+    policy = prec.get_policy("fp16")
+
+    @jax.jit
+    def step(params, opt_state, scale, poison):
+        def loss_fn(p):
+            p = policy.cast_to_compute(p)
+            out = (x.astype(policy.compute_dtype) @ p["w"] + p["b"]) * poison
+            return scale.scale(jnp.mean(out.astype(jnp.float32) ** 2))
+        grads = jax.grad(loss_fn)(params)
+        return prec.apply_updates_if_finite(optimizer, grads, opt_state, params, scale)
+
+    scale = prec.loss_scale_for(policy)
+    opt_state = optimizer.init(params)
+    params1, opt_state1, scale1, finite = step(params, opt_state, scale, jnp.float16(1.0))
+    assert bool(finite) and not np.allclose(params1["w"], params["w"])
+    # Reference for the finite step: plain f32 optax without scaling.
+    ref_grads = jax.grad(lambda p: jnp.mean((x @ p["w"] + p["b"]) ** 2))(params)
+    ref_updates, _ = optimizer.update(ref_grads, opt_state, params)
+    np.testing.assert_allclose(params1["w"], optax.apply_updates(params, ref_updates)["w"],
+                               rtol=2e-3, atol=2e-4)
+    params2, opt_state2, scale2, finite = step(params1, opt_state1, scale1, jnp.float16(bad))
+    assert not bool(finite)
+    for new, old in zip(jax.tree.leaves((params2, opt_state2)), jax.tree.leaves((params1, opt_state1))):
+        np.testing.assert_array_equal(new, old)
+    assert int(scale2.skipped_steps) == 1
+    # Default hysteresis=2: the first overflow is absorbed, the second backs off.
+    assert float(scale2.loss_scale) == 2.0**15
+    _, _, scale3, _ = step(params2, opt_state2, scale2, jnp.float16(bad))
+    assert float(scale3.loss_scale) == 2.0**14 and int(scale3.skipped_steps) == 2
+
+
+def test_adam_under_standard_promotion_is_skipped_too():
+    # optax.adam mixes Python floats with its int32 count, which strict
+    # promotion (tests/conftest.py) rejects; users run with standard promotion.
+    params = {"w": jnp.ones((3,), jnp.float32)}
+    optimizer = optax.adam(1e-2)
+    with jax.numpy_dtype_promotion("standard"):
+        state = optimizer.init(params)
+        step = jax.jit(lambda g, s, p, ls: prec.apply_updates_if_finite(optimizer, g, s, p, ls))
+        p1, s1, ls1, ok = step({"w": jnp.array([1.0, jnp.nan, 0.0])}, state, params,
+                               prec.NoOpLossScale())
+    assert not bool(ok) and int(ls1.skipped_steps) == 1
+    np.testing.assert_array_equal(p1["w"], params["w"])
+    assert int(s1[0].count) == 0
