@@ -1,0 +1,298 @@
+"""Tests for jaxopt_train.data."""
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxopt_train.data import (
+    ImageDataset,
+    TokenDataset,
+    load_image_npz,
+    load_text_corpus,
+    load_token_file,
+    process_batch_slice,
+    shard_batch,
+    stdlib_source_files,
+    synthetic_image_batch,
+    synthetic_lm_batch,
+)
+
+# ---------------------------------------------------------------- text corpus
+
+
+def test_stdlib_corpus_is_real_deterministic_and_cached():
+    files = stdlib_source_files()
+    assert files == sorted(files) and len(files) > 100
+    assert not any({"site-packages", "test", "tests"} & set(f.parts) for f in files)
+    corpus = load_text_corpus()
+    assert corpus.dtype == np.uint8 and corpus.size > 2**20
+    assert load_text_corpus() is corpus  # cached per process
+    assert not corpus.flags.writeable
+    assert bytes(corpus[:4096]) == b"".join(f.read_bytes() for f in files[:3])[:4096]
+    small = load_text_corpus(max_bytes=1000)
+    np.testing.assert_array_equal(small, corpus[:1000])
+
+
+def test_text_file_and_folder(tmp_path):
+    (tmp_path / "b.txt").write_text("world")
+    (tmp_path / "a.txt").write_text("hello ")
+    (tmp_path / ".hidden").write_text("SECRET")
+    np.testing.assert_array_equal(load_text_corpus(tmp_path), np.frombuffer(b"hello world", np.uint8))
+    np.testing.assert_array_equal(load_text_corpus(str(tmp_path / "b.txt")), np.frombuffer(b"world", np.uint8))
+
+
+def test_text_corpus_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_text_corpus(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="is empty"):
+        load_text_corpus(tmp_path / "empty")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(ValueError, match="is empty"):
+        load_text_corpus(tmp_path / "empty.txt")
+    with pytest.raises(ValueError, match="max_bytes=0 must be a positive int"):
+        load_text_corpus(max_bytes=0)
+
+
+# ---------------------------------------------------------------- TokenDataset
+
+
+def _window_starts(ds, batch):
+    """Finds where each input row starts in the split (tokens are 0..n-1)."""
+    return batch["inputs"][:, 0] - ds.tokens[0]
+
+
+def test_packed_batches_shift_by_one_and_are_deterministic():
+    tokens = np.arange(10_000, dtype=np.int64)
+    ds = TokenDataset(tokens, seq_len=16, val_fraction=0.1)
+    batch = ds.batch(3, 8)
+    assert batch["inputs"].shape == batch["targets"].shape == (8, 16)
+    assert batch["inputs"].dtype == batch["targets"].dtype == np.int32
+    np.testing.assert_array_equal(batch["targets"], batch["inputs"] + 1)
+    np.testing.assert_array_equal(np.diff(batch["inputs"], axis=1), 1)
+    # A fresh dataset (a resumed run) gives the same batch for the same step.
+    again = TokenDataset(tokens, seq_len=16, val_fraction=0.1).batch(3, 8)
+    np.testing.assert_array_equal(batch["inputs"], again["inputs"])
+    other_seed = TokenDataset(tokens, seq_len=16, val_fraction=0.1, seed=1).batch(3, 8)
+    assert not np.array_equal(batch["inputs"], other_seed["inputs"])
+
+
+def test_one_epoch_visits_every_window_once_and_epochs_differ():
+    ds = TokenDataset(np.arange(1_000), seq_len=10, val_fraction=0.05)  # 950 train tokens
+    assert ds.num_sequences == 94 and ds.num_batches_per_epoch(4) == 23
+    epoch0 = np.concatenate([_window_starts(ds, ds.batch(s, 2)) for s in range(47)])
+    epoch1 = np.concatenate([_window_starts(ds, ds.batch(s, 2)) for s in range(47, 94)])
+    for starts in (epoch0, epoch1):
+        assert len(set(starts)) == 94
+        assert len(set(starts % 10)) == 1  # one shift per epoch
+        assert starts.max() + 11 <= 950  # every target inside the split
+    assert not np.array_equal(np.sort(epoch0) - epoch0.min(), epoch0 - epoch0.min())  # shuffled
+    assert not np.array_equal(epoch0, epoch1)
+
+
+def test_rows_select_a_process_share_of_the_global_batch():
+    ds = TokenDataset(np.arange(5_000), seq_len=8)
+    full = ds.batch(7, 12)
+    part = ds.batch(7, 12, rows=slice(4, 8))
+    np.testing.assert_array_equal(part["inputs"], full["inputs"][4:8])
+
+
+def test_train_and_val_splits_do_not_overlap():
+    tokens = np.arange(2_000)
+    train = TokenDataset(tokens, seq_len=8, split="train", val_fraction=0.25)
+    val = TokenDataset(tokens, seq_len=8, split="val", val_fraction=0.25)
+    assert train.tokens.max() < val.tokens.min() and val.tokens.size == 500
+    assert val.batch(0, 4)["inputs"].min() >= 1500
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(tokens=np.arange(20), seq_len=30), ValueError, "seq_len=30 needs at least 31 tokens"),
+        (dict(tokens=np.arange(200), seq_len=8, split="test"), ValueError, "split='test'; legal values"),
+        (dict(tokens=np.arange(200), seq_len=0), ValueError, "seq_len=0 must be a positive int"),
+        (dict(tokens=np.ones(200, np.float32), seq_len=8), ValueError, "1-D integer array"),
+        (dict(tokens=np.arange(200), seq_len=8, val_fraction=1.0), ValueError, "val_fraction"),
+    ],
+)
+def test_token_dataset_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        TokenDataset(**kwargs)
+
+
+def test_token_dataset_bad_step_and_batch():
+    ds = TokenDataset(np.arange(200), seq_len=8)
+    with pytest.raises(ValueError, match="step=-1"):
+        ds.batch(-1, 2)
+    with pytest.raises(ValueError, match="batch_size=0"):
+        ds.batch(0, 0)
+
+
+# ---------------------------------------------------------------- token files
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_token_file_roundtrip(tmp_path, dtype):
+    tokens = (np.arange(3_000) * 7919 % 50_000).astype(dtype)
+    path = tmp_path / "train.bin"
+    tokens.tofile(path)
+    loaded = load_token_file(path, dtype)
+    assert isinstance(loaded, np.memmap) and loaded.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(loaded, tokens)
+    batch = TokenDataset(loaded, seq_len=32).batch(0, 4)
+    assert batch["inputs"].dtype == np.int32 and batch["inputs"].max() < 50_000
+
+
+def test_token_file_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_token_file(tmp_path / "missing.bin")
+    odd = tmp_path / "odd.bin"
+    np.arange(5, dtype=np.uint16).tofile(odd)  # 10 bytes: not a whole number of uint32
+    with pytest.raises(ValueError, match="not a multiple of 4.*another dtype"):
+        load_token_file(odd, "uint32")
+    with pytest.raises(ValueError, match=r"legal values: \('uint16', 'uint32'\)"):
+        load_token_file(odd, "int64")
+    with pytest.raises(ValueError, match="legal values"):
+        load_token_file(odd, "float16")
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="is empty"):
+        load_token_file(empty)
+
+
+# ---------------------------------------------------------------- images, synthetic
+
+
+def test_image_npz_and_dataset(tmp_path):
+    images = np.random.default_rng(0).integers(0, 256, (20, 8, 8, 3), dtype=np.uint8)
+    labels = np.arange(20) % 10
+    np.savez(tmp_path / "d.npz", images=images, labels=labels)
+    data = load_image_npz(tmp_path / "d.npz")
+    assert data["labels"].dtype == np.int32
+    ds = ImageDataset(data["images"], data["labels"], val_fraction=0.25)
+    assert ds.num_examples == 15 and ds.num_batches_per_epoch(4) == 3
+    batch = ds.batch(1, 4)
+    assert batch["images"].dtype == np.float32 and batch["images"].shape == (4, 8, 8, 3)
+    idx = [np.flatnonzero((images[:15] == (b * 255).round()).all(axis=(1, 2, 3)))[0] for b in batch["images"]]
+    np.testing.assert_array_equal(batch["labels"], labels[idx])
+    seen = np.concatenate([ds.batch(s, 5)["labels"] for s in range(3)])
+    assert sorted(seen) == sorted(labels[:15])
+
+
+def test_image_npz_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_image_npz(tmp_path / "none.npz")
+    np.savez(tmp_path / "a.npz", x=np.zeros(3))
+    with pytest.raises(ValueError, match=r"lacks arrays \['images', 'labels'\]"):
+        load_image_npz(tmp_path / "a.npz")
+    np.savez(tmp_path / "b.npz", images=np.zeros((3, 4, 4, 1)), labels=np.zeros(2, np.int64))
+    with pytest.raises(ValueError, match="3 images and 2 labels"):
+        load_image_npz(tmp_path / "b.npz")
+    np.savez(tmp_path / "c.npz", images=np.zeros((3, 4, 4)), labels=np.zeros(3, np.int64))
+    with pytest.raises(ValueError, match=r"\(N, H, W, C\)"):
+        load_image_npz(tmp_path / "c.npz")
+
+
+def test_synthetic_batches():
+    lm = synthetic_lm_batch(4, 16, 100, seed=3)
+    assert lm["inputs"].shape == (4, 16) and lm["inputs"].dtype == np.int32
+    np.testing.assert_array_equal(lm["inputs"][:, 1:], lm["targets"][:, :-1])
+    assert lm["inputs"].max() < 100
+    img = synthetic_image_batch(6, image_size=8, num_classes=3)
+    assert img["images"].shape == (6, 8, 8, 3) and img["images"].dtype == np.float32
+    assert img["labels"].dtype == np.int32 and img["labels"].max() < 3
+    with pytest.raises(ValueError, match="vocab_size=0"):
+        synthetic_lm_batch(4, 16, 0)
+
+
+# ---------------------------------------------------------------- sharding
+
+
+def test_shard_batch_over_8_devices():
+    mesh = jax.make_mesh((8,), ("data",))
+    batch = synthetic_lm_batch(16, 4, 50)
+    sharded = shard_batch(batch, mesh)
+    assert sharded["inputs"].sharding.spec == P("data")
+    shards = sharded["inputs"].addressable_shards
+    assert len(shards) == 8 and {s.data.shape for s in shards} == {(2, 4)}
+    np.testing.assert_array_equal(sharded["targets"], batch["targets"])
+    total = jax.jit(lambda b: jnp.sum(b["inputs"]))(sharded)
+    assert int(total) == int(batch["inputs"].sum())
+    assert process_batch_slice(16, mesh) == slice(0, 16)
+    assert process_batch_slice(16) == slice(0, 16)
+
+
+def test_shard_batch_replicates_over_other_axes():
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    sharded = shard_batch({"x": np.arange(8.0).reshape(8, 1)}, mesh)
+    shards = sharded["x"].addressable_shards
+    assert len(shards) == 8 and {s.data.shape for s in shards} == {(2, 1)}
+
+
+def test_shard_batch_errors():
+    mesh = jax.make_mesh((8,), ("data",))
+    with pytest.raises(ValueError, match="batch size 12 is not divisible by the 8 devices.*multiple of 8"):
+        shard_batch(synthetic_lm_batch(12, 4, 50), mesh)
+    with pytest.raises(ValueError, match="axis='batch' is not an axis of the mesh"):
+        shard_batch(synthetic_lm_batch(8, 4, 50), mesh, axis="batch")
+    with pytest.raises(ValueError, match="same leading batch size"):
+        shard_batch({"a": np.zeros(8), "b": np.zeros(16)}, mesh)
+    with pytest.raises(ValueError, match="not divisible by the 8 devices"):
+        process_batch_slice(12, mesh)
+
+
+_TWO_PROCESS_SCRIPT = textwrap.dedent(
+    """
+    import sys, jax
+    jax.config.update("jax_num_cpu_devices", 4)
+    pid = int(sys.argv[1])
+    jax.distributed.initialize(f"127.0.0.1:{sys.argv[2]}", num_processes=2, process_id=pid)
+    import numpy as np
+    from jaxopt_train.data import TokenDataset, process_batch_slice, shard_batch
+    mesh = jax.make_mesh((8,), ("data",))
+    ds = TokenDataset(np.arange(10_000), seq_len=8)
+    rows = process_batch_slice(16, mesh)
+    assert rows == slice(8 * pid, 8 * pid + 8), rows
+    batch = shard_batch(ds.batch(2, 16, rows=rows), mesh)
+    assert batch["inputs"].shape == (16, 8)
+    total = jax.jit(lambda b: b["inputs"].sum())(batch)
+    expected = int(ds.batch(2, 16)["inputs"].sum())
+    assert int(total) == expected, (int(total), expected)
+    print("OK", pid)
+    """
+)
+
+
+def test_two_processes_each_load_their_rows(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "two.py"
+    script.write_text(_TWO_PROCESS_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[1])}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(pid), str(port)], env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for pid in range(2)
+    ]
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=120)[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail("two-process shard_batch test timed out")
+    for pid, (proc, out) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0 and f"OK {pid}" in out, out[-3000:]
