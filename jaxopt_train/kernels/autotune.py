@@ -1,0 +1,185 @@
+"""Autotuning: sweep tilings, verify each against the reference, time, cache the winner.
+
+The cache is one JSON file (default `~/.cache/jaxopt_train/matmul_autotune.json`,
+directory overridable with `$JAXOPT_TRAIN_CACHE_DIR`) mapping
+"device kind | jax version | backend | dtype | shape bucket" to a config. Shape
+buckets round each of M, N, K up to a power of two, so one tuning run serves
+the nearby shapes a model produces. `matmul(..., config=None)` reads the
+cache first, then the shipped defaults in `configs.py`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import pathlib
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxopt_train.kernels.configs import MatmulConfig
+
+logger = logging.getLogger(__name__)
+
+Timer = Callable[[Callable[[], jax.Array]], float]
+_loaded: dict[str, dict] = {}  # cache path -> its parsed contents (read once per process)
+
+
+def cache_path() -> pathlib.Path:
+    root = os.environ.get("JAXOPT_TRAIN_CACHE_DIR") or pathlib.Path.home() / ".cache" / "jaxopt_train"
+    return pathlib.Path(root) / "matmul_autotune.json"
+
+
+def shape_bucket(m: int, n: int, k: int) -> str:
+    """Rounds each dim up to a power of two: (1000, 777, 513) -> 'm1024_n1024_k1024'."""
+    up = [1 << max(0, int(x - 1).bit_length()) for x in (m, n, k)]
+    return f"m{up[0]}_n{up[1]}_k{up[2]}"
+
+
+def cache_key(backend: str, device_kind: str, m: int, n: int, k: int, dtype) -> str:
+    return "|".join((device_kind, f"jax{jax.__version__}", backend, str(jnp.dtype(dtype)),
+                     shape_bucket(m, n, k)))
+
+
+def _read(path: pathlib.Path) -> dict:
+    key = str(path)
+    if key not in _loaded:
+        try:
+            _loaded[key] = json.loads(path.read_text())
+        except FileNotFoundError:
+            _loaded[key] = {}
+        except (OSError, json.JSONDecodeError) as err:
+            logger.warning("ignoring unreadable autotune cache %s: %s", path, err)
+            _loaded[key] = {}
+    return _loaded[key]
+
+
+def lookup(backend: str, device_kind: str, m: int, n: int, k: int, dtype) -> MatmulConfig | None:
+    """The cached winner for this problem, or None."""
+    entry = _read(cache_path()).get(cache_key(backend, device_kind, m, n, k, dtype))
+    return None if entry is None else MatmulConfig.from_dict(entry["config"])
+
+
+def store(backend: str, device_kind: str, m: int, n: int, k: int, dtype, config: MatmulConfig,
+          seconds: float) -> None:
+    """Adds one winner to the cache file (atomic rename; other entries kept)."""
+    path = cache_path()
+    data = dict(_read(path))
+    data[cache_key(backend, device_kind, m, n, k, dtype)] = {
+        "config": config.to_dict(), "seconds": seconds, "shape": [m, n, k]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    tmp.replace(path)
+    _loaded[str(path)] = data
+
+
+def default_candidates(backend: str) -> list[MatmulConfig]:
+    """The sweep for `backend`: tiles x pipeline depth x warps x tile order."""
+    if backend == "mosaic_gpu":
+        grid = itertools.product((128,), (128, 256), (64,), (3, 4, 5), (4, 8, 16), ("m", "n"))
+        return [MatmulConfig(block_m=bm, block_n=bn, block_k=bk, num_stages=s, group_m=g,
+                             grid_minor=minor)
+                for bm, bn, bk, s, g, minor in grid if not (bn == 256 and s > 4)]
+    if backend == "triton":
+        grid = itertools.product(((128, 256, 64), (256, 128, 64), (128, 128, 64), (128, 128, 32),
+                                  (64, 128, 64)), (3, 4), (4, 8))
+        return [MatmulConfig(block_m=bm, block_n=bn, block_k=bk, num_stages=s, num_warps=w)
+                for (bm, bn, bk), s, w in grid if not (bm * bn >= 128 * 256 and w == 4)]
+    if backend == "pallas_tpu":
+        return [MatmulConfig(block_m=bm, block_n=bn, block_k=bk)
+                for bm, bn, bk in ((128, 128, 128), (256, 256, 256), (512, 512, 256),
+                                   (256, 512, 512))]
+    if backend == "interpret":
+        return [MatmulConfig(block_m=b, block_n=b, block_k=b, num_stages=1) for b in (16, 32)]
+    raise ValueError(f"{backend=} has no tunable kernel; expected mosaic_gpu, triton, "
+                     f"pallas_tpu or interpret")
+
+
+def burst_timer(fn: Callable[[], jax.Array], *, calls: int = 10, repeats: int = 3) -> float:
+    """Median seconds per call over `repeats` bursts of back-to-back calls."""
+    jax.block_until_ready(fn())  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = fn()
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
+
+
+def _tolerance(dtype) -> float:
+    return 2e-2 if jnp.dtype(dtype) in (jnp.bfloat16, jnp.float32) else 5e-3
+
+
+def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: str = "auto",
+             candidates: Sequence[MatmulConfig] | None = None, timer: Timer | None = None,
+             write_cache: bool = True, seed: int = 0) -> dict[tuple[int, int, int], MatmulConfig]:
+    """Finds the fastest correct config for each (M, N, K) and caches it.
+
+    Every candidate first runs on random data and must match `matmul_reference`
+    (relative max error under 2e-2 for bf16, 5e-3 for fp16); failing or
+    non-compiling candidates are skipped with a log line.
+
+    Args:
+        shapes: (M, N, K) triples.
+        dtype: input dtype (bfloat16 or float16).
+        backend: a kernel backend, or "auto".
+        candidates: configs to sweep; default `default_candidates(backend)`.
+        timer: `timer(fn) -> seconds per call`; default `burst_timer`.
+        write_cache: store winners in the cache file.
+
+    Returns:
+        {(M, N, K): winning config}.
+
+    Raises:
+        RuntimeError: when no candidate passes for some shape.
+    """
+    from jaxopt_train.kernels.matmul import matmul, matmul_reference, resolve_backend
+
+    backend = resolve_backend(backend)
+    if backend == "xla":
+        raise ValueError("backend resolved to 'xla', which has nothing to tune; pass a kernel backend")
+    candidates = list(candidates or default_candidates(backend))
+    timer = timer or burst_timer
+    device_kind = jax.devices()[0].device_kind
+    winners = {}
+    for shape in shapes:
+        m, n, k = (int(x) for x in shape)
+        key_a, key_b = jax.random.split(jax.random.key(seed))
+        a = jax.random.normal(key_a, (m, k), jnp.float32).astype(dtype)
+        b = jax.random.normal(key_b, (k, n), jnp.float32).astype(dtype)
+        reference = np.asarray(matmul_reference(a, b, out_dtype=jnp.float32))
+        scale = float(np.max(np.abs(reference))) or 1.0
+        best: tuple[float, MatmulConfig] | None = None
+        for config in candidates:
+            fn = jax.jit(lambda a, b, c=config: matmul(a, b, backend=backend, config=c))
+            try:
+                out = np.asarray(fn(a, b).astype(jnp.float32))
+            except Exception as err:  # noqa: BLE001 - a candidate that fails to build is skipped
+                logger.info("autotune %s %s: %s failed: %s", backend, (m, n, k), config, err)
+                continue
+            error = float(np.max(np.abs(out - reference))) / scale
+            if not error <= _tolerance(dtype):
+                logger.warning("autotune %s %s: %s rejected, relative error %.3g",
+                               backend, (m, n, k), config, error)
+                continue
+            seconds = timer(lambda fn=fn: fn(a, b))
+            logger.info("autotune %s %s: %s %.1f us", backend, (m, n, k), config, seconds * 1e6)
+            if best is None or seconds < best[0]:
+                best = (seconds, config)
+        if best is None:
+            raise RuntimeError(f"autotune: no candidate passed the reference check for "
+                               f"{(m, n, k)=} on {backend=}; tried {len(candidates)}")
+        winners[(m, n, k)] = best[1]
+        if write_cache:
+            store(backend, device_kind, m, n, k, dtype, best[1], best[0])
+    return winners

@@ -1,0 +1,128 @@
+"""Tile configurations for the matmul kernels, and the defaults we ship.
+
+One frozen dataclass describes a tiling for every backend; each backend reads
+the fields it understands (the Pallas BlockSpec kernels ignore `num_warps`,
+Triton ignores `grid_minor`). Defaults are keyed by backend and device kind;
+`autotune` can replace them with measured winners.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+BACKENDS = ("auto", "mosaic_gpu", "triton", "pallas_tpu", "interpret", "xla")
+ACTIVATIONS = (None, "gelu", "relu", "silu")
+GRID_MINOR = ("m", "n")
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig:
+    """Block sizes and scheduling knobs of one matmul kernel launch.
+
+    Attributes:
+        block_m: rows of C computed per program (per warpgroup pair on Mosaic GPU).
+        block_n: columns of C computed per program.
+        block_k: depth of one K step (one TMA load / one pipeline stage).
+        num_stages: software-pipeline depth (Triton `num_stages`, Mosaic GPU
+            `max_concurrent_steps`).
+        num_warps: Triton warps per program (ignored elsewhere).
+        group_m: width of the L2-reuse band of the tile order (Triton's grouped
+            ordering, Mosaic GPU's planar snake); 1 means plain row-major.
+        grid_minor: which tile index varies fastest inside a band ("m" or "n").
+    """
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    num_stages: int = 4
+    num_warps: int = 8
+    group_m: int = 8
+    grid_minor: str = "n"
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not _is_pow2(value) or value < 8:
+                raise ValueError(f"MatmulConfig.{name}={value!r} must be a power of two >= 8")
+        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
+            raise ValueError(f"MatmulConfig.num_stages={self.num_stages!r} must be an int in [1, 8]")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"MatmulConfig.num_warps={self.num_warps!r} must be one of 1, 2, 4, 8, 16")
+        if not isinstance(self.group_m, int) or self.group_m < 1:
+            raise ValueError(f"MatmulConfig.group_m={self.group_m!r} must be an int >= 1")
+        if self.grid_minor not in GRID_MINOR:
+            raise ValueError(f"MatmulConfig.grid_minor={self.grid_minor!r} must be one of {GRID_MINOR}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "MatmulConfig":
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown MatmulConfig fields {sorted(unknown)}; "
+                             f"expected some of {[f.name for f in dataclasses.fields(cls)]}")
+        return cls(**data)
+
+
+def as_config(config: MatmulConfig | dict | None) -> MatmulConfig | None:
+    """Accepts a MatmulConfig, a dict of its fields, or None."""
+    if config is None or isinstance(config, MatmulConfig):
+        return config
+    if isinstance(config, dict):
+        return MatmulConfig.from_dict(config)
+    raise TypeError(f"config={config!r} must be a MatmulConfig, a dict of its fields, or None")
+
+
+# Hopper (H100 and H200 share the SM: the same tile wins on both). Mosaic GPU
+# runs two consumer warpgroups, each owning a block_m x block_n accumulator,
+# stacked along M, so one CTA covers 2*block_m rows.
+_HOPPER_MOSAIC = MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=4,
+                              group_m=8, grid_minor="n")
+_HOPPER_TRITON = MatmulConfig(block_m=128, block_n=256, block_k=64, num_stages=3,
+                              num_warps=8, group_m=8)
+_SMALL_TRITON = MatmulConfig(block_m=64, block_n=64, block_k=32, num_stages=3,
+                             num_warps=4, group_m=8)
+# Interpret mode runs on the CPU: small tiles keep the emulated grid cheap.
+_INTERPRET = MatmulConfig(block_m=32, block_n=32, block_k=32, num_stages=1, num_warps=4,
+                          group_m=1)
+# TPU MXU wants lane-dense (x128) tiles; 256 fills v5e/v6e MXUs better but 128
+# is legal everywhere.
+_TPU = MatmulConfig(block_m=256, block_n=256, block_k=256, num_stages=2, group_m=1)
+
+SHIPPED_DEFAULTS: dict[tuple[str, str], MatmulConfig] = {
+    ("mosaic_gpu", "NVIDIA H100"): _HOPPER_MOSAIC,
+    ("mosaic_gpu", "NVIDIA H200"): _HOPPER_MOSAIC,
+    ("triton", "NVIDIA H100"): _HOPPER_TRITON,
+    ("triton", "NVIDIA H200"): _HOPPER_TRITON,
+}
+_FALLBACK = {
+    "mosaic_gpu": _HOPPER_MOSAIC,
+    "triton": _HOPPER_TRITON,
+    "pallas_tpu": _TPU,
+    "interpret": _INTERPRET,
+    "xla": MatmulConfig(),
+}
+
+
+def _device_family(device_kind: str) -> str:
+    """Maps e.g. 'NVIDIA H100 80GB HBM3' to the 'NVIDIA H100' key."""
+    for _, kind in SHIPPED_DEFAULTS:
+        if device_kind.startswith(kind):
+            return kind
+    return device_kind
+
+
+def default_config(backend: str, device_kind: str, m: int, n: int, k: int) -> MatmulConfig:
+    """The shipped tiling for `backend` on `device_kind` at problem size (m, n, k)."""
+    if backend not in _FALLBACK:
+        raise ValueError(f"{backend=} has no default config; expected one of {sorted(_FALLBACK)}")
+    config = SHIPPED_DEFAULTS.get((backend, _device_family(device_kind)), _FALLBACK[backend])
+    if backend == "triton" and max(m, n) <= 512:
+        config = _SMALL_TRITON
+    return config

@@ -1,0 +1,91 @@
+"""A drop-in `dot_general` for Flax layers that routes dense matmuls to our kernels.
+
+`nnx.Linear(..., dot_general=make_dot_general("mosaic_gpu"))` or
+`linen.Dense(..., dot_general=...)`. Flax calls
+`dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=None,
+out_sharding=None[, preferred_element_type=...])`. That pattern, with both
+operands in bfloat16 or float16, goes to `matmul`; everything else (batch
+dims, other contracting dims, float32 operands, an explicit precision or
+out_sharding) goes to `lax.dot_general` unchanged, so swapping it in never
+changes what a model computes outside the kernels' domain.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxopt_train.kernels.configs import MatmulConfig
+from jaxopt_train.kernels.matmul import matmul, resolve_backend
+
+logger = logging.getLogger(__name__)
+
+_KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_DEFAULT_PRECISIONS = (None, lax.Precision.DEFAULT, (None, None),
+                       (lax.Precision.DEFAULT, lax.Precision.DEFAULT))
+MATMUL_CHOICES = ("xla", "pallas", "triton")
+
+
+def _kernel_eligible(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+                     out_sharding) -> bool:
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+    return (rhs.ndim == 2 and lhs.ndim >= 2
+            and tuple(lhs_contract) == (lhs.ndim - 1,) and tuple(rhs_contract) == (0,)
+            and not tuple(lhs_batch) and not tuple(rhs_batch)
+            and jnp.dtype(lhs.dtype) in _KERNEL_DTYPES and lhs.dtype == rhs.dtype
+            and precision in _DEFAULT_PRECISIONS and out_sharding is None
+            and (preferred_element_type is None
+                 or jnp.dtype(preferred_element_type) in (*_KERNEL_DTYPES, jnp.dtype(jnp.float32))))
+
+
+def make_dot_general(backend: str = "auto", config: MatmulConfig | dict | None = None) -> Callable:
+    """Returns a `lax.dot_general`-compatible function backed by `matmul(backend=...)`.
+
+    The backend is resolved on first call (not here: nothing touches devices at
+    construction). If it resolves to "xla" the function is `lax.dot_general`.
+    """
+    state: dict[str, str] = {}
+
+    def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                    out_sharding=None, **kwargs):
+        if "resolved" not in state:
+            state["resolved"] = resolve_backend(backend)
+        if state["resolved"] != "xla" and not kwargs and _kernel_eligible(
+                lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding):
+            return matmul(lhs, rhs, out_dtype=preferred_element_type or lhs.dtype,
+                          backend=state["resolved"], config=config)
+        extra = dict(kwargs)
+        if out_sharding is not None:
+            extra["out_sharding"] = out_sharding
+        return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                               preferred_element_type=preferred_element_type, **extra)
+
+    dot_general.backend = backend
+    return dot_general
+
+
+dot_general = make_dot_general("auto")
+dot_general.__doc__ = "`make_dot_general('auto')`: the platform's fastest matmul kernel, else XLA."
+
+
+def dot_general_for(choice: str) -> Callable:
+    """The dot_general behind a `--matmul xla|pallas|triton` flag.
+
+    "pallas" means the Pallas kernel of the platform: Mosaic GPU on Hopper,
+    Mosaic TPU on TPU, interpret mode elsewhere (slow: for tests only).
+    """
+    if choice not in MATMUL_CHOICES:
+        raise ValueError(f"--matmul {choice!r} is unknown; expected one of {MATMUL_CHOICES}")
+    if choice == "xla":
+        return lax.dot_general
+    if choice == "triton":
+        return make_dot_general("triton")
+    platform = jax.devices()[0].platform
+    pallas_backend = {"gpu": "mosaic_gpu", "tpu": "pallas_tpu"}.get(platform, "interpret")
+    if pallas_backend == "interpret":
+        logger.warning("--matmul pallas on %s runs the Pallas kernel in interpret mode (slow)", platform)
+    return make_dot_general(pallas_backend)

@@ -1,0 +1,289 @@
+"""`matmul`: one differentiable entry point over every matmul kernel backend.
+
+    C = activation(A @ B + bias)     A: (..., M, K), B: (K, N), bias: (N,)
+
+Precision rule (stated once, applied by every backend, the reference included):
+inputs must share one dtype among bfloat16, float16 and float32; float32 inputs
+are rounded to bfloat16 first (the tensor-core input type); products accumulate
+in float32, the epilogue runs in float32, and the result is cast to `out_dtype`
+(default: the dtype A arrived in).
+
+Backends: "mosaic_gpu" (Pallas on Hopper: TMA, wgmma, warp-specialised
+pipeline), "triton" (jax-triton custom call), "pallas_tpu" (Mosaic TPU BlockSpec
+kernel), "interpret" (that same BlockSpec kernel interpreted on any platform),
+"xla" (`jnp.dot`, the fallback) and "auto" (picked by platform, logged at debug
+level). The VJP runs dA = dZ @ B^T and dB = A^T @ dZ through the same backend.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxopt_train.kernels import configs
+from jaxopt_train.kernels.configs import ACTIVATIONS, BACKENDS, MatmulConfig, as_config
+from jaxopt_train.kernels.epilogue import ACTIVATION_FNS, apply_epilogue
+
+logger = logging.getLogger(__name__)
+
+INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+OUTPUT_DTYPES = INPUT_DTYPES
+
+
+# ----------------------------------------------------------------------------- validation
+def _check_inputs(a, b, bias, activation, out_dtype):
+    """Validates the public arguments; returns (compute_dtype, out_dtype)."""
+    for name, x in (("a", a), ("b", b)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if a.ndim < 2:
+        raise ValueError(f"a must have rank >= 2 (..., M, K); got {a.shape=}")
+    if b.ndim != 2:
+        raise ValueError(f"b must have rank 2 (K, N); got {b.shape=}")
+    if a.shape[-1] != b.shape[0]:
+        raise ValueError(f"contracting dims differ: a.shape[-1]={a.shape[-1]} (K) but "
+                         f"b.shape[0]={b.shape[0]}; expected a (..., M, K) and b (K, N)")
+    if 0 in a.shape or 0 in b.shape:
+        raise ValueError(f"empty operands are not supported: {a.shape=}, {b.shape=}")
+    if a.dtype != b.dtype:
+        raise TypeError(f"a and b must share a dtype; got {a.dtype=} and {b.dtype=} "
+                        f"(cast one of them; legal: bfloat16, float16, float32)")
+    if jnp.dtype(a.dtype) not in INPUT_DTYPES:
+        raise TypeError(f"{a.dtype=} is not supported; expected one of bfloat16, float16, float32")
+    if bias is not None:
+        if bias.shape != (b.shape[1],):
+            raise ValueError(f"bias must have shape (N,)=({b.shape[1]},); got {bias.shape=}")
+        if not jnp.issubdtype(bias.dtype, jnp.floating):
+            raise TypeError(f"bias must be floating point; got {bias.dtype=}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{activation=} is not supported; expected one of {ACTIVATIONS}")
+    out_dtype = jnp.dtype(a.dtype if out_dtype is None else out_dtype)
+    if out_dtype not in OUTPUT_DTYPES:
+        raise TypeError(f"{out_dtype=} is not supported; expected one of bfloat16, float16, float32")
+    compute = jnp.dtype(jnp.bfloat16) if a.dtype == jnp.float32 else jnp.dtype(a.dtype)
+    return compute, out_dtype
+
+
+# ----------------------------------------------------------------------------- backends
+def _mosaic_gpu_available() -> tuple[bool, str]:
+    devices = jax.devices()
+    if devices[0].platform != "gpu":
+        return False, f"needs a GPU; jax.devices()[0].platform={devices[0].platform!r}"
+    capability = str(getattr(devices[0], "compute_capability", ""))
+    if not capability.startswith("9"):
+        return False, f"needs a Hopper GPU (compute capability 9.x); got {capability!r}"
+    try:
+        importlib.import_module("jax.experimental.pallas.mosaic_gpu")
+    except ImportError as err:
+        return False, f"jax.experimental.pallas.mosaic_gpu failed to import: {err}"
+    return True, f"Hopper GPU ({devices[0].device_kind}, sm_{capability.replace('.', '')})"
+
+
+def _triton_available() -> tuple[bool, str]:
+    devices = jax.devices()
+    if devices[0].platform != "gpu":
+        return False, f"needs a CUDA GPU; jax.devices()[0].platform={devices[0].platform!r}"
+    try:
+        import jax_triton  # noqa: F401
+    except ImportError as err:  # CPU-only jax raises ImportError, not ModuleNotFoundError
+        return False, f"jax_triton is not importable ({err}); pip install jax-triton"
+    return True, f"CUDA GPU ({devices[0].device_kind}) with jax_triton"
+
+
+def _tpu_available() -> tuple[bool, str]:
+    platform = jax.devices()[0].platform
+    if platform != "tpu":
+        return False, f"needs a TPU; jax.devices()[0].platform={platform!r} (use 'interpret' on CPU)"
+    return True, "TPU"
+
+
+_AVAILABILITY = {"mosaic_gpu": _mosaic_gpu_available, "triton": _triton_available,
+                 "pallas_tpu": _tpu_available}
+
+
+def available_backends() -> list[str]:
+    """Concrete backends usable on this process's default device, fastest first."""
+    usable = [name for name, check in _AVAILABILITY.items() if check()[0]]
+    return usable + ["interpret", "xla"]
+
+
+def resolve_backend(backend: str) -> str:
+    """Maps "auto" to a concrete backend; checks an explicit one is usable here."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{backend=} is unknown; expected one of {BACKENDS}")
+    if backend in _AVAILABILITY:
+        ok, why = _AVAILABILITY[backend]()
+        if not ok:
+            raise RuntimeError(f"matmul backend {backend!r} is unavailable: {why}")
+        return backend
+    if backend != "auto":
+        return backend
+    for candidate in ("mosaic_gpu", "pallas_tpu", "triton"):
+        ok, why = _AVAILABILITY[candidate]()
+        if ok:
+            logger.debug("matmul backend auto -> %s: %s", candidate, why)
+            return candidate
+    logger.debug("matmul backend auto -> xla: no Pallas/Triton kernel backend on %s",
+                 jax.devices()[0].platform)
+    return "xla"
+
+
+def _device_kind() -> str:
+    return jax.devices()[0].device_kind
+
+
+def resolve_config(backend: str, m: int, n: int, k: int, dtype) -> MatmulConfig:
+    """Autotuned winner from the on-disk cache if present, else the shipped default."""
+    from jaxopt_train.kernels.autotune import lookup
+
+    cached = lookup(backend, _device_kind(), m, n, k, dtype)
+    if cached is not None:
+        return cached
+    return configs.default_config(backend, _device_kind(), m, n, k)
+
+
+# ----------------------------------------------------------------------------- kernels
+def _pow2_at_least(x: int, floor: int) -> int:
+    return max(floor, 1 << max(0, int(x - 1).bit_length()))
+
+
+def _pad_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    if x.shape == tuple(shape):
+        return x
+    return jnp.pad(x, [(0, t - s) for s, t in zip(x.shape, shape)])
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _blocked(a, b, bias, activation, out_dtype, config, interpret):
+    from jaxopt_train.kernels.pallas_blocked import blocked_matmul
+
+    (m, k), n = a.shape, b.shape[1]
+    if interpret is not False:
+        # Interpreted grids cost per step: never tile past the (pow2-rounded) problem.
+        config = MatmulConfig(**{**config.to_dict(),
+                                 "block_m": min(config.block_m, _pow2_at_least(m, 8)),
+                                 "block_n": min(config.block_n, _pow2_at_least(n, 8)),
+                                 "block_k": min(config.block_k, _pow2_at_least(k, 8))})
+    mp, np_, kp = (_round_up(m, config.block_m), _round_up(n, config.block_n),
+                   _round_up(k, config.block_k))
+    out = blocked_matmul(_pad_to(a, (mp, kp)), _pad_to(b, (kp, np_)),
+                         None if bias is None else _pad_to(bias, (np_,)),
+                         activation=activation, out_dtype=out_dtype, config=config,
+                         interpret=interpret)
+    return out[:m, :n]
+
+
+def _xla(a, b, bias, activation, out_dtype):
+    acc = jnp.dot(a, b, preferred_element_type=jnp.float32)
+    return apply_epilogue(acc, bias, activation).astype(out_dtype)
+
+
+def _forward_impl(a, b, bias, activation, out_dtype, backend, config):
+    """One 2-D kernel launch on already-validated, compute-dtype operands."""
+    if backend == "xla":
+        return _xla(a, b, bias, activation, out_dtype)
+    (m, k), n = a.shape, b.shape[1]
+    config = config or resolve_config(backend, m, n, k, a.dtype)
+    if backend == "interpret":
+        return _blocked(a, b, bias, activation, out_dtype, config, interpret=True)
+    if backend == "pallas_tpu":
+        return _blocked(a, b, bias, activation, out_dtype, config, interpret=False)
+    if backend == "mosaic_gpu":
+        from jaxopt_train.kernels.mosaic_gpu import mosaic_matmul
+
+        return mosaic_matmul(a, b, bias, activation=activation, out_dtype=out_dtype, config=config)
+    if backend == "triton":
+        from jaxopt_train.kernels.triton_kernel import triton_matmul
+
+        return triton_matmul(a, b, bias, activation=activation, out_dtype=out_dtype, config=config)
+    raise ValueError(f"{backend=} is not a concrete backend; expected one of {BACKENDS[1:]}")
+
+
+# ----------------------------------------------------------------------------- custom VJP
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _matmul_2d(a, b, bias, activation, out_dtype, backend, config):
+    return _forward_impl(a, b, bias, activation, out_dtype, backend, config)
+
+
+def _matmul_2d_fwd(a, b, bias, activation, out_dtype, backend, config):
+    out = _forward_impl(a, b, bias, activation, out_dtype, backend, config)
+    return out, (a, b, bias)
+
+
+def _matmul_2d_bwd(activation, out_dtype, backend, config, residuals, g):
+    a, b, bias = residuals
+    if activation is None:
+        dz = g
+    else:
+        # Recompute the pre-activation instead of storing it (an M x N f32
+        # residual per layer would cost more memory than one extra matmul).
+        z = _forward_impl(a, b, bias, None, jnp.float32, backend, config)
+        _, act_vjp = jax.vjp(ACTIVATION_FNS[activation], z)
+        (dz,) = act_vjp(g.astype(jnp.float32))
+    dz_compute = dz.astype(a.dtype)
+    da = _forward_impl(dz_compute, b.T, None, None, a.dtype, backend, config)
+    db = _forward_impl(a.T, dz_compute, None, None, b.dtype, backend, config)
+    dbias = None if bias is None else jnp.sum(dz.astype(jnp.float32), axis=0).astype(bias.dtype)
+    return da, db, dbias
+
+
+_matmul_2d.defvjp(_matmul_2d_fwd, _matmul_2d_bwd)
+
+
+# ----------------------------------------------------------------------------- public API
+def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
+           activation: str | None = None, out_dtype=None, backend: str = "auto",
+           config: MatmulConfig | dict | None = None) -> jax.Array:
+    """Fused `activation(a @ b + bias)` with f32 accumulation, differentiable.
+
+    Args:
+        a: (..., M, K) bfloat16, float16 or float32 (float32 is rounded to bfloat16).
+        b: (K, N), same dtype as `a`.
+        bias: optional (N,) floating-point vector added in f32 before the activation.
+        activation: None, "gelu" (tanh approximation), "relu" or "silu".
+        out_dtype: result dtype (bfloat16, float16 or float32); default `a.dtype`.
+        backend: one of "auto", "mosaic_gpu", "triton", "pallas_tpu", "interpret", "xla".
+        config: a `MatmulConfig` (or dict of its fields) overriding the autotuned
+            or shipped tiling; used for the backward matmuls too.
+
+    Returns:
+        (..., M, N) array of `out_dtype`.
+
+    Example:
+        >>> a = jnp.ones((4, 8), jnp.bfloat16); b = jnp.ones((8, 2), jnp.bfloat16)
+        >>> matmul(a, b, backend="xla", out_dtype=jnp.float32)[0, 0].item()
+        8.0
+    """
+    compute, out_dtype = _check_inputs(a, b, bias, activation, out_dtype)
+    config = as_config(config)
+    backend = resolve_backend(backend)
+    batch_shape, k, n = a.shape[:-1], a.shape[-1], b.shape[1]
+    a2 = a.reshape(int(np.prod(batch_shape)), k).astype(compute)
+    out = _matmul_2d(a2, b.astype(compute), bias, activation, out_dtype, backend, config)
+    return out.reshape(*batch_shape, n)
+
+
+def matmul_reference(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
+                     activation: str | None = None, out_dtype=None) -> jax.Array:
+    """Plain-jnp reference of `matmul`: same rounding rule, dot at Precision.HIGHEST.
+
+    The activations come from `jax.nn` (not the kernels' epilogue) so the
+    reference is independent of the code under test.
+    """
+    compute, out_dtype = _check_inputs(a, b, bias, activation, out_dtype)
+    a32 = a.astype(compute).astype(jnp.float32)
+    b32 = b.astype(compute).astype(jnp.float32)
+    z = jnp.dot(a32, b32, precision=jax.lax.Precision.HIGHEST)
+    if bias is not None:
+        z = z + bias.astype(jnp.float32)
+    reference_activations = {None: lambda x: x, "gelu": functools.partial(jax.nn.gelu, approximate=True),
+                             "relu": jax.nn.relu, "silu": jax.nn.silu}
+    return reference_activations[activation](z).astype(out_dtype)

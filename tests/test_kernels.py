@@ -1,0 +1,266 @@
+"""CPU tests of jaxopt_train.kernels: interpret-mode Pallas kernel vs the jnp reference."""
+
+from __future__ import annotations
+
+import json
+
+import flax.linen as linen
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax import lax
+
+from jaxopt_train.kernels import (MatmulConfig, autotune, dot_general_for, make_dot_general,
+                                  matmul, matmul_reference)
+from jaxopt_train.kernels import autotune as _  # noqa: F401  (the function re-export)
+from jaxopt_train.kernels import configs
+from jaxopt_train.kernels import matmul as matmul_fn
+from jaxopt_train.kernels import pallas_blocked
+
+import importlib
+
+autotune_mod = importlib.import_module("jaxopt_train.kernels.autotune")
+matmul_mod = importlib.import_module("jaxopt_train.kernels.matmul")
+
+TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3, jnp.float32: 1e-2}
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    """Every test sees an empty autotune cache in its own directory."""
+    monkeypatch.setenv("JAXOPT_TRAIN_CACHE_DIR", str(tmp_path))
+    autotune_mod._loaded.clear()
+
+
+def _operands(shape_a, k, n, dtype, seed=0):
+    ka, kb, kc = jax.random.split(jax.random.key(seed), 3)
+    a = jax.random.normal(ka, (*shape_a, k), jnp.float32).astype(dtype)
+    b = jax.random.normal(kb, (k, n), jnp.float32).astype(dtype)
+    bias = jax.random.normal(kc, (n,), jnp.float32)
+    return a, b, bias
+
+
+def _assert_close(out, ref, dtype):
+    out32, ref32 = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    scale = max(1.0, float(np.max(np.abs(ref32))))
+    np.testing.assert_allclose(out32, ref32, atol=TOL[dtype] * scale, rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (127, 129, 65)])
+def test_interpret_matches_reference(m, n, k, dtype):
+    a, b, _ = _operands((m,), k, n, dtype)
+    out = jax.jit(lambda a, b: matmul(a, b, backend="interpret", out_dtype=jnp.float32))(a, b)
+    ref = matmul_reference(a, b, out_dtype=jnp.float32)
+    assert out.shape == (m, n) and out.dtype == jnp.float32
+    # Same bf16/fp16 inputs, f32 accumulation both sides: only summation order differs.
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_batched_and_default_out_dtype():
+    a, b, bias = _operands((2, 3, 17), 40, 33, jnp.bfloat16)
+    out = jax.jit(lambda a, b, bias: matmul(a, b, bias=bias, activation="relu",
+                                            backend="interpret"))(a, b, bias)
+    assert out.shape == (2, 3, 17, 33) and out.dtype == jnp.bfloat16
+    _assert_close(out, matmul_reference(a, b, bias=bias, activation="relu"), jnp.bfloat16)
+
+
+def test_float32_inputs_are_rounded_to_bfloat16():
+    a, b, _ = _operands((9,), 20, 11, jnp.float32)
+    out = matmul(a, b, backend="interpret")
+    assert out.dtype == jnp.float32
+    rounded = matmul_reference(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), out_dtype=jnp.float32)
+    np.testing.assert_allclose(out, rounded, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("activation", [None, "gelu", "relu", "silu"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_epilogue_combinations(with_bias, activation):
+    a, b, bias = _operands((24,), 16, 40, jnp.bfloat16, seed=3)
+    bias = bias if with_bias else None
+    out = jax.jit(lambda a, b, bias: matmul(a, b, bias=bias, activation=activation,
+                                            backend="interpret", out_dtype=jnp.float32))(a, b, bias)
+    ref = matmul_reference(a, b, bias=bias, activation=activation, out_dtype=jnp.float32)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_xla_backend_matches_reference(dtype):
+    a, b, bias = _operands((2, 31), 47, 29, dtype)
+    out = jax.jit(lambda a, b, bias: matmul(a, b, bias=bias, activation="gelu", backend="xla"))(
+        a, b, bias)
+    _assert_close(out, matmul_reference(a, b, bias=bias, activation="gelu"), dtype)
+
+
+@pytest.mark.slow
+def test_large_odd_shape_once():
+    a, b, bias = _operands((1000,), 513, 777, jnp.bfloat16)
+    big_tiles = MatmulConfig(block_m=256, block_n=256, block_k=256)  # 4x4x3 interpreted steps
+    out = jax.jit(lambda a, b, bias: matmul(a, b, bias=bias, activation="silu", backend="interpret",
+                                            out_dtype=jnp.float32, config=big_tiles))(a, b, bias)
+    ref = matmul_reference(a, b, bias=bias, activation="silu", out_dtype=jnp.float32)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-3)
+
+
+def test_pallas_tpu_kernel_under_tpu_interpreter_with_race_detection():
+    from jax.experimental.pallas import tpu as pltpu
+
+    a, b, bias = _operands((64,), 96, 64, jnp.bfloat16)
+    config = MatmulConfig(block_m=32, block_n=32, block_k=32)
+    params = pltpu.InterpretParams(detect_races=True)
+    out = jax.jit(lambda a, b, bias: pallas_blocked.blocked_matmul(
+        a, b, bias, activation="gelu", out_dtype=jnp.float32, config=config,
+        interpret=params))(a, b, bias)
+    ref = matmul_reference(a, b, bias=bias, activation="gelu", out_dtype=jnp.float32)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
+
+    races = getattr(tpu_interpreter, "races", None)
+    assert races is not None and not races.races_found
+
+
+def _loss(fn):
+    return lambda a, b, bias: jnp.sum(jnp.sin(fn(a, b, bias).astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("backend", ["interpret", "xla"])
+@pytest.mark.parametrize("with_bias,activation", [(False, None), (True, "gelu")])
+def test_gradients_match_reference(backend, with_bias, activation):
+    a, b, bias = _operands((2, 19), 33, 21, jnp.bfloat16, seed=1)
+    bias = bias if with_bias else None
+    ours = _loss(lambda a, b, bias: matmul(a, b, bias=bias, activation=activation,
+                                           backend=backend, out_dtype=jnp.float32))
+    ref = _loss(lambda a, b, bias: matmul_reference(a, b, bias=bias, activation=activation,
+                                                    out_dtype=jnp.float32))
+    argnums = (0, 1, 2) if with_bias else (0, 1)
+    got = jax.jit(jax.grad(ours, argnums=argnums))(a, b, bias)
+    want = jax.grad(ref, argnums=argnums)(a, b, bias)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        # dZ is rounded to bf16 before the backward kernels (as XLA's bf16 dots do).
+        _assert_close(g, w, jnp.bfloat16)
+
+
+def test_nnx_linear_with_kernel_dot_general():
+    x = jax.random.normal(jax.random.key(0), (3, 5, 24), jnp.bfloat16)
+    kwargs = dict(dtype=jnp.bfloat16, param_dtype=jnp.float32)
+    layer = nnx.Linear(24, 40, rngs=nnx.Rngs(0), dot_general=make_dot_general("interpret"), **kwargs)
+    plain = nnx.Linear(24, 40, rngs=nnx.Rngs(0), **kwargs)
+    out = nnx.jit(lambda m, x: m(x))(layer, x)
+    assert out.shape == (3, 5, 40) and out.dtype == jnp.bfloat16
+    _assert_close(out, plain(x), jnp.bfloat16)
+    grads = nnx.grad(lambda m: jnp.sum(m(x).astype(jnp.float32) ** 2))(layer)
+    want = nnx.grad(lambda m: jnp.sum(m(x).astype(jnp.float32) ** 2))(plain)
+    _assert_close(grads["kernel"][...], want["kernel"][...], jnp.bfloat16)
+
+
+def test_linen_dense_with_kernel_dot_general():
+    x = jax.random.normal(jax.random.key(0), (4, 24), jnp.bfloat16)
+    dense = linen.Dense(16, dtype=jnp.bfloat16, dot_general=make_dot_general("interpret"))
+    variables = dense.init(jax.random.key(1), x)
+    out = jax.jit(dense.apply)(variables, x)
+    want = linen.Dense(16, dtype=jnp.bfloat16).apply(variables, x)
+    _assert_close(out, want, jnp.bfloat16)
+
+
+def test_dot_general_falls_back_for_unsupported_dimension_numbers():
+    dot = make_dot_general("interpret")
+    lhs = jax.random.normal(jax.random.key(0), (2, 3, 4), jnp.bfloat16)
+    rhs = jax.random.normal(jax.random.key(1), (2, 4, 5), jnp.bfloat16)
+    batched = (((2,), (1,)), ((0,), (0,)))
+    np.testing.assert_array_equal(dot(lhs, rhs, batched), lax.dot_general(lhs, rhs, batched))
+    f32 = lhs.astype(jnp.float32)[0]
+    dims = (((1,), (0,)), ((), ()))
+    np.testing.assert_array_equal(dot(f32, f32.T, dims, precision=lax.Precision.HIGHEST),
+                                  lax.dot_general(f32, f32.T, dims, precision=lax.Precision.HIGHEST))
+    assert dot_general_for("xla") is lax.dot_general
+    with pytest.raises(ValueError, match="expected one of"):
+        dot_general_for("cuda")
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda a, b: matmul(a[0], b), ValueError, "rank >= 2"),
+    (lambda a, b: matmul(a, b[None]), ValueError, "rank 2"),
+    (lambda a, b: matmul(a, b.astype(jnp.float16)), TypeError, "share a dtype"),
+    (lambda a, b: matmul(a.astype(jnp.int32), b.astype(jnp.int32)), TypeError, "not supported"),
+    (lambda a, b: matmul(a, b[:7]), ValueError, "contracting dims differ"),
+    (lambda a, b: matmul(a, b, backend="cuda"), ValueError, "expected one of"),
+    (lambda a, b: matmul(a, b, backend="mosaic_gpu"), RuntimeError, "unavailable"),
+    (lambda a, b: matmul(a, b, activation="tanh"), ValueError, "activation"),
+    (lambda a, b: matmul(a, b, bias=jnp.ones((3,))), ValueError, "bias must have shape"),
+    (lambda a, b: matmul(a, b, config={"block_m": 48}), ValueError, "power of two"),
+    (lambda a, b: matmul(a, b, config={"tile": 4}), ValueError, "unknown MatmulConfig"),
+    (lambda a, b: matmul(a, b, config=(1, 2)), TypeError, "MatmulConfig"),
+])
+def test_bad_inputs_raise_clear_errors(call, error, match):
+    a = jnp.ones((4, 8), jnp.bfloat16)
+    b = jnp.ones((8, 6), jnp.bfloat16)
+    with pytest.raises(error, match=match):
+        call(a, b)
+
+
+def test_default_configs_by_device_kind():
+    hopper = configs.default_config("mosaic_gpu", "NVIDIA H100 80GB HBM3", 8192, 8192, 8192)
+    assert hopper == configs.SHIPPED_DEFAULTS[("mosaic_gpu", "NVIDIA H100")]
+    assert configs.default_config("triton", "NVIDIA H200", 256, 256, 256).block_m == 64
+    with pytest.raises(ValueError, match="no default config"):
+        configs.default_config("auto", "cpu", 1, 1, 1)
+
+
+def test_autotune_picks_fastest_correct_candidate_and_caches_it(tmp_path, monkeypatch):
+    small, large = (MatmulConfig(block_m=16, block_n=16, block_k=16, num_stages=1),
+                    MatmulConfig(block_m=32, block_n=32, block_k=32, num_stages=1))
+    fake_seconds = {small: 2e-3, large: 1e-3}
+    timed = []
+
+    def timer(fn):
+        fn()
+        timed.append(current[0])
+        return fake_seconds[current[0]]
+
+    current = [None]
+    real_matmul = matmul_mod.matmul
+
+    def spying_matmul(a, b, *, config, **kw):
+        current[0] = config
+        return real_matmul(a, b, config=config, **kw)
+
+    monkeypatch.setattr(matmul_mod, "matmul", spying_matmul)
+    winners = autotune([(40, 24, 36)], jnp.bfloat16, backend="interpret",
+                       candidates=[small, large], timer=timer)
+    assert winners == {(40, 24, 36): large} and timed == [small, large]
+    data = json.loads((tmp_path / "matmul_autotune.json").read_text())
+    (key, entry), = data.items()
+    assert "jax" + jax.__version__ in key and key.endswith("m64_n32_k64")
+    assert entry["config"] == large.to_dict()
+    autotune_mod._loaded.clear()  # read back from disk, as a new process would
+    device_kind = jax.devices()[0].device_kind
+    assert autotune_mod.lookup("interpret", device_kind, 33, 17, 60, jnp.bfloat16) == large
+    assert matmul_mod.resolve_config("interpret", 33, 17, 60, jnp.bfloat16) == large
+    assert autotune_mod.lookup("interpret", device_kind, 33, 17, 60, jnp.float16) is None
+
+
+def test_autotune_rejects_wrong_candidates(monkeypatch):
+    good = MatmulConfig(block_m=16, block_n=16, block_k=16, num_stages=1)
+    broken = MatmulConfig(block_m=32, block_n=32, block_k=32, num_stages=1)
+    real_matmul = matmul_mod.matmul
+
+    def faulty_matmul(a, b, *, config, **kw):
+        out = real_matmul(a, b, config=config, **kw)
+        return out * 1.5 if config == broken else out
+
+    monkeypatch.setattr(matmul_mod, "matmul", faulty_matmul)
+    winners = autotune([(16, 16, 16)], backend="interpret", candidates=[broken, good],
+                       timer=lambda fn: 1.0, write_cache=False)
+    assert winners == {(16, 16, 16): good}
+    with pytest.raises(RuntimeError, match="no candidate passed"):
+        autotune([(16, 16, 16)], backend="interpret", candidates=[broken],
+                 timer=lambda fn: 1.0, write_cache=False)
+    with pytest.raises(ValueError, match="nothing to tune"):
+        autotune([(16, 16, 16)], backend="xla")
+
+
+def test_matmul_fn_is_reexported():
+    assert matmul_fn is matmul
