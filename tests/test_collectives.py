@@ -1,0 +1,204 @@
+"""Ring collectives against their lax references on 8 emulated devices (shard_map and pmap)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxopt_train.collectives import (
+    all_reduce_tree,
+    grouped_all_reduce,
+    hierarchical_all_reduce,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+)
+
+AUTO = jax.sharding.AxisType.Auto
+
+
+def _mesh(shape, names):
+    return jax.make_mesh(shape, names, axis_types=(AUTO,) * len(shape))
+
+
+def _smap(fn, mesh, in_specs, out_specs):
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
+
+
+def _put(x, mesh, spec):
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def _f32(x):
+    return np.asarray(x, np.float32)
+
+
+def _assert_sum_close(got, ref, abs_sum, n, dtype):
+    """|got - ref| <= n * eps(dtype) * sum_j |x_j| elementwise: reordering / per-hop rounding only."""
+    eps = float(jnp.finfo(dtype).eps)
+    err = np.abs(_f32(got) - _f32(ref))
+    bound = n * eps * _f32(abs_sum) + 1e-30
+    assert np.all(err <= bound), f"max err {err.max()} vs bound {bound.max()}"
+
+
+def _inputs(mesh, axes, rows_per_device, cols, dtype, integer_valued, seed=0):
+    n = mesh.devices.size
+    shape = (n * rows_per_device, cols)
+    if integer_valued:
+        x = jax.random.randint(jax.random.key(seed), shape, -8, 9).astype(dtype)
+    else:
+        x = jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+    return _put(x, mesh, P(axes))
+
+
+# One compiled function per (mesh, axis, dtype) computes every ring variant and
+# its reference, reused for random and exactly representable data: each ring
+# costs ~0.5 s to compile on CPU.
+@functools.cache
+def _suite_1d(dtype_name):
+    mesh = _mesh((8,), ("data",))
+    n = 8
+    dtype = jnp.dtype(dtype_name)
+    full = dtype == jnp.float32
+
+    def body(x, y):
+        out = {
+            "rs": ring_reduce_scatter(x, "data"),
+            "rs_ref": lax.psum_scatter(x, "data", scatter_dimension=0, tiled=True),
+            "rs_abs": lax.psum_scatter(jnp.abs(x), "data", scatter_dimension=0, tiled=True),
+            "ar": ring_all_reduce(y, "data"),
+            "ar_wire32": ring_all_reduce(y, "data", wire_dtype=jnp.float32),
+            "ar_ref": lax.psum(y, "data"),
+            "ar_abs": lax.psum(jnp.abs(y).astype(jnp.float32), "data"),
+        }
+        if full:
+            order = (3, 1, 0, 2, 7, 6, 5, 4)
+            out["rs_order"] = ring_reduce_scatter(x, "data", ring_order=order, num_chunks=3)
+            out["ag"] = ring_all_gather(x, "data", ring_order=order)
+            out["ag_ref"] = lax.all_gather(x, "data", axis=0, tiled=True)
+            out["ar_bidir"] = ring_all_reduce(y, "data", bidirectional=True, num_chunks=2)
+            out["ar_grouped"] = grouped_all_reduce(y, "data", 4, ring_order=order)
+        return out
+
+    return mesh, n, _smap(body, mesh, (P("data"), P("data")), P("data"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("integer_valued", [False, True])
+def test_rings_match_lax_on_8_devices(dtype, integer_valued):
+    mesh, n, fn = _suite_1d(dtype)
+    x = _inputs(mesh, "data", 2 * n, 3, dtype, integer_valued)  # divides n
+    y = _inputs(mesh, "data", 7, 3, dtype, integer_valued, seed=1)  # 21 elements: padded
+    out = fn(x, y)
+    assert out["rs"].dtype == out["ar"].dtype == jnp.dtype(dtype)
+    assert out["rs"].shape == out["rs_ref"].shape and out["ar"].shape == out["ar_ref"].shape
+    if integer_valued:  # every partial sum is exact: results must be bit-equal
+        for key in [k for k in out if not k.endswith(("_ref", "_abs"))]:
+            ref = out["ag_ref" if key == "ag" else "rs_ref" if key.startswith("rs") else "ar_ref"]
+            np.testing.assert_array_equal(_f32(out[key]), _f32(ref), err_msg=key)
+        return
+    _assert_sum_close(out["rs"], out["rs_ref"], out["rs_abs"], n, dtype)
+    _assert_sum_close(out["ar"], out["ar_ref"], out["ar_abs"], n, dtype)
+    # A f32 wire sums bf16/f16 in f32 with one final rounding: within one ulp of psum.
+    _assert_sum_close(out["ar_wire32"], out["ar_ref"], out["ar_abs"], 1, dtype)
+    if dtype == "float32":
+        np.testing.assert_array_equal(out["ag"], out["ag_ref"])
+        for key in ("rs_order",):
+            _assert_sum_close(out[key], out["rs_ref"], out["rs_abs"], n, dtype)
+        for key in ("ar_bidir", "ar_grouped"):
+            _assert_sum_close(out[key], out["ar_ref"], out["ar_abs"], n, dtype)
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
+def test_rings_and_hierarchical_on_2d_meshes(shape):
+    mesh = _mesh(shape, ("hosts", "local"))
+    both = ("hosts", "local")
+
+    def body(x, y):
+        out = {"hier": hierarchical_all_reduce(y, "local", "hosts"),
+               "hier_tree": all_reduce_tree(y, both, method="hierarchical"),
+               "ref": lax.psum(y, both), "abs": lax.psum(jnp.abs(y), both)}
+        for axis in both:
+            out[f"rs_{axis}"] = ring_reduce_scatter(x, axis)
+            out[f"rs_{axis}_ref"] = lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)
+            out[f"ag_{axis}"] = ring_all_gather(x, axis)
+            out[f"ag_{axis}_ref"] = lax.all_gather(x, axis, axis=0, tiled=True)
+            out[f"ar_{axis}"] = ring_all_reduce(y, axis, bidirectional=axis == "local")
+            out[f"ar_{axis}_ref"] = lax.psum(y, axis)
+        return out
+
+    fn = _smap(body, mesh, (P(both), P(both)), P(both))
+    x = _inputs(mesh, both, 8, 2, jnp.float32, integer_valued=False)
+    y = _inputs(mesh, both, 5, 3, jnp.float32, integer_valued=False, seed=1)
+    out = fn(x, y)
+    scale = 8 * 8 * float(jnp.finfo(jnp.float32).eps)
+    for key in [k for k in out if k not in ("ref", "abs") and not k.endswith("_ref")]:
+        ref = out["ref"] if key.startswith("hier") else out[f"{key}_ref"]
+        assert out[key].shape == ref.shape, key
+        np.testing.assert_allclose(out[key], ref, atol=scale * float(jnp.max(out["abs"])), rtol=0, err_msg=key)
+
+
+def test_rings_under_pmap():
+    n = 8
+
+    def body(x):
+        return {"ar": ring_all_reduce(x, "i", bidirectional=True), "ar_ref": lax.psum(x, "i"),
+                "rs": ring_reduce_scatter(x, "i"),
+                "rs_ref": lax.psum_scatter(x, "i", scatter_dimension=0, tiled=True),
+                "ag": ring_all_gather(x, "i"), "ag_ref": lax.all_gather(x, "i", axis=0, tiled=True),
+                "tree": all_reduce_tree({"w": x, "b": x[0]}, "i", method="ring", bucket_mb=0)}
+
+    x = jax.random.randint(jax.random.key(3), (n, n, 3), -5, 6).astype(jnp.float32)
+    out = jax.pmap(body, axis_name="i")(x)
+    for key in ("ar", "rs", "ag"):
+        np.testing.assert_array_equal(out[key], out[f"{key}_ref"], err_msg=key)
+    np.testing.assert_array_equal(out["tree"]["w"], out["ar_ref"])
+    np.testing.assert_array_equal(out["tree"]["b"], out["ar_ref"][:, 0])
+
+
+# Bad input: traced only, nothing compiles.
+def _trace(fn, x, mesh_shape=(8,), names=("data",)):
+    mesh = _mesh(mesh_shape, names)
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(names[0]), out_specs=P(names[0]),
+                                 check_vma=False)).trace(x)
+
+
+X = jnp.zeros((8 * 4, 2), jnp.float32)
+
+
+@pytest.mark.parametrize("fn, match", [
+    (lambda x: ring_all_reduce(x, "model"), "axis_name='model' is not a mapped axis"),
+    (lambda x: ring_reduce_scatter(x, "batch"), "axis_name='batch' is not a mapped axis"),
+    (lambda x: all_reduce_tree(x, "nope"), "axis_name='nope' is not a mapped axis"),
+    (lambda x: ring_reduce_scatter(x[0, 0], "data"), r"dimension 0 to scatter; got x.shape=\(\)"),
+    (lambda x: ring_all_gather(x[0, 0], "data"), r"dimension 0 to concatenate"),
+    (lambda x: ring_reduce_scatter(x[:3], "data"), r"x.shape\[0\]=3 divisible by the size 8"),
+    (lambda x: ring_all_reduce(x, "data", ring_order=[0, 1, 2]), "must be a permutation"),
+    (lambda x: ring_all_reduce(x, "data", num_chunks=0), "num_chunks=0 must be a positive int"),
+    (lambda x: all_reduce_tree(x, "data", method="tree"), r"method='tree' must be one of \('psum'"),
+    (lambda x: all_reduce_tree(x, "data", compression="fp8"), r"compression='fp8' must be None or one of"),
+    (lambda x: all_reduce_tree(x, "data", bucket_mb=-1), "bucket_mb=-1 must be >= 0"),
+    (lambda x: all_reduce_tree(x, "data", method="hierarchical", group_size=3), "group_size=3 must be a positive divisor"),
+    (lambda x: grouped_all_reduce(x, "data", 5), "group_size=5"),
+])
+def test_bad_input_gives_clear_errors(fn, match):
+    with pytest.raises(ValueError, match=match):
+        _trace(fn, X)
+
+
+def test_bad_types_and_axis_pairs():
+    with pytest.raises(TypeError, match="floating or integer array leaves"):
+        _trace(lambda x: all_reduce_tree({"a": x, "b": "text"}, "data"), X)
+    with pytest.raises(TypeError, match="floating or integer array; got dtype=bool"):
+        _trace(lambda x: ring_all_reduce(x > 0, "data"), X)
+    with pytest.raises(ValueError, match="must be two different mesh axes"):
+        _trace(lambda x: hierarchical_all_reduce(x, "data", "data"), X)
+    with pytest.raises(ValueError, match="runs over one axis"):
+        _trace(lambda x: all_reduce_tree(x, ("a", "b"), method="ring"), X, (2, 4), ("a", "b"))
+    with pytest.raises(ValueError, match="error_state= is only used with compression"):
+        _trace(lambda x: all_reduce_tree(x, "data", error_state=object()), X)
