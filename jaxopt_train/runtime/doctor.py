@@ -95,7 +95,9 @@ def _xla_flags_parse_error() -> str | None:
     if result.returncode == 0:
         return None
     lines = [line for line in result.stderr.splitlines() if "flag" in line.lower()]
-    return (lines[0] if lines else result.stderr.strip().splitlines()[-1:] or ["?"])[0][-300:]
+    lines = lines or result.stderr.strip().splitlines()[-1:] or [f"exit status {result.returncode}"]
+    # Drop glog's "F1130 02:13:12.473174 10179 file.cc:234] " prefix.
+    return lines[0].split("] ", 1)[-1][-300:]
 
 
 def check_xla_env() -> tuple[list[Check], bool]:
@@ -174,10 +176,9 @@ def _parse_driver(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(".") if part.isdigit())
 
 
-def _check_driver(nvml: ModuleType) -> list[Check]:
+def _check_driver(nvml: ModuleType, plugins: dict[int, str]) -> list[Check]:
     driver = nvml_lib.as_text(nvml.nvmlSystemGetDriverVersion())
     cuda = nvml_lib.try_call(nvml.nvmlSystemGetCudaDriverVersion)
-    plugins = _jax_cuda_plugins()
     checks = []
     needed_major = max(plugins) if plugins else None
     if needed_major is None:
@@ -305,13 +306,20 @@ def _check_topology(nvml: ModuleType, handles: list) -> list[Check]:
     return checks
 
 
-def check_gpus() -> list[Check]:
-    """The NVML checks; one warn line where there is no NVML."""
+def check_gpus(jax_cuda_plugins: dict[int, str] | None = None) -> list[Check]:
+    """The NVML checks; one warn line where there is no NVML.
+
+    Args:
+      jax_cuda_plugins: `{cuda_major: version}` of JAX's CUDA plugins (default: the
+        installed ones), which sets the driver the installed JAX needs.
+    """
+    if jax_cuda_plugins is None:
+        jax_cuda_plugins = _jax_cuda_plugins()
     with nvml_lib.nvml_session() as (nvml, reason):
         if nvml is None:
             return [Check("nvidia", WARN, f"no NVIDIA GPU checks: {reason}",
                           "on an NVIDIA machine: install the driver and nvidia-ml-py")]
-        checks = _check_driver(nvml)
+        checks = _check_driver(nvml, jax_cuda_plugins)
         handles = nvml_lib.device_handles(nvml)
         if not handles:
             return checks + [Check("nvidia", WARN, "NVML runs but sees no GPU")]
@@ -329,7 +337,7 @@ def run_checks() -> list[Check]:
     else:
         backend_checks = [Check("backend", FAIL, "not started: the XLA settings above would abort it",
                                 "fix the failing XLA settings first")]
-    return checks + backend_checks + check_gpus() + env_checks
+    return checks + env_checks + backend_checks + check_gpus()
 
 
 def format_report(checks: list[Check]) -> str:

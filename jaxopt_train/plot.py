@@ -1,0 +1,111 @@
+"""`jaxopt-train plot RUN_DIR [RUN_DIR ...] [--out DIR]`: curves of training runs.
+
+Reads `RUN_DIR/metrics.jsonl` (written by `JsonlSink`) and draws one PNG per panel,
+every run overlaid: loss, throughput, MFU and memory. A panel shows every metric whose
+name matches its pattern (e.g. `tokens_per_s` and `images_per_s` both go under
+throughput); panels no run has are skipped, with a line saying so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+
+from jaxopt_train.runtime.sinks import read_jsonl
+
+# panel -> (y-axis label, metric-name pattern, scale applied to values)
+PANELS: dict[str, tuple[str, str, float]] = {
+    "loss": ("loss", r"(^|/)(train_|val_|eval_)?loss$", 1.0),
+    "throughput": ("per second", r"(_per_s(ec)?|_per_second|/s)$", 1.0),
+    "mfu": ("MFU (%)", r"(^|/)mfu$", 100.0),
+    "memory": ("GiB", r"(bytes|memory).*|DCGM_FI_DEV_FB_USED.*", 1.0),
+}
+
+
+def _metric_scale(panel: str, name: str) -> float:
+    if panel == "memory":
+        # bytes -> GiB; DCGM frame-buffer fields are MiB already.
+        return 1 / 1024 if name.startswith("DCGM_FI_DEV_FB") else 1 / 2**30
+    return PANELS[panel][2]
+
+
+def load_run(run_dir: str) -> list[dict[str, float]]:
+    """The records of `run_dir/metrics.jsonl` (ValueError if missing or empty)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise ValueError(f"no metrics.jsonl in run directory {run_dir!r}; expected {path}")
+    records = read_jsonl(path)
+    if not records:
+        raise ValueError(f"{path} holds no records")
+    return records
+
+
+def _series(records: list[dict[str, float]], name: str) -> tuple[list[float], list[float]]:
+    steps, values = [], []
+    for record in records:
+        value = record.get(name)
+        if isinstance(value, (int, float)) and math.isfinite(value) and "step" in record:
+            steps.append(record["step"])
+            values.append(float(value))
+    return steps, values
+
+
+def plot_runs(run_dirs: list[str], out_dir: str) -> list[str]:
+    """Writes one PNG per panel with data; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; set here so importing this module changes nothing
+    import matplotlib.pyplot as plt
+
+    if not run_dirs:
+        raise ValueError("plot_runs needs at least one run directory")
+    runs = {os.path.basename(os.path.normpath(d)) or d: load_run(d) for d in run_dirs}
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    for panel, (ylabel, pattern, _) in PANELS.items():
+        regex = re.compile(pattern)
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        drawn = 0
+        for run_name, records in runs.items():
+            names = sorted({k for r in records for k in r if k not in ("step", "time") and regex.search(k)})
+            for name in names:
+                steps, values = _series(records, name)
+                if steps:
+                    scale = _metric_scale(panel, name)
+                    label = name if len(runs) == 1 else f"{run_name}: {name}"
+                    ax.plot(steps, [v * scale for v in values], label=label)
+                    drawn += 1
+        if drawn:
+            ax.set_xlabel("step")
+            ax.set_ylabel(ylabel)
+            ax.set_title(panel)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize="small")
+            path = os.path.join(out_dir, f"{panel}.png")
+            fig.savefig(path, dpi=100, bbox_inches="tight")
+            written.append(path)
+        else:
+            print(f"plot: no {panel} metrics (names matching {pattern!r}) in any run; skipped")
+        plt.close(fig)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxopt-train plot", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="directories holding metrics.jsonl")
+    parser.add_argument("--out", default=None, help="where the PNGs go (default: the first RUN_DIR)")
+    args = parser.parse_args(argv)
+    try:
+        written = plot_runs(args.run_dirs, args.out or args.run_dirs[0])
+    except ValueError as err:
+        print(f"jaxopt-train plot: {err}")
+        return 1
+    for path in written:
+        print(path)
+    return 0 if written else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

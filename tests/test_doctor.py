@@ -1,0 +1,138 @@
+"""jaxopt-train doctor: on this CPU machine for real, GPU lines through a fake NVML."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxopt_train.runtime import doctor
+from test_runtime_nvml import FakeGPU, install_fake_nvml, make_fake_nvml, two_gpus
+
+
+def _by_name(checks):
+    return {c.name: c for c in checks}
+
+
+CUDA13 = {13: "0.10.2"}  # as if the jax-cuda13 plugin wheel were installed
+
+
+def test_cli_on_cpu_without_gpu():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    result = subprocess.run([sys.executable, "-m", "jaxopt_train.runtime.doctor", "--json"], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    checks = {c["name"]: c for c in report["checks"]}
+    assert report["ok"] is True and report["counts"]["fail"] == 0
+    assert checks["jax"]["status"] == "pass" and checks["jax"]["detail"][0].isdigit()
+    assert checks["backend"]["status"] == "warn" and "no GPU" in checks["backend"]["detail"]
+    assert checks["nvidia"]["status"] == "warn"
+    assert {"python", "jaxlib", "flax", "optax", "orbax-checkpoint", "jax-triton", "triton",
+            "matmul precision", "XLA_FLAGS", "memory settings"} <= set(checks)
+
+
+def test_text_report_and_exit_code(monkeypatch, capsys):
+    install_fake_nvml(monkeypatch, make_fake_nvml([], init_error=True))
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert doctor.main([]) == 0
+    out = capsys.readouterr().out
+    assert "[WARN] nvidia: no NVIDIA GPU checks" in out and "fix:" in out
+    assert out.strip().splitlines()[-1].endswith("0 fail")
+
+
+def test_bad_xla_flags_fail_without_aborting(monkeypatch, capsys):
+    install_fake_nvml(monkeypatch, make_fake_nvml([], init_error=True))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_no_such_flag=true")
+    assert doctor.main(["--json"]) == 1
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    assert checks["XLA_FLAGS"]["status"] == "fail"
+    assert "xla_gpu_no_such_flag" in checks["XLA_FLAGS"]["detail"]
+    assert checks["backend"]["status"] == "fail"
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"XLA_CLIENT_MEM_FRACTION": "0.5", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}, "both"),
+    ({"XLA_CLIENT_MEM_FRACTION": "1.5"}, "not a number in (0, 1]"),
+    ({"XLA_PYTHON_CLIENT_ALLOCATOR": "magic"}, "not one of"),
+])
+def test_memory_settings_fail(monkeypatch, env, expected):
+    for var in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_ALLOCATOR"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    checks, safe = doctor.check_xla_env()
+    failed = [c for c in checks if c.status == "fail"]
+    assert not safe and failed and expected in failed[0].detail and failed[0].fix
+
+
+def test_memory_settings_pass(monkeypatch):
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.45")
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    checks, safe = doctor.check_xla_env()
+    memory = _by_name(checks)["memory settings"]
+    assert safe and memory.status == "pass"
+    assert "XLA_CLIENT_MEM_FRACTION=0.45" in memory.detail and "PREALLOCATE=false" in memory.detail
+
+
+def test_healthy_gpus_pass(monkeypatch):
+    install_fake_nvml(monkeypatch, make_fake_nvml(two_gpus(), nvlinks={(0, 1): 18}))
+    checks = _by_name(doctor.check_gpus(CUDA13))
+    assert all(c.status == "pass" for c in checks.values()), [c for c in checks.values() if c.status != "pass"]
+    assert "580.95.05" in checks["driver"].detail and ">= 580.65.6" in checks["driver"].detail
+    assert "13.0" in checks["cuda"].detail
+    assert "NVIDIA H200" in checks["gpu0"].detail and "141.0 GiB" in checks["gpu0"].detail
+    assert checks["topology gpu0-gpu1"].detail.startswith("NVLink x18")
+    assert "volatile 0, aggregate 0" in checks["gpu1 ECC"].detail
+    assert "SM 1980/1980 MHz" in checks["gpu0 clocks"].detail
+    assert "350 W of 700 W" in checks["gpu0 power"].detail
+
+
+def test_old_driver_fails(monkeypatch):
+    install_fake_nvml(monkeypatch, make_fake_nvml([FakeGPU()], driver="550.54.14", cuda=12040))
+    checks = _by_name(doctor.check_gpus(CUDA13))
+    assert checks["driver"].status == "fail" and "580.65.6" in checks["driver"].fix
+    assert checks["cuda"].status == "fail" and "12.4" in checks["cuda"].detail
+
+
+def test_gpu_problems(monkeypatch, capsys):
+    gpus = [FakeGPU(dbe_volatile=1, mig=1, clock_reasons=0x40 | 0x1, power_limit_mw=400_000),
+            FakeGPU(bus_id="00000000:0F:00.0", dbe_aggregate=4, ecc_on=True, mig=None)]
+    install_fake_nvml(monkeypatch, make_fake_nvml(gpus, topology_level=50))
+    checks = _by_name(doctor.check_gpus(CUDA13))
+    assert checks["gpu0 ECC"].status == "fail" and "nvidia-smi -r" in checks["gpu0 ECC"].fix
+    assert checks["gpu1 ECC"].status == "warn" and "aggregate 4" in checks["gpu1 ECC"].detail
+    assert checks["gpu0 MIG"].status == "warn"
+    assert checks["gpu1 MIG"].status == "pass" and checks["gpu1 MIG"].detail == "not supported"
+    assert checks["gpu0 clocks"].status == "warn" and "hardware thermal" in checks["gpu0 clocks"].detail
+    assert checks["gpu0 power"].status == "warn"
+    topo = checks["topology gpu0-gpu1"]
+    assert topo.status == "warn" and "SYS" in topo.detail
+    # The whole command fails because of the double-bit error.
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert doctor.main([]) == 1
+    assert "[FAIL] gpu0 ECC" in capsys.readouterr().out
+
+
+def test_ecc_off_warns(monkeypatch):
+    install_fake_nvml(monkeypatch, make_fake_nvml([FakeGPU(ecc_on=False)]))
+    assert _by_name(doctor.check_gpus(CUDA13))["gpu0 ECC"].status == "warn"
+
+
+def test_no_cuda_plugin_warns(monkeypatch):
+    install_fake_nvml(monkeypatch, make_fake_nvml([FakeGPU()]))
+    driver = _by_name(doctor.check_gpus({}))["driver"]
+    assert driver.status == "warn" and "jax[cuda13]" in driver.fix
+
+
+def test_bad_flag():
+    with pytest.raises(SystemExit) as err:
+        doctor.main(["--no-such-option"])
+    assert err.value.code == 2
