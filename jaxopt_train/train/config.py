@@ -142,6 +142,12 @@ class TrainConfig:
         if self.batch_size % self.microbatches:
             raise ValueError(
                 f"batch_size={self.batch_size} must be divisible by microbatches={self.microbatches}")
+        if self.steps_per_dispatch > 1:
+            for name in ("steps", "log_every", "eval_every", "checkpoint_every"):
+                if getattr(self, name) % self.steps_per_dispatch:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)} must be a multiple of "
+                        f"steps_per_dispatch={self.steps_per_dispatch} (steps run in groups of it)")
         if not isinstance(self.model_overrides, dict):
             raise TypeError(f"model_overrides={self.model_overrides!r} must be a dict of GPT config fields")
         if self.model_overrides and self.preset not in GPT_PRESETS:
@@ -180,15 +186,13 @@ class TrainConfig:
 
 
 def parse_profile_steps(spec: str) -> tuple[int, int]:
-    """Parses "START:STOP" into (start, stop) with 0 <= start < stop."""
+    """Parses "START:STOP" (steps START..STOP-1) or "STEP" into (start, stop)."""
+    from jaxopt_train.runtime.profiling import parse_step_range  # noqa: PLC0415
+
     try:
-        start_text, stop_text = spec.split(":")
-        start, stop = int(start_text), int(stop_text)
-    except (ValueError, AttributeError):
-        raise ValueError(f"profile_steps={spec!r} must look like START:STOP, e.g. 10:12") from None
-    if not 0 <= start < stop:
-        raise ValueError(f"profile_steps={spec!r} needs 0 <= START < STOP")
-    return start, stop
+        return parse_step_range(spec)
+    except ValueError as err:
+        raise ValueError(f"profile_steps={spec!r}: {err}") from None
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:

@@ -1,0 +1,301 @@
+"""`train(config)`: the training loop around `Trainer`.
+
+The loop owns what a long run needs: the run directory (config.json,
+metrics.jsonl, checkpoints), resume, evaluation, metrics every `log_every`
+steps, checkpoints every `checkpoint_every`, SIGTERM/SIGINT (save and exit
+cleanly), and the non-finite guard. The device is only synchronised at log,
+eval and checkpoint points, so steps dispatch back to back in between.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import threading
+import time
+from typing import Any, TextIO
+
+import jax
+import numpy as np
+
+from jaxopt_train.precision import get_policy
+from jaxopt_train.train import mfu as mfu_lib
+from jaxopt_train.train.checkpoint import (Checkpointer, RunDirError, check_same_model,
+                                           prepare_run_dir)
+from jaxopt_train.train.config import TrainConfig
+from jaxopt_train.train.metrics import MetricsLogger, peak_memory_bytes
+from jaxopt_train.train.state import default_optimizer, param_count
+from jaxopt_train.train.task import Task, build_task
+from jaxopt_train.train.trainer import Trainer
+
+
+class NonFiniteError(RuntimeError):
+    """Training stopped after too many consecutive non-finite steps."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+    run_dir: str
+    step: int                       # steps completed
+    final_loss: float | None        # mean train loss of the last log interval
+    eval_loss: float | None         # last evaluation
+    interrupted: bool               # stopped by SIGTERM/SIGINT (checkpoint saved)
+    trainer: Trainer
+
+
+def _default_run_dir(cfg: TrainConfig) -> str:
+    stamp = int(time.time())
+    if jax.process_count() > 1:  # every process must agree on the directory
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+
+        stamp = int(multihost_utils.broadcast_one_to_all(np.int64(stamp)))
+    return os.path.join("runs", f"{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(stamp))}")
+
+
+class _StopSignal:
+    """Records SIGTERM/SIGINT instead of dying mid-step; restores the old handlers on exit."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):  # noqa: ARG002
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C means "now"
+        self.received = signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        return False
+
+
+def _write_config(run_dir: str, cfg: TrainConfig, task: Task) -> None:
+    if jax.process_index() != 0:
+        return
+    record = {"config": cfg.to_dict(), "model_shape": cfg.model_shape(), "task": task.description}
+    with open(os.path.join(run_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=2, sort_keys=True, default=str)
+
+
+def _check_resume_shape(run_dir: str, cfg: TrainConfig, ckpt: Checkpointer) -> None:
+    saved = ckpt.read_meta().get("model_shape")
+    if saved is None:
+        path = os.path.join(run_dir, "config.json")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                saved = json.load(f).get("model_shape")
+    if saved is not None:
+        check_same_model(saved, json.loads(json.dumps(cfg.model_shape())), run_dir)
+
+
+def _stack(batches: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+
+
+def _evaluate(trainer: Trainer, task: Task, batches: int) -> float:
+    return float(np.mean([trainer.evaluate(task.eval_batch(i)) for i in range(batches)]))
+
+
+class _Interval:
+    """Accumulates per-step metrics between two log points."""
+
+    def __init__(self):
+        self.start: float | None = None
+        self.steps = 0
+        self.metrics: list[dict[str, jax.Array]] = []
+
+    def begin(self):
+        # Timing starts at the interval's first dispatch: evaluation and
+        # checkpointing after the previous log point are not step time.
+        if self.start is None:
+            self.start = time.perf_counter()
+
+    def add(self, metrics, steps: int):
+        self.metrics.append(metrics)
+        self.steps += steps
+
+    def summary(self) -> tuple[dict[str, np.ndarray], float]:
+        """(metrics per step, seconds per step); waits for the interval's last step."""
+        host = jax.device_get(self.metrics)  # the one sync of the interval
+        step_time = (time.perf_counter() - self.start) / self.steps
+        return {k: np.concatenate([np.atleast_1d(m[k]) for m in host]) for k in host[0]}, step_time
+
+
+def train(config: TrainConfig, *, until_step: int | None = None, devices=None,
+          stream: TextIO | None = None) -> TrainResult:
+    """Trains `config` and returns a `TrainResult`.
+
+    Args:
+      config: the run.
+      until_step: stop (with a checkpoint) at this step instead of `config.steps`;
+        the schedule still spans `config.steps`, so `--resume` later continues
+        the same run (used to test resume equivalence).
+      devices: devices of the data mesh (default: all).
+      stream: where metric lines go (default stdout).
+
+    Raises:
+      RunDirError: the run directory conflicts with resume/overwrite or the model shape.
+      NonFiniteError: `max_nonfinite_steps` consecutive non-finite steps.
+    """
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
+    cfg = config
+    target = cfg.steps if until_step is None else min(until_step, cfg.steps)
+    k = cfg.steps_per_dispatch
+    run_dir = cfg.run_dir or _default_run_dir(cfg)
+    prepare_run_dir(run_dir, resume=cfg.resume, overwrite=cfg.overwrite)
+    policy = get_policy(cfg.precision)
+    task = build_task(cfg, policy)
+    optimizer = default_optimizer(lr=cfg.lr, total_steps=cfg.steps, warmup=cfg.warmup,
+                                  weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm)
+    trainer = Trainer.from_model_fns(
+        task.fns, optimizer, policy, microbatches=cfg.microbatches, grad_sync=cfg.grad_sync,
+        grad_compression=cfg.grad_compression, steps_per_dispatch=k, devices=devices)
+    ckpt = Checkpointer(run_dir, keep=cfg.keep_checkpoints)
+    try:
+        if cfg.resume:
+            _check_resume_shape(run_dir, cfg, ckpt)
+            trainer.state, _ = ckpt.restore(trainer.state)
+        _write_config(run_dir, cfg, task)
+        return _run(cfg, task, trainer, ckpt, run_dir, target, stream)
+    finally:
+        ckpt.close()
+
+
+def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run_dir: str,
+         target: int, stream: TextIO | None) -> TrainResult:
+    k = cfg.steps_per_dispatch
+    step = int(trainer.state.step)
+    meta = {"model_shape": json.loads(json.dumps(cfg.model_shape())), "preset": cfg.preset}
+    logger = MetricsLogger(run_dir, total_steps=target, start_step=step,
+                           tensorboard=cfg.tensorboard, prometheus_port=cfg.prometheus_port,
+                           progress=cfg.progress, stream=stream)
+    device = jax.devices()[0]
+    peak = mfu_lib.resolve_peak_tflops(
+        device.device_kind, mfu_lib.matmul_dtype_name(trainer.policy.compute_dtype,
+                                                      trainer.policy.matmul_precision),
+        cfg.peak_tflops)
+    logger.message(f"run_dir {run_dir}: {task.description}; {param_count(trainer.params):,} params; "
+                   f"{trainer.num_devices} x {device.device_kind}; precision {cfg.precision}; "
+                   f"global batch {cfg.batch_size} x {cfg.microbatches} micro-batch(es)"
+                   + (f"; resuming at step {step}" if cfg.resume else ""))
+    trainer.compile(_stack([task.train_batch(step + i) for i in range(k)]) if k > 1
+                    else task.train_batch(step))
+    logger.message(f"compiled train step in {trainer.compile_seconds:.1f} s; {trainer.memory_report}")
+    monitor = _start_monitor()
+    profiler = _make_profiler(cfg, run_dir)
+    last_loss = eval_loss = None
+    interrupted = False
+    try:
+        with _StopSignal() as stop:
+            interval = _Interval()
+            while step < target:
+                if profiler is not None:
+                    profiler.step(step, trainer.state.step)
+                batch = (_stack([task.train_batch(step + i) for i in range(k)]) if k > 1
+                         else task.train_batch(step))
+                interval.begin()
+                interval.add(trainer.step(batch), k)
+                step += k
+                logger.advance(k)
+                done = step >= target or stop.received is not None
+                evaluate = done or (cfg.eval_every and step % cfg.eval_every == 0)
+                if done or step % cfg.log_every == 0 or evaluate:
+                    summary = interval.summary()
+                    if evaluate:
+                        eval_loss = _evaluate(trainer, task, cfg.eval_batches)
+                    last_loss = _log(cfg, task, trainer, logger, summary, step, peak,
+                                     eval_loss if evaluate else None, monitor)
+                    interval = _Interval()
+                if done or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+                    ckpt.save(step, trainer.state, meta)
+                if stop.received is not None:
+                    interrupted = True
+                    name = signal.Signals(stop.received).name
+                    logger.message(f"{name} received: saved a checkpoint at step {step} in "
+                                   f"{ckpt.directory}; continue with --resume --run-dir {run_dir}")
+                    break
+    finally:
+        if profiler is not None:
+            profiler.close(trainer.state.step)
+        if monitor is not None:
+            monitor.stop()
+        logger.close()
+    return TrainResult(run_dir=run_dir, step=step, final_loss=last_loss, eval_loss=eval_loss,
+                       interrupted=interrupted, trainer=trainer)
+
+
+def _log(cfg: TrainConfig, task: Task, trainer: Trainer, logger: MetricsLogger,
+         summary: tuple[dict[str, np.ndarray], float], step: int, peak: float | None,
+         eval_loss: float | None, monitor) -> float:
+    summary, step_time = summary
+    examples_per_s = cfg.batch_size / step_time
+    metrics: dict[str, Any] = {"loss": float(np.mean(summary["loss"]))}
+    if eval_loss is not None:
+        metrics["eval_loss"] = eval_loss
+    metrics[f"{task.unit}_per_s"] = examples_per_s * task.units_per_example
+    metrics["step_time_s"] = step_time
+    utilisation = mfu_lib.mfu(task.flops_per_example * cfg.batch_size, step_time, peak,
+                              trainer.num_devices)
+    if utilisation is not None and np.isfinite(utilisation):
+        metrics["mfu"] = utilisation
+    memory = peak_memory_bytes()
+    if memory is not None:
+        metrics["peak_memory_gib"] = memory / 1024**3
+    metrics["grad_norm"] = float(summary["grad_norm"][-1])
+    metrics["loss_scale"] = float(summary["loss_scale"][-1])
+    metrics["skipped_steps"] = int(trainer.state.loss_scale.skipped_steps)
+    metrics["lr"] = _current_lr(cfg, step)
+    if monitor is not None:
+        metrics.update(monitor.latest())
+    logger.log(step, metrics)
+    streak = int(trainer.state.nonfinite_streak)
+    if streak >= cfg.max_nonfinite_steps:
+        raise NonFiniteError(
+            f"stopping at step {step}: {streak} consecutive steps had non-finite gradients "
+            f"(max_nonfinite_steps={cfg.max_nonfinite_steps}); params were left unchanged on those "
+            f"steps and no checkpoint was written after them. Lower --lr, raise --clip-norm, or use "
+            "a precision with a loss scaler (fp16) or more range (bf16/fp32).")
+    return metrics["loss"]
+
+
+def _current_lr(cfg: TrainConfig, step: int) -> float:
+    import optax  # noqa: PLC0415
+
+    warmup = min(cfg.warmup, cfg.steps - 1) if cfg.steps > 1 else 0
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if warmup else cfg.lr, peak_value=cfg.lr, warmup_steps=warmup,
+        decay_steps=cfg.steps, end_value=cfg.lr / 10)
+    return float(schedule(step))
+
+
+def _start_monitor():
+    if jax.default_backend() != "gpu":
+        return None
+    try:
+        from jaxopt_train.runtime.monitor import GPUMonitor  # noqa: PLC0415
+    except ImportError:
+        return None
+    monitor = GPUMonitor(interval_s=1.0)
+    monitor.start()
+    return monitor if monitor.enabled else None
+
+
+def _make_profiler(cfg: TrainConfig, run_dir: str):
+    if cfg.profile_steps is None:
+        return None
+    from jaxopt_train.runtime.profiling import StepProfiler  # noqa: PLC0415
+
+    return StepProfiler(cfg.profile_steps, os.path.join(run_dir, "profile"))
+
+
+__all__ = ["NonFiniteError", "RunDirError", "TrainResult", "train"]

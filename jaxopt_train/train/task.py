@@ -1,0 +1,152 @@
+"""From a `TrainConfig` to a model, its datasets and its FLOP count.
+
+A `Task` bundles what the loop needs and nothing else: the wrapped model
+(`ModelFns`), deterministic `train_batch(step)` / `eval_batch(i)` functions
+(so a resumed run sees the same data order), what one example is worth in
+throughput units (tokens or images) and in training FLOPs (for MFU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+import numpy as np
+
+from jaxopt_train.precision import Policy
+from jaxopt_train.train.config import TrainConfig
+from jaxopt_train.train.model import ModelFns, gpt_loss_fn, nnx_model_fns, vision_loss_fn
+
+
+@dataclasses.dataclass
+class Task:
+    fns: ModelFns
+    train_batch: Callable[[int], dict[str, np.ndarray]]
+    eval_batch: Callable[[int], dict[str, np.ndarray]]
+    unit: str                   # "tokens" or "images"
+    units_per_example: int      # seq_len for GPT, 1 for images
+    flops_per_example: float    # training FLOPs (forward + backward) of one example
+    description: str
+
+
+def build_task(cfg: TrainConfig, policy: Policy) -> Task:
+    """The model and data of `cfg` (GPT presets on text/tokens, vision presets on images)."""
+    if cfg.is_vision:
+        return _vision_task(cfg, policy)
+    return _gpt_task(cfg, policy)
+
+
+def gpt_model_config(cfg: TrainConfig, policy: Policy, vocab_size: int | None = None):
+    """The `GPTConfig` of a run: preset + overrides + the policy's dtypes + execution options."""
+    from jaxopt_train.models import get_gpt_config  # noqa: PLC0415
+
+    overrides: dict[str, Any] = dict(
+        dtype=policy.compute_dtype, param_dtype=policy.param_dtype, attention=cfg.attention,
+        remat=cfg.remat, scan_layers=cfg.scan_layers)
+    if cfg.seq_len is not None:
+        overrides["seq_len"] = cfg.seq_len
+    overrides.update(cfg.model_overrides)
+    model_cfg = get_gpt_config(cfg.preset, **overrides)
+    if vocab_size is not None and vocab_size > model_cfg.vocab_size:
+        raise ValueError(f"the data has token ids up to {vocab_size - 1} but preset={cfg.preset!r} "
+                         f"has vocab_size={model_cfg.vocab_size}; use a preset with a larger "
+                         "vocabulary or override vocab_size")
+    return model_cfg
+
+
+def _load_tokens(cfg: TrainConfig) -> tuple[np.ndarray, int, str]:
+    """(tokens, smallest vocab that covers them, description)."""
+    from jaxopt_train.data.text import load_text_corpus  # noqa: PLC0415
+    from jaxopt_train.data.tokens import load_token_file  # noqa: PLC0415
+
+    if cfg.data is None:
+        tokens = load_text_corpus(None)
+        return tokens, 256, f"embedded corpus (Python stdlib sources, {tokens.size:,} bytes)"
+    if not os.path.exists(cfg.data):
+        raise FileNotFoundError(f"data={cfg.data!r} does not exist; give a text file or folder, "
+                                "a .bin token file, or a .npz of images")
+    if cfg.data.endswith(".bin"):
+        tokens = load_token_file(cfg.data, "uint16")
+        return tokens, 65536, f"token file {cfg.data} ({tokens.size:,} uint16 tokens)"
+    tokens = load_text_corpus(cfg.data)
+    return tokens, 256, f"text {cfg.data} ({tokens.size:,} bytes)"
+
+
+def _gpt_task(cfg: TrainConfig, policy: Policy) -> Task:
+    from flax import nnx  # noqa: PLC0415
+
+    from jaxopt_train.data.tokens import TokenDataset  # noqa: PLC0415
+    from jaxopt_train.models import GPT, gpt_flops_per_token  # noqa: PLC0415
+
+    if cfg.data is not None and cfg.data.endswith(".npz"):
+        raise ValueError(f"data={cfg.data!r} holds images but preset={cfg.preset!r} is a language "
+                         "model; use --preset cnn-small/resnet18/resnet50 for images")
+    tokens, data_vocab, description = _load_tokens(cfg)
+    # A .bin file's real vocabulary is unknown without a scan; trust the preset's for those.
+    model_cfg = gpt_model_config(cfg, policy, None if data_vocab == 65536 else data_vocab)
+    train_ds = TokenDataset(tokens, model_cfg.seq_len, split="train", seed=cfg.seed)
+    val_ds = TokenDataset(tokens, model_cfg.seq_len, split="val", seed=cfg.seed)
+    model = GPT(model_cfg, rngs=nnx.Rngs(cfg.seed))
+    fns = nnx_model_fns(model, gpt_loss_fn, policy)
+    return Task(
+        fns=fns,
+        train_batch=lambda step: train_ds.batch(step, cfg.batch_size),
+        eval_batch=lambda i: val_ds.batch(i, cfg.batch_size),
+        unit="tokens", units_per_example=model_cfg.seq_len,
+        flops_per_example=float(gpt_flops_per_token(model_cfg)) * model_cfg.seq_len,
+        description=(f"{cfg.preset} (d_model={model_cfg.d_model}, layers={model_cfg.n_layers}, "
+                     f"seq_len={model_cfg.seq_len}) on {description}"))
+
+
+def _vision_task(cfg: TrainConfig, policy: Policy) -> Task:
+    from flax import nnx  # noqa: PLC0415
+
+    from jaxopt_train.models import create_vision_model  # noqa: PLC0415
+
+    if cfg.data is not None:
+        from jaxopt_train.data.images import ImageDataset, load_image_npz  # noqa: PLC0415
+
+        if not cfg.data.endswith(".npz"):
+            raise ValueError(f"data={cfg.data!r}: preset={cfg.preset!r} trains on images; give an "
+                             ".npz with 'images' [N,H,W,C] and 'labels' [N]")
+        arrays = load_image_npz(cfg.data)
+        train_ds = ImageDataset(arrays["images"], arrays["labels"], split="train", seed=cfg.seed)
+        val_ds = ImageDataset(arrays["images"], arrays["labels"], split="val", seed=cfg.seed)
+        num_classes = max(cfg.num_classes, int(np.max(arrays["labels"])) + 1)
+        image_size, channels = train_ds.images.shape[1], train_ds.images.shape[3]
+        train_batch = lambda step: train_ds.batch(step, cfg.batch_size)  # noqa: E731
+        eval_batch = lambda i: val_ds.batch(i, cfg.batch_size)  # noqa: E731
+        description = f"images {cfg.data} ({train_ds.num_examples:,} train examples)"
+    else:
+        from jaxopt_train.data.synthetic import synthetic_image_batch  # noqa: PLC0415
+
+        num_classes, image_size, channels = cfg.num_classes, cfg.image_size, 3
+
+        def train_batch(step):
+            return synthetic_image_batch(cfg.batch_size, image_size=image_size,
+                                         num_classes=num_classes, seed=cfg.seed * 1_000_003 + step)
+
+        def eval_batch(i):
+            return synthetic_image_batch(cfg.batch_size, image_size=image_size,
+                                         num_classes=num_classes, seed=2**40 + cfg.seed * 1_000_003 + i)
+        description = f"synthetic {image_size}x{image_size} images (random labels)"
+    model = create_vision_model(cfg.preset, num_classes=num_classes, dtype=policy.compute_dtype,
+                                param_dtype=policy.param_dtype, rngs=nnx.Rngs(cfg.seed))
+    fns = nnx_model_fns(model, vision_loss_fn, policy)
+    return Task(fns=fns, train_batch=train_batch, eval_batch=eval_batch, unit="images",
+                units_per_example=1,
+                flops_per_example=_vision_flops(cfg.preset, image_size, channels),
+                description=f"{cfg.preset} on {description}")
+
+
+def _vision_flops(preset: str, image_size: int, channels: int) -> float:
+    from jaxopt_train.models import flops  # noqa: PLC0415
+
+    counter = getattr(flops, "resnet_flops_per_image", None)
+    if counter is None:
+        return float("nan")
+    try:
+        return float(counter(preset, image_size=image_size))
+    except TypeError:
+        return float(counter(preset))
