@@ -1,0 +1,105 @@
+"""GPUMonitor: the background sampler against a fake NVML, and its off switch."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import pytest
+
+from jaxopt_train.runtime import GPUMonitor
+from test_runtime_nvml import FakeGPU, install_fake_nvml, make_fake_nvml, two_gpus
+
+
+def _wait_for_samples(monitor, count, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while min(len(s) for s in monitor.samples.values()) < count:
+        assert time.monotonic() < deadline, "the sampler thread produced too few samples"
+        time.sleep(0.005)
+
+
+def test_samples_dcgm_fields_in_background(monkeypatch):
+    gpus = two_gpus()
+    fake = install_fake_nvml(monkeypatch, make_fake_nvml(gpus))
+    with GPUMonitor(interval_s=0.01) as monitor:
+        assert monitor.enabled
+        latest = monitor.latest()  # available right after start
+        assert latest["DCGM_FI_DEV_GPU_UTIL/gpu0"] == 87
+        assert latest["DCGM_FI_DEV_GPU_UTIL/gpu1"] == 55
+        assert latest["DCGM_FI_DEV_GPU_TEMP/gpu1"] == 51
+        assert latest["DCGM_FI_DEV_ECC_DBE_VOL_TOTAL/gpu0"] == 0
+        gpus[0].util_gpu = 10  # the GPU changes; the thread must notice
+        gpus[0].dbe_volatile = 1
+        _wait_for_samples(monitor, 3)
+        deadline = time.monotonic() + 5
+        while monitor.latest()["DCGM_FI_DEV_GPU_UTIL/gpu0"] != 10:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert monitor.latest()["DCGM_FI_DEV_ECC_DBE_VOL_TOTAL/gpu0"] == 1
+    assert fake.calls["shutdown"] == 1
+    summary = monitor.summary()
+    util = summary["DCGM_FI_DEV_GPU_UTIL/gpu0"]
+    assert util["max"] == 87 and util["min"] == 10 and util["last"] == 10
+    assert 10 <= util["mean"] <= 87 and util["count"] >= 3
+    assert summary["DCGM_FI_DEV_ECC_DBE_VOL_TOTAL/gpu0"]["max"] == 1
+    frozen = len(monitor.samples[0])
+    time.sleep(0.05)
+    assert len(monitor.samples[0]) == frozen, "sampling continued after stop()"
+    times = [t for t, _ in monitor.samples[0]]
+    assert times == sorted(times)
+
+
+def test_selected_devices_and_bounded_history(monkeypatch):
+    install_fake_nvml(monkeypatch, make_fake_nvml(two_gpus()))
+    with GPUMonitor(interval_s=0.005, devices=[1], max_samples=4) as monitor:
+        deadline = time.monotonic() + 5
+        while len(monitor.samples[1]) < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        time.sleep(0.05)
+    assert list(monitor.samples) == [1] and len(monitor.samples[1]) == 4
+    assert all(key.endswith("/gpu1") for key in monitor.latest())
+
+
+def test_off_without_nvml_says_so_once(monkeypatch):
+    install_fake_nvml(monkeypatch, make_fake_nvml([FakeGPU()], init_error=True))
+    log = io.StringIO()
+    with GPUMonitor(interval_s=0.01, log=log) as monitor:
+        assert not monitor.enabled
+        assert monitor.latest() == {} and monitor.summary() == {}
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("GPU monitoring off:") and "Driver Not Loaded" in lines[0]
+
+
+def test_off_on_this_machine_without_pynvml(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "pynvml", None)
+    log = io.StringIO()
+    monitor = GPUMonitor(log=log).start()
+    monitor.stop()
+    assert not monitor.enabled and "not installed" in monitor.reason
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"interval_s": 0}, "interval_s must be a positive"),
+    ({"interval_s": "1"}, "interval_s must be a positive"),
+    ({"max_samples": 0}, "max_samples must be >= 1"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GPUMonitor(**kwargs)
+
+
+def test_bad_device_index(monkeypatch):
+    fake = install_fake_nvml(monkeypatch, make_fake_nvml(two_gpus()))
+    with pytest.raises(ValueError, match="out of range"):
+        GPUMonitor(devices=[5]).start()
+    assert fake.calls["shutdown"] == 1
+
+
+@pytest.mark.gpu
+def test_real_gpu_sampling():
+    with GPUMonitor(interval_s=0.05) as monitor:
+        time.sleep(0.2)
+    assert monitor.enabled
+    assert "DCGM_FI_DEV_FB_USED/gpu0" in monitor.latest()
+    assert monitor.summary()["DCGM_FI_DEV_GPU_TEMP/gpu0"]["count"] >= 2

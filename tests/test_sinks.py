@@ -1,0 +1,137 @@
+"""Metric sinks: JSONL round trip, TensorBoard read back by tensorboard, a real Prometheus scrape."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from jaxopt_train.runtime import JsonlSink, MultiSink, PrometheusSink, TensorBoardSink, read_jsonl
+from jaxopt_train.runtime.sinks import prometheus_name
+
+METRICS = [
+    {"loss": 2.5, "tokens_per_s": 1000.0, "mfu": 0.41},
+    {"loss": np.float32(2.25), "tokens_per_s": 1100, "mfu": 0.45},
+    {"loss": 2.0, "tokens_per_s": 1200.0, "mfu": 0.5, "loss_scale": float("inf")},
+]
+
+
+def test_jsonl_round_trip(tmp_path):
+    path = tmp_path / "run" / "metrics.jsonl"
+    sink = JsonlSink(path)
+    for step, metrics in enumerate(METRICS):
+        sink.write(step * 10, metrics)
+    sink.close()
+    records = read_jsonl(path)
+    assert [r["step"] for r in records] == [0, 10, 20]
+    assert records[1]["loss"] == 2.25 and isinstance(records[1]["tokens_per_s"], float)
+    assert math.isinf(records[2]["loss_scale"])
+    assert all(r["time"] > 0 for r in records)
+
+
+def test_jsonl_appends_and_skips_torn_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    JsonlSink(path).write(0, {"loss": 1.0})  # flushed per line, even unclosed
+    with open(path, "a") as f:
+        f.write('{"step": 1, "lo')  # a crash mid-line
+    assert [r["step"] for r in read_jsonl(path)] == [0]
+
+
+def test_jsonl_rejects_non_scalars(tmp_path):
+    sink = JsonlSink(tmp_path / "m.jsonl")
+    with pytest.raises(TypeError, match="convertible to float"):
+        sink.write(0, {"loss": [1.0, 2.0]})
+    with pytest.raises(TypeError, match="step must be an int"):
+        sink.write(1.5, {"loss": 1.0})
+    sink.close()
+
+
+def test_tensorboard_scalars_read_by_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sink = TensorBoardSink(tmp_path / "tb")
+    for step, metrics in enumerate(METRICS):
+        sink.write(step, metrics)
+    sink.write(3, {"DCGM_FI_DEV_GPU_UTIL/gpu0": 87})
+    sink.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert {"loss", "tokens_per_s", "mfu", "loss_scale", "DCGM_FI_DEV_GPU_UTIL/gpu0"} <= set(
+        events.Tags()["scalars"])
+    loss = events.Scalars("loss")
+    assert [e.step for e in loss] == [0, 1, 2]
+    np.testing.assert_allclose([e.value for e in loss], [2.5, 2.25, 2.0])
+    assert [e.value for e in events.Scalars("DCGM_FI_DEV_GPU_UTIL/gpu0")] == [87.0]
+
+
+def _scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def test_prometheus_real_scrape_and_close(tmp_path):
+    sink = PrometheusSink(0, addr="127.0.0.1")
+    port = sink.port
+    assert port > 0
+    sink.write(7, {"loss": 2.5, "mfu": 0.41, "DCGM_FI_DEV_GPU_UTIL/gpu0": 87})
+    scraped = _scrape(port)
+    assert scraped["jaxopt_train_step"] == 7
+    assert scraped["jaxopt_train_loss"] == 2.5 and scraped["jaxopt_train_mfu"] == 0.41
+    assert scraped["jaxopt_train_DCGM_FI_DEV_GPU_UTIL_gpu0"] == 87
+    sink.write(8, {"loss": 2.0})
+    scraped = _scrape(port)
+    assert scraped["jaxopt_train_step"] == 8 and scraped["jaxopt_train_loss"] == 2.0
+    sink.close()
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        _scrape(port)
+    # The port is free again and a new sink may register the same metric names.
+    again = PrometheusSink(port, addr="127.0.0.1")
+    again.write(0, {"loss": 1.0})
+    assert _scrape(port)["jaxopt_train_loss"] == 1.0
+    again.close()
+
+
+def test_prometheus_names_and_bad_port():
+    assert prometheus_name("DCGM_FI_DEV_GPU_UTIL/gpu0") == "jaxopt_train_DCGM_FI_DEV_GPU_UTIL_gpu0"
+    assert prometheus_name("step-time.s") == "jaxopt_train_step_time_s"
+    with pytest.raises(ValueError, match="port must be an int"):
+        PrometheusSink(70000)
+
+
+def test_prometheus_port_in_use():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(OSError):
+            PrometheusSink(taken.getsockname()[1], addr="127.0.0.1")
+
+
+def test_multisink_fans_out_and_closes_all(tmp_path):
+    class Broken:
+        closed = False
+
+        def write(self, step, metrics):
+            pass
+
+        def close(self):
+            raise RuntimeError("broken close")
+
+    jsonl = JsonlSink(tmp_path / "metrics.jsonl")
+    tb = TensorBoardSink(tmp_path / "tb")
+    multi = MultiSink([Broken(), jsonl, tb])
+    multi.write(0, {"loss": 1.0})
+    with pytest.raises(RuntimeError, match="broken close"):
+        multi.close()
+    assert jsonl._file.closed
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] == 1.0
