@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from jaxopt_train.precision import get_policy
-from jaxopt_train.train import mfu as mfu_lib
+import jaxopt_train.train.mfu as mfu_lib
 from jaxopt_train.train.checkpoint import (Checkpointer, RunDirError, check_same_model,
                                            prepare_run_dir)
 from jaxopt_train.train.config import TrainConfig

@@ -1,0 +1,155 @@
+"""`jaxopt-train train`: the command-line face of `train(TrainConfig(...))`.
+
+With no arguments it trains gpt-tiny on the embedded corpus (the Python
+standard library's sources) on every device there is. Bad flags and bad
+values exit with status 2 and a message naming the flag and what is allowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from jaxopt_train.train import config as config_lib
+from jaxopt_train.train.config import TrainConfig
+
+_DEFAULTS = TrainConfig()
+
+# TrainConfig field -> flag spelling where they differ from `--field-name`.
+_FIELD_FLAGS = {"steps_per_dispatch": "--steps-per-dispatch", "keep_checkpoints": "--keep-checkpoints"}
+
+
+def _bool_flag(parser, name: str, help_: str) -> None:
+    parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction,
+                        default=getattr(_DEFAULTS, name.replace("-", "_")), help=help_)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = _DEFAULTS
+    p = argparse.ArgumentParser(
+        prog="jaxopt-train train",
+        description="Train a GPT or vision preset data-parallel over all devices. With no "
+                    "arguments: gpt-tiny on the embedded corpus (Python stdlib sources).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    m = p.add_argument_group("model and data")
+    m.add_argument("--preset", choices=config_lib.PRESETS, default=d.preset, help="model preset")
+    m.add_argument("--data", default=None,
+                   help="text file/folder, .bin uint16 token file, or .npz images "
+                        "(default: embedded corpus for GPT, synthetic images for vision)")
+    m.add_argument("--seq-len", type=int, default=None, help="GPT sequence length (default: preset's)")
+    m.add_argument("--model", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a GPT config field, e.g. --model d_model=64 (repeatable)")
+    m.add_argument("--num-classes", type=int, default=d.num_classes, help="vision classes")
+    m.add_argument("--image-size", type=int, default=d.image_size, help="synthetic image side")
+    m.add_argument("--attention", choices=config_lib.ATTENTIONS, default=d.attention)
+    m.add_argument("--remat", choices=config_lib.REMATS, default=d.remat,
+                   help="per-block rematerialisation policy")
+    _bool_flag(m, "scan-layers", "scan over stacked GPT layers (faster compile)")
+    m.add_argument("--matmul", choices=config_lib.MATMULS, default=d.matmul)
+    o = p.add_argument_group("optimisation")
+    o.add_argument("--steps", type=int, default=d.steps, help="total optimizer steps")
+    o.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch size")
+    o.add_argument("--microbatches", type=int, default=d.microbatches,
+                   help="micro-batches accumulated per optimizer step")
+    o.add_argument("--precision", default=d.precision,
+                   help=f"policy: one of {list(config_lib.PRECISIONS)} or 'p=f32,c=bf16,o=f32'")
+    o.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    o.add_argument("--warmup", type=int, default=d.warmup, help="warmup steps")
+    o.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    o.add_argument("--clip-norm", type=float, default=d.clip_norm, help="0 disables clipping")
+    o.add_argument("--seed", type=int, default=d.seed)
+    o.add_argument("--max-nonfinite-steps", type=int, default=d.max_nonfinite_steps,
+                   help="stop after this many consecutive non-finite steps")
+    x = p.add_argument_group("parallelism and execution")
+    x.add_argument("--grad-sync", choices=config_lib.GRAD_SYNCS, default=d.grad_sync)
+    x.add_argument("--grad-compression", choices=config_lib.GRAD_COMPRESSIONS,
+                   default=d.grad_compression)
+    x.add_argument("--steps-per-dispatch", type=int, default=d.steps_per_dispatch,
+                   help="optimizer steps per compiled call")
+    x.add_argument("--peak-tflops", type=float, default=None,
+                   help="per-device peak TFLOP/s for MFU (default: table by device kind)")
+    r = p.add_argument_group("run directory, logging, checkpoints")
+    r.add_argument("--run-dir", default=None, help="default: runs/<preset>-<date>-<time>")
+    res = r.add_mutually_exclusive_group()
+    res.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    res.add_argument("--overwrite", action="store_true",
+                     help="delete an existing run in --run-dir and start over")
+    r.add_argument("--log-every", type=int, default=d.log_every)
+    r.add_argument("--eval-every", type=int, default=d.eval_every, help="0: only at the end")
+    r.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    r.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
+                   help="0: only at the end")
+    r.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
+    _bool_flag(r, "tensorboard", "also write TensorBoard events to RUN_DIR/tb")
+    r.add_argument("--prometheus-port", type=int, default=None, help="serve metrics on this port")
+    r.add_argument("--profile-steps", default=None, metavar="START:STOP",
+                   help="trace these steps with jax.profiler into RUN_DIR/profile")
+    r.add_argument("--progress", choices=("auto", "bar", "lines"), default=d.progress)
+    return p
+
+
+def _parse_overrides(parser, items: list[str]) -> dict:
+    overrides = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            parser.error(f"argument --model: {item!r} must look like FIELD=VALUE, e.g. d_model=64")
+        try:
+            overrides[key] = json.loads(text)
+        except json.JSONDecodeError:
+            overrides[key] = text  # strings such as remat=dots need no quotes
+    return overrides
+
+
+# argparse dest -> flag, for naming the flag in validation errors.
+def _flag_for_field(field: str) -> str:
+    return _FIELD_FLAGS.get(field, "--" + field.replace("_", "-"))
+
+
+def config_from_args(argv: list[str] | None = None) -> TrainConfig:
+    """Parses argv into a validated TrainConfig (exits 2 naming the flag on a bad value)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    values = vars(args)
+    values["model_overrides"] = _parse_overrides(parser, values.pop("model"))
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    try:
+        return TrainConfig(**{k: v for k, v in values.items() if k in fields})
+    except (TypeError, ValueError) as err:
+        message = str(err)
+        field = message.split("=", 1)[0].strip() if "=" in message else ""
+        flag = _flag_for_field(field) if field in fields else "a flag"
+        parser.error(f"{flag}: {message}")
+    raise AssertionError("unreachable")  # parser.error exits
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `jaxopt-train train`; returns the exit status."""
+    cfg = config_from_args(argv)
+    from jaxopt_train.train.checkpoint import RunDirError  # noqa: PLC0415
+    from jaxopt_train.train.loop import NonFiniteError, train  # noqa: PLC0415
+
+    try:
+        result = train(cfg)
+    except RunDirError as err:
+        print(f"jaxopt-train train: error: {err}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as err:
+        print(f"jaxopt-train train: error: {err}", file=sys.stderr)
+        return 2
+    except NonFiniteError as err:
+        print(f"jaxopt-train train: {err}", file=sys.stderr)
+        return 1
+    summary = f"done: {result.step} steps in {result.run_dir}"
+    if result.eval_loss is not None:
+        summary += f"; eval loss {result.eval_loss:.4f}"
+    if result.interrupted:
+        summary = f"interrupted at step {result.step}; checkpoint saved in {result.run_dir}"
+    print(summary, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,93 @@
+"""Checkpoints: round trip into typed targets, keep-last-N, atomicity, run-dir guards."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxopt_train.precision import DynamicLossScale, NoOpLossScale
+from jaxopt_train.train.checkpoint import (Checkpointer, RunDirError, check_same_model,
+                                           existing_checkpoint_steps, prepare_run_dir)
+from jaxopt_train.train.state import TrainState, init_train_state
+
+
+def _state(scale):
+    params = {"w": jnp.arange(12, dtype=jnp.float32).reshape(3, 4), "b": jnp.zeros(4, jnp.float32)}
+    return init_train_state(params, {"stats": jnp.ones(4, jnp.float32)}, optax.adamw(1e-3), scale)
+
+
+@pytest.mark.parametrize("scale", [NoOpLossScale(), DynamicLossScale(initial_scale=8.0)])
+def test_round_trip_keeps_types_and_values(tmp_path, scale):
+    state = _state(scale)._replace(step=jnp.int32(7))
+    ckpt = Checkpointer(str(tmp_path), keep=2)
+    assert ckpt.save(7, state, {"model_shape": {"preset": "x"}})
+    ckpt.wait()
+    restored, meta = ckpt.restore(jax.tree.map(jnp.zeros_like, state))
+    ckpt.close()
+    assert isinstance(restored, TrainState)
+    assert type(restored.loss_scale) is type(scale)
+    assert type(restored.opt_state[0]) is type(state.opt_state[0])
+    assert meta == {"model_shape": {"preset": "x"}}
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_keep_last_n(tmp_path):
+    ckpt = Checkpointer(str(tmp_path), keep=2)
+    state = _state(NoOpLossScale())
+    for step in (1, 2, 3):
+        ckpt.save(step, state, {})
+    ckpt.close()
+    assert existing_checkpoint_steps(str(tmp_path)) == [2, 3]
+
+
+def test_interrupted_save_leaves_previous_checkpoint_restorable(tmp_path):
+    state = _state(NoOpLossScale())._replace(step=jnp.int32(5))
+    ckpt = Checkpointer(str(tmp_path), keep=3)
+    ckpt.save(5, state, {})
+    ckpt.close()
+    # What a crash mid-save leaves: orbax's temporary directory, half written.
+    tmp = tmp_path / "checkpoints" / "10.orbax-checkpoint-tmp-1234"
+    tmp.mkdir()
+    (tmp / "partial").write_bytes(b"\0" * 100)
+    assert existing_checkpoint_steps(str(tmp_path)) == [5]
+    reopened = Checkpointer(str(tmp_path), keep=3)
+    assert reopened.latest_step() == 5
+    restored, _ = reopened.restore(state)
+    reopened.close()
+    assert int(restored.step) == 5
+
+
+def test_restore_without_checkpoint_raises(tmp_path):
+    ckpt = Checkpointer(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        ckpt.restore(_state(NoOpLossScale()))
+    ckpt.close()
+
+
+def test_bad_keep():
+    with pytest.raises(ValueError, match="keep=0"):
+        Checkpointer("/tmp/unused", keep=0)
+
+
+def test_prepare_run_dir_guards(tmp_path):
+    run = str(tmp_path / "run")
+    with pytest.raises(RunDirError, match="no finished checkpoint"):
+        prepare_run_dir(run, resume=True, overwrite=False)
+    prepare_run_dir(run, resume=False, overwrite=False)
+    os.makedirs(os.path.join(run, "checkpoints", "3"))
+    with pytest.raises(RunDirError, match="--resume"):
+        prepare_run_dir(run, resume=False, overwrite=False)
+    prepare_run_dir(run, resume=True, overwrite=False)  # fine: there is something to resume
+    assert existing_checkpoint_steps(run) == [3]
+    prepare_run_dir(run, resume=False, overwrite=True)
+    assert existing_checkpoint_steps(run) == []
+
+
+def test_check_same_model_names_the_difference():
+    check_same_model({"preset": "gpt-tiny"}, {"preset": "gpt-tiny"}, "r")
+    with pytest.raises(RunDirError, match="model_overrides: saved"):
+        check_same_model({"model_overrides": {"d_model": 64}}, {"model_overrides": {}}, "r")

@@ -1,0 +1,59 @@
+"""MFU formula and the peak table."""
+
+import warnings
+
+import jax.numpy as jnp
+import pytest
+
+from jaxopt_train.train import mfu as mfu_lib
+
+
+@pytest.mark.parametrize("kind, dtype, expected", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.0),
+    ("NVIDIA H200", "bf16", 989.0),
+    ("NVIDIA H200", "fp32", 67.0),
+    ("NVIDIA H200", "tf32", 494.0),
+    ("NVIDIA H100 PCIe", "bf16", 756.0),
+    ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+    ("TPU v4", "bf16", 275.0),
+    ("TPU v5 lite", "bf16", 197.0),
+    ("TPU v5p", "bf16", 459.0),
+    ("TPU v6 lite", "bf16", 918.0),
+    ("cpu", "bf16", None),
+    ("TPU v4", "fp32", None),
+])
+def test_peak_table(kind, dtype, expected):
+    assert mfu_lib.peak_tflops(kind, dtype) == expected
+
+
+@pytest.mark.parametrize("dtype, precision, name", [
+    (jnp.bfloat16, None, "bf16"), (jnp.float16, None, "fp16"), (jnp.float32, None, "tf32"),
+    (jnp.float32, "tensorfloat32", "tf32"), (jnp.float32, "highest", "fp32"),
+])
+def test_matmul_dtype_name(dtype, precision, name):
+    assert mfu_lib.matmul_dtype_name(dtype, precision) == name
+
+
+def test_matmul_dtype_name_rejects_ints():
+    with pytest.raises(ValueError, match="compute_dtype=int32"):
+        mfu_lib.matmul_dtype_name(jnp.int32)
+
+
+def test_mfu_formula():
+    # 989 TFLOP/s on 2 devices; a step of 989e12 FLOPs in 1 s is 50%.
+    assert mfu_lib.mfu(989e12, 1.0, 989.0, 2) == pytest.approx(0.5)
+    assert mfu_lib.mfu(1e12, 0.5, None, 1) is None
+    with pytest.raises(ValueError, match="step_time_s"):
+        mfu_lib.mfu(1e12, 0.0, 989.0, 1)
+
+
+def test_unknown_device_warns_once_and_override_wins():
+    mfu_lib._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert mfu_lib.resolve_peak_tflops("Imaginary XPU", "bf16") is None
+        assert mfu_lib.resolve_peak_tflops("Imaginary XPU", "bf16") is None
+    assert len(caught) == 1 and "--peak-tflops" in str(caught[0].message)
+    assert mfu_lib.resolve_peak_tflops("Imaginary XPU", "bf16", 123.0) == 123.0
+    with pytest.raises(ValueError, match="peak_tflops"):
+        mfu_lib.resolve_peak_tflops("cpu", "bf16", -1.0)
