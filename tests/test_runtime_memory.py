@@ -1,0 +1,193 @@
+"""Memory tooling: limit_memory (fresh interpreters), track_memory, fits (AOT analysis)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxopt_train.runtime import fits, limit_memory, parse_bytes, track_memory
+from jaxopt_train.runtime.memory import memory_env
+from test_runtime_nvml import FakeGPU, install_fake_nvml, make_fake_nvml
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize("text, expected", [
+    (1024, 1024), ("16GiB", 16 * GIB), ("80 GB", 80 * 10**9), ("512MiB", 512 * 2**20),
+    ("1.5gib", int(1.5 * GIB)), ("0", 0),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["16 parsecs", "GiB", "-1GiB", -5])
+def test_parse_bytes_rejects(bad):
+    with pytest.raises(ValueError, match="byte count"):
+        parse_bytes(bad)
+
+
+def test_memory_env_fraction_and_options():
+    env = memory_env(fraction=0.45, preallocate=False, allocator="platform")
+    assert env == {"XLA_CLIENT_MEM_FRACTION": "0.4500", "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+                   "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
+
+
+def test_memory_env_bytes_with_total():
+    env = memory_env(bytes="35GiB", total_bytes="140GiB")
+    assert env == {"XLA_CLIENT_MEM_FRACTION": "0.2500"}
+
+
+def test_memory_env_bytes_through_nvml_uses_smallest_visible_gpu(monkeypatch):
+    gpus = [FakeGPU(total=80 * GIB), FakeGPU(total=40 * GIB), FakeGPU(total=20 * GIB)]
+    fake = install_fake_nvml(monkeypatch, make_fake_nvml(gpus))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert memory_env(bytes=10 * GIB) == {"XLA_CLIENT_MEM_FRACTION": "0.2500"}
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert memory_env(bytes=10 * GIB) == {"XLA_CLIENT_MEM_FRACTION": "0.5000"}
+    assert fake.calls["init"] == fake.calls["shutdown"] == 2
+
+
+def test_memory_env_bytes_without_nvml_says_what_to_do(monkeypatch):
+    install_fake_nvml(monkeypatch, make_fake_nvml([], init_error=True))
+    with pytest.raises(RuntimeError, match=r"Pass fraction=\.\.\. or total_bytes="):
+        memory_env(bytes="8GiB")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({}, "exactly one of fraction= or bytes="),
+    ({"fraction": 0.5, "bytes": 10}, "exactly one of"),
+    ({"fraction": 0.0}, r"fraction must be a number in \(0, 1\]"),
+    ({"fraction": 1.2}, r"in \(0, 1\]"),
+    ({"fraction": True}, r"in \(0, 1\]"),
+    ({"bytes": "200GiB", "total_bytes": "100GiB"}, "no more than the device holds"),
+    ({"bytes": "1GiB", "total_bytes": 0}, "total_bytes must be > 0"),
+    ({"fraction": 0.5, "allocator": "magic"}, "allocator must be one of"),
+])
+def test_memory_env_rejects(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        memory_env(**kwargs)
+
+
+def test_limit_memory_after_backend_start_raises():
+    jax.devices()
+    with pytest.raises(RuntimeError, match="limit_memory\\(\\) must run before the JAX backend starts"):
+        limit_memory(fraction=0.5)
+
+
+def test_limit_memory_in_fresh_interpreter():
+    script = textwrap.dedent("""
+        import os
+        from jaxopt_train.runtime import limit_memory
+        env = limit_memory(fraction=0.3, preallocate=False, allocator="platform")
+        assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ  # jaxlib refuses both
+        assert os.environ["XLA_CLIENT_MEM_FRACTION"] == "0.3000", os.environ
+        assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+        import jax
+        assert jax.numpy.ones(4).sum() == 4
+        try:
+            limit_memory(fraction=0.5)
+        except RuntimeError as err:
+            print("LATE:", err)
+    """)
+    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.9", JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "LATE: limit_memory() must run before the JAX backend starts" in result.stdout
+
+
+def test_track_memory_on_cpu_reports_unavailable(capsys):
+    with track_memory() as report:
+        x = jnp.ones((256, 256)) @ jnp.ones((256, 256))
+    assert not report.available and "cpu" in report.reason
+    assert report.peak_bytes is None and "unavailable" in str(report)
+
+    @track_memory()
+    def step(a):
+        return a * 2
+
+    np.testing.assert_array_equal(step(x), x * 2)  # the decorator returns the result
+    assert "memory: unavailable" in capsys.readouterr().out
+
+
+class _StatsDevice:
+    """A device whose allocator statistics follow a script (the stats boundary)."""
+
+    platform = "gpu"
+
+    def __init__(self, stats):
+        self._stats = list(stats)
+
+    def memory_stats(self):
+        return self._stats.pop(0)
+
+    def __str__(self):
+        return "cuda:0"
+
+
+def test_track_memory_arithmetic():
+    device = _StatsDevice([
+        {"bytes_in_use": 100, "peak_bytes_in_use": 500, "bytes_limit": 1000},
+        {"bytes_in_use": 300, "peak_bytes_in_use": 800, "bytes_limit": 1000},
+    ])
+    with track_memory([device]) as report:
+        pass
+    assert report.available
+    (mem,) = report.devices
+    assert mem.delta == 200 and mem.peak_bytes_in_use == 800 and mem.peak_increase == 300
+    assert mem.bytes_limit == 1000 and report.peak_bytes == 800
+    assert "cuda:0: peak" in str(report)
+
+
+@pytest.mark.gpu
+def test_track_memory_on_gpu_sees_an_allocation():
+    with track_memory(jax.devices("gpu")[:1]) as report:
+        x = jnp.ones((64, 2**20), jnp.float32)  # 256 MiB
+        x.block_until_ready()
+    assert report.available and report.devices[0].delta >= 256 * 2**20
+    del x
+
+
+def _matmul(a, b):
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+def test_fits_counts_arguments_and_outputs_exactly():
+    spec = jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16)
+    report = fits(_matmul, (spec, spec), "1GiB")
+    assert report.argument_bytes == 2 * 2048 * 2048 * 2
+    assert report.output_bytes == 2048 * 2048 * 4
+    assert report.needed_bytes >= report.argument_bytes + report.output_bytes
+    assert report.fits and bool(report) and "fits" in str(report)
+    assert not fits(_matmul, (spec, spec), "8MiB")
+
+
+def test_fits_accepts_lowered_and_compiled_and_counts_donation_once():
+    spec = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+    lowered = jax.jit(lambda x: x * 2, donate_argnums=0).lower(spec)
+    from_lowered = fits(lowered, budget=10 * 2**20)
+    from_compiled = fits(lowered.compile(), budget=10 * 2**20)
+    assert from_lowered == from_compiled
+    assert from_lowered.alias_bytes == 4 * 2**20
+    assert from_lowered.needed_bytes == 4 * 2**20 + from_lowered.temp_bytes
+
+
+def test_fits_gpu_sized_on_cpu_without_allocating():
+    params = jax.ShapeDtypeStruct((2**31,), jnp.float32)  # 8 GiB of "parameters"
+    report = fits(lambda p: p * 0.5, (params,), "80GiB")
+    assert report.needed_bytes == 16 * GIB and report.fits
+    assert not fits(lambda p: p * 0.5, (params,), "12GiB")
+
+
+def test_fits_rejects_bad_input():
+    with pytest.raises(TypeError, match="takes a function"):
+        fits(42, (), "1GiB")
+    with pytest.raises(ValueError, match="budget must be a positive"):
+        fits(_matmul, (), 0)

@@ -1,0 +1,100 @@
+"""XLA flag presets: every preset parses in a real XLA; merging, command buffers, errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+
+from jaxopt_train.runtime import XLA_FLAG_PRESETS, command_buffer_flags, flags_in_force, xla_flags
+from jaxopt_train.runtime.xla_flags import format_xla_flags, parse_xla_flags
+
+
+def test_every_preset_is_accepted_by_xla():
+    # XLA aborts at start-up on an unknown flag name or value. Start one real backend
+    # after applying a preset, with every other preset's flags (and the command-buffer
+    # switch) appended verbatim, so XLA parses each name and value of every preset.
+    script = textwrap.dedent("""
+        import os
+        from jaxopt_train.runtime import XLA_FLAG_PRESETS, command_buffer_flags, xla_flags
+        from jaxopt_train.runtime.xla_flags import format_xla_flags
+        report = xla_flags("gpu-throughput")
+        everything = [format_xla_flags(flags) for flags in XLA_FLAG_PRESETS.values()]
+        everything.append(format_xla_flags(command_buffer_flags("off")))
+        os.environ["XLA_FLAGS"] += " " + " ".join(everything)
+        import jax
+        assert jax.numpy.arange(4).sum() == 6
+        print("OK", report)
+    """)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_cpu_enable_fast_math=false")
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "OK XLA flags (preset gpu-throughput): --xla_cpu_enable_fast_math=false" in result.stdout
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in result.stdout
+
+
+def test_a_wrong_flag_would_abort_xla():
+    # The check above can fail: XLA really rejects unknown flags.
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_gpu_enable_latency_hiding_schedule=true")
+    result = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "Unknown flag" in result.stderr
+
+
+def test_merge_keeps_user_flags_and_overrides_duplicates(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d --xla_gpu_enable_latency_hiding_scheduler=false")
+    report = xla_flags("gpu-throughput", extra={"xla_gpu_enable_triton_gemm": "false"}, apply=False)
+    assert list(report.in_force)[:2] == ["xla_dump_to", "xla_gpu_enable_latency_hiding_scheduler"]
+    assert report.in_force["xla_gpu_enable_latency_hiding_scheduler"] == "true"
+    assert report.in_force["xla_gpu_enable_triton_gemm"] == "false"
+    assert report.added["xla_gpu_all_reduce_combine_threshold_bytes"] == str(256 * 2**20)
+    assert os.environ["XLA_FLAGS"].startswith("--xla_dump_to")  # apply=False left it alone
+
+
+def test_extra_as_string_and_command_buffer(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    report = xla_flags("none", extra="--xla_gpu_autotune_level=0 --xla_gpu_deterministic_ops",
+                       command_buffer=["FUSION", "CUBLAS"], apply=False)
+    assert report.added == {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS",
+                            "xla_gpu_autotune_level": "0", "xla_gpu_deterministic_ops": "true"}
+
+
+def test_command_buffer_switch():
+    assert command_buffer_flags(None) == {}
+    assert command_buffer_flags("off") == {"xla_gpu_enable_command_buffer": ""}
+    assert command_buffer_flags(("WHILE",)) == {"xla_gpu_enable_command_buffer": "WHILE"}
+    for bad in ("on", ["FUSION", "GRAPHS"], []):
+        with pytest.raises(ValueError, match="command_buffer must be None, 'off' or"):
+            command_buffer_flags(bad)
+
+
+def test_parse_and_format_round_trip():
+    text = "--a=1 --b= --c"
+    assert parse_xla_flags(text) == {"a": "1", "b": "", "c": "true"}
+    assert parse_xla_flags(format_xla_flags({"a": "1", "b": ""})) == {"a": "1", "b": ""}
+    with pytest.raises(ValueError, match="--name=value"):
+        parse_xla_flags("xla_gpu_foo=1")
+
+
+def test_errors(monkeypatch):
+    with pytest.raises(ValueError, match="unknown XLA flag preset.*gpu-throughput"):
+        xla_flags("fastest", apply=False)
+    with pytest.raises(ValueError, match="without dashes"):
+        xla_flags("none", extra={"--xla_gpu_foo": "1"}, apply=False)
+    jax.devices()
+    with pytest.raises(RuntimeError, match="must run before the JAX backend starts"):
+        xla_flags("gpu-throughput")
+
+
+def test_flags_in_force_reports_env(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=true")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.5")
+    report = flags_in_force()
+    assert report["--xla_gpu_enable_latency_hiding_scheduler"] == "true"
+    assert report["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" and report["XLA_CLIENT_MEM_FRACTION"] == "0.5"
