@@ -1,0 +1,185 @@
+"""`jaxopt-train bench matmul`: TFLOP/s of every matmul backend next to XLA's dot.
+
+For each shape, every backend runs on random bf16 data rotating over several
+input sets (together larger than L2, so no call finds its operands cached),
+is checked against the f32 reference, warmed up, then timed in bursts of
+back-to-back calls with one sync per burst; the median burst gives TFLOP/s,
+the ratio to XLA's `jnp.dot` measured in the same run, and % of dense peak.
+A second table compares the fused matmul+bias+gelu with XLA's dot followed by
+bias and gelu.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxopt_train.kernels import available_backends, matmul, matmul_reference
+
+DENSE_BF16_PEAK = {"NVIDIA H100": 989e12, "NVIDIA H200": 989e12}
+LARGE_SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 8192, 2048), (16384, 2048, 8192)]
+SMALL_SHAPES = [(1024, 1024, 1024), (2048, 512, 2048), (1000, 777, 513), (3000, 5000, 1000)]
+FUSED_SHAPES = [(8192, 8192, 8192), (16384, 8192, 2048)]
+QUICK_SHAPES = [(64, 64, 64), (127, 129, 65)]
+
+
+def _peak(device_kind: str) -> float | None:
+    return next((v for k, v in DENSE_BF16_PEAK.items() if device_kind.startswith(k)), None)
+
+
+def _input_sets(m, n, k, dtype, count, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 3 * count)
+    sets = []
+    for i in range(count):
+        a = jax.random.normal(keys[3 * i], (m, k), jnp.float32).astype(dtype)
+        b = jax.random.normal(keys[3 * i + 1], (k, n), jnp.float32).astype(dtype)
+        bias = jax.random.normal(keys[3 * i + 2], (n,), jnp.float32).astype(dtype)
+        sets.append((a, b, bias))
+    return jax.block_until_ready(sets)
+
+
+def time_fn(fn, sets, *, calls: int, bursts: int, warmup_s: float) -> float:
+    """Median seconds per call over `bursts` bursts of `calls` back-to-back calls."""
+    jax.block_until_ready(fn(*sets[0]))
+    deadline = time.perf_counter() + warmup_s  # let the GPU clocks ramp up
+    while time.perf_counter() < deadline:
+        out = None
+        for i in range(len(sets)):
+            out = fn(*sets[i])
+        jax.block_until_ready(out)
+    per_call = []
+    for _ in range(bursts):
+        start = time.perf_counter()
+        out = None
+        for i in range(calls):
+            out = fn(*sets[i % len(sets)])
+        jax.block_until_ready(out)
+        per_call.append((time.perf_counter() - start) / calls)
+    return statistics.median(per_call)
+
+
+def _plain_fn(backend):
+    if backend == "xla_dot":
+        return jax.jit(lambda a, b, bias: jnp.dot(a, b))
+    return jax.jit(lambda a, b, bias: matmul(a, b, backend=backend))
+
+
+def _fused_fn(backend):
+    if backend == "xla_dot":
+        return jax.jit(lambda a, b, bias: jax.nn.gelu(jnp.dot(a, b) + bias))
+    return jax.jit(lambda a, b, bias: matmul(a, b, bias=bias, activation="gelu", backend=backend))
+
+
+def _measure(make_fn, backends, shape, dtype, args, peak, fused: bool):
+    m, n, k = shape
+    sets = _input_sets(m, n, k, dtype, args.input_sets)
+    a, b, bias = sets[0]
+    ref = matmul_reference(a, b, bias=bias if fused else None, activation="gelu" if fused else None,
+                           out_dtype=jnp.float32)
+    scale = float(jnp.max(jnp.abs(ref))) or 1.0
+    rows = []
+    for backend in backends:
+        row = {"shape": list(shape), "backend": backend, "fused": fused}
+        try:
+            fn = make_fn(backend)
+            row["max_rel_error"] = float(jnp.max(jnp.abs(fn(a, b, bias).astype(jnp.float32) - ref))) / scale
+            seconds = time_fn(fn, sets, calls=args.calls, bursts=args.bursts, warmup_s=args.warmup_s)
+            row["ms"] = seconds * 1e3
+            row["tflops"] = 2 * m * n * k / seconds / 1e12
+            row["pct_peak"] = None if peak is None else 100 * row["tflops"] * 1e12 / peak
+        except Exception as err:  # noqa: BLE001 - one broken backend must not hide the rest
+            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    base = next((r for r in rows if r["backend"] == "xla_dot" and "tflops" in r), None)
+    for row in rows:
+        if base is not None and "tflops" in row:
+            row["vs_xla"] = row["tflops"] / base["tflops"]
+    del sets
+    return rows
+
+
+def _table(rows, title):
+    lines = [f"\n{title}", f"{'shape (MxNxK)':<20} {'backend':<11} {'TFLOP/s':>8} {'vs XLA':>7} "
+             f"{'% peak':>7} {'ms':>8} {'rel err':>8}"]
+    for r in rows:
+        shape = "x".join(map(str, r["shape"]))
+        if "error" in r:
+            lines.append(f"{shape:<20} {r['backend']:<11} ERROR {r['error'][:90]}")
+            continue
+        pct = "-" if r.get("pct_peak") is None else f"{r['pct_peak']:.1f}"
+        ratio = "-" if "vs_xla" not in r else f"{r['vs_xla']:.3f}"
+        lines.append(f"{shape:<20} {r['backend']:<11} {r['tflops']:>8.1f} {ratio:>7} {pct:>7} "
+                     f"{r['ms']:>8.3f} {r['max_rel_error']:>8.1e}")
+    return "\n".join(lines)
+
+
+def _geomean_large(rows, backend):
+    ratios = [r["vs_xla"] for r in rows if r["backend"] == backend and "vs_xla" in r
+              and tuple(r["shape"]) in LARGE_SHAPES]
+    return float(np.exp(np.mean(np.log(ratios)))) if len(ratios) == len(LARGE_SHAPES) else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxopt-train bench matmul", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, interpret backend (CPU)")
+    parser.add_argument("--json", metavar="PATH", help="write every figure as JSON")
+    parser.add_argument("--backends", help="comma list (default: every available one)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    parser.add_argument("--calls", type=int, default=20, help="calls per burst")
+    parser.add_argument("--bursts", type=int, default=5)
+    parser.add_argument("--input-sets", type=int, default=4, help="rotating input sets (> L2)")
+    parser.add_argument("--warmup-s", type=float, default=1.0)
+    parser.add_argument("--no-fused", action="store_true", help="skip the bias+gelu table")
+    args = parser.parse_args(argv)
+
+    device = jax.devices()[0]
+    if args.backends:
+        backends = args.backends.split(",")
+    elif args.quick:
+        backends = ["interpret", "xla"]
+    else:
+        backends = [b for b in available_backends() if b != "interpret"]
+    backends = ["xla_dot"] + [b for b in backends if b != "xla_dot"]
+    shapes = QUICK_SHAPES if args.quick else LARGE_SHAPES + SMALL_SHAPES
+    fused_shapes = QUICK_SHAPES[:1] if args.quick else FUSED_SHAPES
+    if args.quick:
+        args.calls, args.bursts, args.input_sets, args.warmup_s = 2, 2, 2, 0.0
+    dtype = jnp.dtype(args.dtype)
+    peak = _peak(device.device_kind)
+    header = {"device_kind": device.device_kind, "platform": device.platform,
+              "jax": jax.__version__, "dtype": args.dtype, "backends": backends,
+              "calls": args.calls, "bursts": args.bursts, "input_sets": args.input_sets,
+              "peak_tflops": None if peak is None else peak / 1e12}
+    print(json.dumps(header), file=sys.stderr, flush=True)
+    rows = [r for shape in shapes
+            for r in _measure(_plain_fn, backends, shape, dtype, args, peak, fused=False)]
+    fused_rows = [] if args.no_fused else [
+        r for shape in fused_shapes
+        for r in _measure(_fused_fn, backends, shape, dtype, args, peak, fused=True)]
+    summary = {b: _geomean_large(rows, b) for b in backends if b != "xla_dot"}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**header, "plain": rows, "fused": fused_rows,
+                       "geomean_vs_xla_large": summary}, f, indent=1)
+    print(f"device: {device.device_kind}  jax {jax.__version__}  dtype {args.dtype}  "
+          f"(median of {args.bursts} bursts x {args.calls} calls, {args.input_sets} rotating inputs)")
+    print(_table(rows, "matmul: C = A @ B"))
+    if fused_rows:
+        print(_table(fused_rows, "fused: gelu(A @ B + bias); xla_dot = jax.nn.gelu(jnp.dot(A, B) + bias)"))
+    for backend, value in summary.items():
+        if value is not None:
+            print(f"geomean vs XLA over the 4 large shapes, {backend}: {value:.3f}")
+    errors = [r for r in rows + fused_rows if "error" in r]
+    return 1 if errors and args.quick else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

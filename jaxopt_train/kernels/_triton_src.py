@@ -1,0 +1,74 @@
+"""The Triton (triton.language) matmul kernel. Imported only by triton_kernel.py, lazily.
+
+This module imports `triton` at the top because `@triton.jit` resolves `tl`
+from the defining module's globals; nothing else in the package imports it.
+"""
+
+import triton
+import triton.language as tl
+
+GELU_SCALE = 1.5957691216057308  # 2 * sqrt(2 / pi): gelu_tanh(x) = x * sigmoid(GELU_SCALE * u)
+
+
+@triton.jit
+def matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr,
+                  M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
+    """C[M, N] = act(A[M, K] @ B[K, N] + bias[N]); row-major, f32 accumulation.
+
+    ACTIVATION: 0 none, 1 gelu (tanh approximation), 2 relu, 3 silu.
+    """
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    # Grouped order: GROUP_M row-tiles sweep the N tiles together, so the B
+    # columns they load stay in L2 across the group.
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Out-of-range rows/cols wrap around to valid memory (results discarded by
+    # the masked store), which keeps the main loop free of M/N masks. The
+    # contiguity hints hold only when no tile wraps.
+    if M % BLOCK_M == 0:
+        rows_in = tl.max_contiguous(tl.multiple_of(rows, BLOCK_M), BLOCK_M)
+    else:
+        rows_in = rows % M
+    if N % BLOCK_N == 0:
+        cols_in = tl.max_contiguous(tl.multiple_of(cols, BLOCK_N), BLOCK_N)
+    else:
+        cols_in = cols % N
+    depth = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows_in[:, None] * K + depth[None, :]
+    b_ptrs = b_ptr + depth[:, None] * N + cols_in[None, :]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(0, tl.cdiv(K, BLOCK_K)):
+        if K % BLOCK_K == 0:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - step * BLOCK_K
+            a = tl.load(a_ptrs, mask=depth[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=depth[:, None] < k_left, other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * N
+
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols_in)[None, :]
+    if ACTIVATION == 1:
+        acc = acc * tl.sigmoid(GELU_SCALE * (acc + 0.044715 * acc * acc * acc))
+    elif ACTIVATION == 2:
+        acc = tl.maximum(acc, 0.0)
+    elif ACTIVATION == 3:
+        acc = acc * tl.sigmoid(acc)
+
+    c_ptrs = c_ptr + rows[:, None] * N + cols[None, :]
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,218 @@
+"""Hopper matmul in Pallas Mosaic GPU: TMA loads, wgmma, warp-specialised pipeline.
+
+Layout of one CTA (persistent: one CTA per SM loops over output tiles):
+  - warpgroup 2 (producer) issues TMA copies of A (2*bm x bk) and B (bk x bn)
+    tiles into a `num_stages`-deep ring of swizzled shared-memory buffers;
+  - warpgroups 0 and 1 (consumers) each own one bm x bn f32 wgmma accumulator
+    (rows [0, bm) and [bm, 2*bm) of the CTA tile) and issue wgmma as soon as a
+    stage lands; the producer refills a stage once both consumers release it;
+  - the epilogue adds the bias (TMA-loaded once per tile, overlapped with the
+    main loop), applies the activation in registers, and streams 64x64 output
+    sub-tiles to global memory through two shared-memory slots with TMA stores.
+Tiles are visited in a planar snake of width `group_m` so consecutive tiles on
+neighbouring SMs share A rows or B columns in L2.
+
+Shapes are zero-padded by the wrapper to multiples of (2*bm, bn, bk): exact,
+and it keeps the kernel free of masks. All Mosaic GPU imports are lazy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxopt_train.kernels.configs import MatmulConfig
+from jaxopt_train.kernels.epilogue import apply_epilogue
+
+_EPILOGUE_TILE = 64  # rows/cols of one TMA-stored output sub-tile
+_NUM_CONSUMERS = 2  # compute warpgroups per CTA, stacked along M
+_PRODUCER_REGISTERS = 40  # the TMA-issuing warpgroup needs few registers
+_SMEM_BYTES = 232448  # Hopper's per-block shared memory limit (227 KiB)
+_SMEM_SLACK = 2048  # barriers and Pallas bookkeeping
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _swizzled(plgpu, minor_dim: int, dtype) -> tuple:
+    """Tiling + swizzle transforms for a tile whose minor dim has `minor_dim` elements."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(minor_dim * itemsize * 8)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _num_sms() -> int:
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
+def fit_stages(config: MatmulConfig, in_dtype, out_dtype, has_bias: bool) -> int:
+    """The deepest pipeline <= config.num_stages whose buffers fit in shared memory."""
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    per_stage = (_NUM_CONSUMERS * bm * bk + bk * bn) * jnp.dtype(in_dtype).itemsize
+    epi_m, epi_n = min(_EPILOGUE_TILE, bm), min(_EPILOGUE_TILE, bn)
+    slots = min(2, (bm * bn) // (epi_m * epi_n))
+    fixed = _NUM_CONSUMERS * slots * epi_m * epi_n * jnp.dtype(out_dtype).itemsize + _SMEM_SLACK
+    fixed += _NUM_CONSUMERS * bn * 4 if has_bias else 0
+    stages = min(config.num_stages, (_SMEM_BYTES - fixed) // per_stage)
+    if stages < 2:
+        raise ValueError(f"{config} needs {fixed + 2 * per_stage} bytes of shared memory for a "
+                         f"2-stage pipeline; Hopper has {_SMEM_BYTES}: use smaller blocks")
+    return int(stages)
+
+
+def _matmul_kernel(a_gmem, b_gmem, bias_gmem, out_gmem, out_smem, bias_smem, bias_barrier, *,
+                   config: MatmulConfig, activation: str | None, m_iters: int, n_iters: int,
+                   k_iters: int):
+    """Kernel body, run by 3 warpgroups ("wg") on every SM ("sm")."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    in_transforms = _swizzled(plgpu, bk, a_gmem.dtype)
+    epi_m, epi_n = min(_EPILOGUE_TILE, bm), min(_EPILOGUE_TILE, bn)
+
+    def make_pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k_iters,),
+            memory_registers=_PRODUCER_REGISTERS,
+            in_specs=[
+                plgpu.BlockSpec((_NUM_CONSUMERS * bm, bk), lambda k: (0, k),
+                                transforms=in_transforms, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((bk, bn), lambda k: (k, 0),
+                                transforms=in_transforms, memory_space=plgpu.SMEM),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=_NUM_CONSUMERS,
+            max_concurrent_steps=config.num_stages,
+            compute_context=compute_context,
+        )
+
+    def no_op(*_, **__):
+        return None
+
+    @functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=make_pipeline(no_op, no_op).get_allocations(a_gmem, b_gmem),
+        collective_axes="wg",
+    )
+    def _scope(pipeline_allocs):
+        wg = lax.axis_index("wg")
+        minor = 0 if config.grid_minor == "m" else 1
+
+        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+        def _tile_loop(loop_info):
+            (linear,) = getattr(loop_info, "index", loop_info)
+            m_idx, n_idx = plgpu.planar_snake(linear, (m_iters, n_iters), minor, config.group_m)
+            cta_rows = pl.ds(m_idx * (_NUM_CONSUMERS * bm), _NUM_CONSUMERS * bm)
+            cols = pl.ds(n_idx * bn, bn)
+            wg_rows = pl.ds(wg * bm, bm)
+
+            def compute_context(run_pipeline):
+                if bias_gmem is not None:  # fetch the bias while the main loop runs
+                    plgpu.copy_gmem_to_smem(bias_gmem.at[cols], bias_smem.at[wg],
+                                            bias_barrier.at[wg])
+
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+                def _accumulate(acc_ref):
+                    run_pipeline(acc_ref)
+                    acc = acc_ref[...]
+                    bias = None
+                    if bias_gmem is not None:
+                        plgpu.barrier_wait(bias_barrier.at[wg])
+                        row = plgpu.load(bias_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(0))
+                        bias = lax.broadcast_in_dim(row, (bm, bn), [1])
+                    out = apply_epilogue(acc, bias, activation).astype(out_gmem.dtype)
+                    _store_epilogue(out, out_smem.at[wg], out_gmem.at[cta_rows, cols].at[wg_rows],
+                                    epi_m, epi_n)
+
+            def mma_body(_, a_smem, b_smem, acc_ref):
+                plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem)
+                plgpu.wgmma_wait(0)
+                return acc_ref
+
+            make_pipeline(mma_body, compute_context)(
+                a_gmem.at[cta_rows, :], b_gmem.at[:, cols], allocations=pipeline_allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _store_epilogue(out, slots, out_gmem, epi_m: int, epi_n: int):
+    """Streams `out` (bm x bn registers) to `out_gmem` via two SMEM slots and TMA."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    bm, bn = out.shape
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous tile's stores left SMEM
+    step = 0
+    for i in range(bm // epi_m):
+        for j in range(bn // epi_n):
+            rows, cols = slice(i * epi_m, (i + 1) * epi_m), slice(j * epi_n, (j + 1) * epi_n)
+            slot = step % slots.shape[0]
+            step += 1
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's last store is done
+            slots[slot] = out[rows, cols]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(slots.at[slot], out_gmem.at[rows, cols])
+
+
+def _kernel_fn(plgpu, body, out_shape, scratch, grid, compiler_params):
+    """`plgpu.kernel` across spellings: out_shape/out_type, scratch_shapes/scratch_types."""
+    params = inspect.signature(plgpu.kernel).parameters
+    out_kw = "out_type" if "out_type" in params else "out_shape"
+    scratch_kw = "scratch_types" if "scratch_types" in params else "scratch_shapes"
+    kwargs = {out_kw: out_shape, scratch_kw: scratch}
+    if compiler_params is not None:
+        kwargs["compiler_params"] = compiler_params
+    return plgpu.kernel(body, grid=grid, grid_names=("sm",), num_threads=_NUM_CONSUMERS + 1,
+                        thread_name="wg", **kwargs)
+
+
+def mosaic_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
+                  activation: str | None, out_dtype, config: MatmulConfig) -> jax.Array:
+    """act(a @ b + bias) on a Hopper GPU; a (M, K), b (K, N) bf16/fp16, any M, N, K."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    (m, k), n = a.shape, b.shape[1]
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    if bm % 64 or bn % 8 or bn > 256 or bk * jnp.dtype(a.dtype).itemsize % 32:
+        raise ValueError(f"mosaic_gpu needs block_m % 64 == 0, block_n % 8 == 0 and <= 256, "
+                         f"block_k * itemsize % 32 == 0; got {config}")
+    mp, np_, kp = _round_up(m, _NUM_CONSUMERS * bm), _round_up(n, bn), _round_up(k, bk)
+    a_p = a if (mp, kp) == a.shape else jnp.pad(a, ((0, mp - m), (0, kp - k)))
+    b_p = b if (kp, np_) == b.shape else jnp.pad(b, ((0, kp - k), (0, np_ - n)))
+    epi_m, epi_n = min(_EPILOGUE_TILE, bm), min(_EPILOGUE_TILE, bn)
+    slots = min(2, (bm * bn) // (epi_m * epi_n))
+    scratch = [
+        plgpu.SMEM((_NUM_CONSUMERS, slots, epi_m, epi_n), out_dtype,
+                   transforms=_swizzled(plgpu, epi_n, out_dtype)),
+    ]
+    operands = [a_p, b_p]
+    if bias is not None:
+        bias_p = jnp.pad(bias.astype(jnp.float32), (0, np_ - n))
+        operands.append(bias_p)
+        scratch += [plgpu.SMEM((_NUM_CONSUMERS, bn), jnp.float32),
+                    plgpu.Barrier(num_barriers=_NUM_CONSUMERS)]
+    m_iters, n_iters, k_iters = mp // (_NUM_CONSUMERS * bm), np_ // bn, kp // bk
+    stages = fit_stages(config, a.dtype, out_dtype, bias is not None)
+    if stages != config.num_stages:
+        config = dataclasses.replace(config, num_stages=stages)
+    body = functools.partial(_matmul_kernel, config=config, activation=activation,
+                             m_iters=m_iters, n_iters=n_iters, k_iters=k_iters)
+    if bias is None:
+        body = functools.partial(_without_bias, body)
+    # tanh.approx / ex2.approx in the epilogue: well inside bf16 output precision.
+    params = plgpu.CompilerParams(approx_math=True) if activation in ("gelu", "silu") else None
+    grid = (min(_num_sms(), m_iters * n_iters),)
+    out = _kernel_fn(plgpu, body, jax.ShapeDtypeStruct((mp, np_), out_dtype), scratch, grid,
+                     params)(*operands)
+    return out[:m, :n] if (mp, np_) != (m, n) else out
+
+
+def _without_bias(body, a_gmem, b_gmem, out_gmem, out_smem):
+    body(a_gmem, b_gmem, None, out_gmem, out_smem, None, None)

@@ -1,0 +1,46 @@
+"""Matmul through a Triton kernel and `jax_triton.triton_call` (Ampere and newer).
+
+The kernel (`_triton_src.matmul_kernel`) masks ragged edges itself, so any
+M, N, K works without padding. Sizes are compile-time constants: each shape
+compiles once, which is what a model's fixed layer shapes want.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxopt_train.kernels.configs import MatmulConfig
+
+_ACTIVATION_CODES = {None: 0, "gelu": 1, "relu": 2, "silu": 3}
+
+
+def triton_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
+                  activation: str | None, out_dtype, config: MatmulConfig) -> jax.Array:
+    """act(a @ b + bias) for 2-D a (M, K), b (K, N) in bf16/fp16 on a CUDA GPU."""
+    import jax_triton  # lazy: CPU-only jax raises ImportError here
+
+    from jaxopt_train.kernels import _triton_src
+
+    (m, k), n = a.shape, b.shape[1]
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    if bk < 16:
+        raise ValueError(f"triton tl.dot needs block_k >= 16; got {config}")
+    # A 1-element placeholder keeps the kernel signature fixed when there is no bias.
+    bias_arg = (jnp.zeros((1,), jnp.float32) if bias is None else bias.astype(jnp.float32))
+    grid = (_cdiv(m, bm) * _cdiv(n, bn),)
+    return jax_triton.triton_call(
+        a, b, bias_arg,
+        kernel=_triton_src.matmul_kernel,
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=grid,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        name="jaxopt_triton_matmul",
+        M=m, N=n, K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
+        HAS_BIAS=bias is not None, ACTIVATION=_ACTIVATION_CODES[activation],
+    )
+
+
+def _cdiv(x: int, y: int) -> int:
+    return -(-x // y)

@@ -1,0 +1,94 @@
+"""GPU tests of the Mosaic GPU and Triton matmul kernels (run on the GPU machine)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxopt_train.kernels import MatmulConfig, matmul, matmul_reference
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [(256, 256, 128), (1000, 777, 513), (2, 3, 129, 200, 64), (2048, 1024, 4096)]
+
+
+def _backend_or_skip(backend):
+    if backend == "triton":
+        pytest.importorskip("jax_triton", exc_type=ImportError)
+    if backend == "mosaic_gpu" and not str(
+            getattr(jax.devices()[0], "compute_capability", "")).startswith("9"):
+        pytest.skip("mosaic_gpu kernel needs a Hopper GPU")
+
+
+def _operands(shape, dtype, seed=0):
+    *lead, k, n = shape
+    ka, kb, kc = jax.random.split(jax.random.key(seed), 3)
+    a = jax.random.normal(ka, (*lead, k), jnp.float32).astype(dtype)
+    b = jax.random.normal(kb, (k, n), jnp.float32).astype(dtype)
+    return a, b, jax.random.normal(kc, (n,), jnp.float32)
+
+
+def _close(out, ref, tol):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    scale = max(1.0, float(np.max(np.abs(ref))))
+    np.testing.assert_allclose(out, ref, atol=tol * scale, rtol=tol)
+
+
+@pytest.mark.parametrize("backend", ["mosaic_gpu", "triton"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_forward_matches_reference(backend, dtype, shape):
+    _backend_or_skip(backend)
+    a, b, _ = _operands(shape, dtype)
+    out = jax.jit(lambda a, b: matmul(a, b, backend=backend, out_dtype=jnp.float32))(a, b)
+    _close(out, matmul_reference(a, b, out_dtype=jnp.float32), 1e-4)
+
+
+@pytest.mark.parametrize("backend", ["mosaic_gpu", "triton"])
+@pytest.mark.parametrize("activation", [None, "gelu", "relu", "silu"])
+def test_fused_epilogue(backend, activation):
+    _backend_or_skip(backend)
+    a, b, bias = _operands((384, 320, 256), jnp.bfloat16)
+    out = jax.jit(lambda a, b, bias: matmul(a, b, bias=bias, activation=activation,
+                                            backend=backend))(a, b, bias)
+    assert out.dtype == jnp.bfloat16
+    _close(out, matmul_reference(a, b, bias=bias, activation=activation), 1e-2)
+
+
+@pytest.mark.parametrize("backend", ["mosaic_gpu", "triton"])
+def test_gradients_match_reference(backend):
+    _backend_or_skip(backend)
+    a, b, bias = _operands((300, 200, 136), jnp.bfloat16, seed=1)
+
+    def loss(fn):
+        return lambda a, b, bias: jnp.sum(jnp.sin(fn(a, b, bias).astype(jnp.float32)))
+
+    ours = loss(lambda a, b, bias: matmul(a, b, bias=bias, activation="gelu", backend=backend,
+                                          out_dtype=jnp.float32))
+    ref = loss(lambda a, b, bias: matmul_reference(a, b, bias=bias, activation="gelu",
+                                                   out_dtype=jnp.float32))
+    got = jax.jit(jax.grad(ours, argnums=(0, 1, 2)))(a, b, bias)
+    want = jax.jit(jax.grad(ref, argnums=(0, 1, 2)))(a, b, bias)
+    for g, w in zip(got, want):
+        _close(g, w, 2e-2)
+
+
+@pytest.mark.parametrize("backend,config", [
+    ("mosaic_gpu", MatmulConfig(block_m=64, block_n=256, block_k=64, num_stages=3, group_m=4,
+                                grid_minor="m")),
+    ("triton", MatmulConfig(block_m=64, block_n=128, block_k=32, num_stages=4, num_warps=4)),
+])
+def test_config_override(backend, config):
+    _backend_or_skip(backend)
+    a, b, _ = _operands((512, 512, 384), jnp.bfloat16, seed=2)
+    out = jax.jit(lambda a, b: matmul(a, b, backend=backend, config=config,
+                                      out_dtype=jnp.float32))(a, b)
+    _close(out, matmul_reference(a, b, out_dtype=jnp.float32), 1e-4)
+
+
+def test_auto_picks_a_kernel_on_gpu():
+    from jaxopt_train.kernels.matmul import resolve_backend
+
+    assert resolve_backend("auto") in ("mosaic_gpu", "triton")
