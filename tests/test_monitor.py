@@ -103,3 +103,18 @@ def test_real_gpu_sampling():
     assert monitor.enabled
     assert "DCGM_FI_DEV_FB_USED/gpu0" in monitor.latest()
     assert monitor.summary()["DCGM_FI_DEV_GPU_TEMP/gpu0"]["count"] >= 2
+
+
+def test_demo_prints_summary_and_writes_json(monkeypatch, tmp_path, capsys):
+    import json
+
+    from jaxopt_train.runtime import monitor_demo
+
+    install_fake_nvml(monkeypatch, make_fake_nvml(two_gpus()))
+    path = tmp_path / "monitor.json"
+    assert monitor_demo.main(["--seconds", "0.1", "--interval", "0.02", "--load", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "DCGM_FI_DEV_GPU_UTIL/gpu1" in out and "matmul calls" in out
+    saved = json.loads(path.read_text())
+    assert saved["summary"]["DCGM_FI_DEV_POWER_USAGE/gpu0"]["max"] == 350.0
+    assert len(saved["samples"]["gpu0"]) >= 2 and "time" in saved["samples"]["gpu0"][0]

@@ -144,3 +144,4 @@ class GPUMonitor:
         return {key: {"mean": statistics.fmean(values), "min": min(values), "max": max(values),
                       "last": values[-1], "count": float(len(values))}
                 for key, values in series.items()}
+
