@@ -136,3 +136,11 @@ def test_bad_flag():
     with pytest.raises(SystemExit) as err:
         doctor.main(["--no-such-option"])
     assert err.value.code == 2
+
+
+@pytest.mark.gpu
+def test_real_gpu_machine():
+    checks = _by_name(doctor.run_checks())
+    assert checks["backend"].status == "pass"
+    assert checks["gpu0"].status == "pass" and "GiB" in checks["gpu0"].detail
+    assert checks["driver"].status == "pass"

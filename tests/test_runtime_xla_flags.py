@@ -82,6 +82,7 @@ def test_parse_and_format_round_trip():
 
 
 def test_errors(monkeypatch):
+    assert {"none", "gpu-throughput", "gpu-latency", "gpu-deterministic"} == set(XLA_FLAG_PRESETS)
     with pytest.raises(ValueError, match="unknown XLA flag preset.*gpu-throughput"):
         xla_flags("fastest", apply=False)
     with pytest.raises(ValueError, match="without dashes"):
