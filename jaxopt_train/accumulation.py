@@ -190,8 +190,20 @@ def multi_steps(optimizer, every_k: int, *, skip_non_finite: bool = True):
     if not isinstance(every_k, (int, np.integer)) or isinstance(every_k, bool) or every_k < 1:
         raise ValueError(f"every_k={every_k!r} must be a positive int")
     skip = optax.skip_not_finite if skip_non_finite else None
-    return optax.MultiSteps(optimizer, every_k_schedule=int(every_k),
-                            should_skip_update_fn=skip).gradient_transformation()
+    inner = optax.MultiSteps(optimizer, every_k_schedule=int(every_k),
+                             should_skip_update_fn=skip).gradient_transformation()
+
+    # optax.MultiSteps mixes int32 counters with floats internally, which
+    # `jax_numpy_dtype_promotion="strict"` rejects; its arithmetic is ours to
+    # scope, so run it under standard promotion whatever the caller set.
+    def init(params):
+        with jax.numpy_dtype_promotion("standard"):
+            return inner.init(params)
+
+    def update(updates, state, params=None, **extra_args):
+        with jax.numpy_dtype_promotion("standard"):
+            return inner.update(updates, state, params, **extra_args)
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def _to_varying(tree, axis_name: str):

@@ -118,25 +118,35 @@ def _linen_loss(policy, variables, x, y):
     return jnp.mean((out.astype(jnp.float32) - y) ** 2)
 
 
-@pytest.mark.parametrize("policy_name, rtol", [("bf16", 3e-2), ("fp16", 5e-3), ("tf32", 1e-5)])
-def test_nnx_and_linen_under_policy_match_fp32(policy_name, rtol):
+@pytest.fixture(scope="module")
+def mlp_problems():
     x = jax.random.normal(jax.random.key(1), (16, 8), jnp.float32)
     y = jax.random.normal(jax.random.key(2), (16, 4), jnp.float32)
     graphdef, state = nnx.split(_NNXMLP(nnx.Rngs(0)))
     variables = _LinenMLP().init(jax.random.key(0), x)
-    fp32, policy = prec.get_policy("fp32"), prec.get_policy(policy_name)
-    for loss, params, args in ((_nnx_loss, state, (graphdef,)), (_linen_loss, variables, ())):
-        ref_loss, ref_grads = jax.jit(jax.value_and_grad(
-            lambda p: loss(fp32, *args, p, x, y)))(params)
-        got_loss, got_grads = jax.jit(jax.value_and_grad(
-            lambda p: loss(policy, *args, p, x, y)))(params)
-        np.testing.assert_allclose(got_loss, ref_loss, rtol=rtol)
-        for g, r in zip(jax.tree.leaves(got_grads), jax.tree.leaves(ref_grads)):
-            assert g.dtype == F32  # gradients land on the f32 master weights
-            np.testing.assert_allclose(g, r, rtol=rtol * 4, atol=rtol * np.abs(r).max())
-        # A wrong compute dtype must show up: bf16 cannot match fp32 to 1e-6.
-        if policy_name == "bf16":
-            assert not np.allclose(got_loss, ref_loss, rtol=1e-7, atol=0)
+    problems = {"nnx": (lambda policy, p: _nnx_loss(policy, graphdef, p, x, y), state),
+                "linen": (lambda policy, p: _linen_loss(policy, p, x, y), variables)}
+    fp32 = prec.get_policy("fp32")
+    refs = {name: jax.jit(jax.value_and_grad(lambda p, f=f: f(fp32, p)))(params)
+            for name, (f, params) in problems.items()}
+    return problems, refs
+
+
+@pytest.mark.parametrize("policy_name, rtol", [("bf16", 3e-2), ("fp16", 5e-3), ("tf32", 1e-5)])
+@pytest.mark.parametrize("kind", ["nnx", "linen"])
+def test_nnx_and_linen_under_policy_match_fp32(mlp_problems, kind, policy_name, rtol):
+    problems, refs = mlp_problems
+    loss, params = problems[kind]
+    ref_loss, ref_grads = refs[kind]
+    policy = prec.get_policy(policy_name)
+    got_loss, got_grads = jax.jit(jax.value_and_grad(lambda p: loss(policy, p)))(params)
+    np.testing.assert_allclose(got_loss, ref_loss, rtol=rtol)
+    for g, r in zip(jax.tree.leaves(got_grads), jax.tree.leaves(ref_grads)):
+        assert g.dtype == F32  # gradients land on the f32 master weights
+        np.testing.assert_allclose(g, r, rtol=rtol * 4, atol=rtol * np.abs(r).max())
+    # A wrong compute dtype must show up: bf16 cannot match fp32 to 1e-7.
+    if policy_name == "bf16":
+        assert not np.allclose(got_loss, ref_loss, rtol=1e-7, atol=0)
 
 
 def test_nnx_apply_with_state_and_linen_mutable():

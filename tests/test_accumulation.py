@@ -1,0 +1,295 @@
+"""Tests for jaxopt_train.accumulation against full-batch references and compiled HLO."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen, nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxopt_train import precision as prec
+from jaxopt_train.accumulation import (accumulate_gradients, check_divisible,
+                                       data_parallel_value_and_grad, multi_steps)
+
+BATCH = 16
+
+
+def _data(batch=BATCH, dtype=jnp.float32):
+    kx, ky = jax.random.split(jax.random.key(42))
+    return {"x": jax.random.normal(kx, (batch, 6), dtype), "y": jax.random.normal(ky, (batch, 3), dtype)}
+
+
+class _NNXMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(6, 16, rngs=rngs)
+        self.l2 = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(jnp.tanh(self.l1(x)))
+
+
+class _LinenMLP(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+        return linen.Dense(3)(jnp.tanh(linen.Dense(16)(x)))
+
+
+def _nnx_problem():
+    graphdef, state = nnx.split(_NNXMLP(nnx.Rngs(0)))
+
+    def loss_fn(state, batch):
+        out = nnx.merge(graphdef, state)(batch["x"])
+        return jnp.mean((out - batch["y"]) ** 2)
+    return loss_fn, state
+
+
+def _linen_problem():
+    module = _LinenMLP()
+    variables = module.init(jax.random.key(0), jnp.zeros((1, 6)))
+
+    def loss_fn(variables, batch):
+        return jnp.mean((module.apply(variables, batch["x"]) - batch["y"]) ** 2)
+    return loss_fn, variables
+
+
+def _assert_trees_close(got, want, rtol, atol=0.0):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.dtype == w.dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("problem", [_nnx_problem, _linen_problem], ids=["nnx", "linen"])
+@pytest.mark.parametrize("num_microbatches", [1, 8])
+def test_matches_full_batch(problem, num_microbatches):
+    loss_fn, params = problem()
+    batch = _data()
+    want_loss, want_grads = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
+    got_loss, got_grads = jax.jit(accumulate_gradients(loss_fn, num_microbatches))(params, batch)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    _assert_trees_close(got_grads, want_grads, rtol=1e-5, atol=1e-7)
+
+
+def test_bf16_params_accumulate_in_f32_within_bf16_tolerance():
+    loss_fn, params = _linen_problem()
+    batch = _data()
+    want_loss, want_grads = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
+    policy = prec.get_policy("bf16-pure")
+    bf16_params, bf16_batch = policy.cast_to_param(params), policy.cast_to_compute(batch)
+    got_loss, got_grads = jax.jit(accumulate_gradients(loss_fn, 4))(bf16_params, bf16_batch)
+    assert got_loss.dtype == jnp.bfloat16
+    assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(got_grads))
+    np.testing.assert_allclose(np.float32(got_loss), want_loss, rtol=2e-2)
+    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=5e-2, atol=2e-2 * np.abs(w).max())
+
+
+def _dropout_loss(params, batch, key):
+    keep = jax.random.bernoulli(key, 0.5, batch["x"].shape)
+    h = jnp.where(keep, batch["x"], 0.0) @ params["w"]
+    return jnp.mean((h - batch["y"]) ** 2)
+
+
+def test_prng_key_is_split_per_microbatch():
+    params = {"w": jax.random.normal(jax.random.key(1), (6, 3))}
+    batch, key, k = _data(), jax.random.key(7), 4
+    got_loss, got_grads = jax.jit(accumulate_gradients(_dropout_loss, k))(params, batch, key)
+    # Reference: micro-batch i is rows i::K with key split(key, K)[i].
+    keys = jax.random.split(key, k)
+    reference = jax.jit(jax.value_and_grad(_dropout_loss))
+    parts = [reference(params, jax.tree.map(lambda x: x[i::k], batch), keys[i]) for i in range(k)]
+    np.testing.assert_allclose(got_loss, np.mean([float(loss) for loss, _ in parts]), rtol=1e-6)
+    want_grad = sum(g["w"] for _, g in parts) / k
+    np.testing.assert_allclose(got_grads["w"], want_grad, rtol=1e-5, atol=1e-7)
+    # The same key for every micro-batch would give another result: the test can fail.
+    same = np.mean([float(reference(params, jax.tree.map(lambda x: x[i::k], batch), key)[0])
+                    for i in range(k)])
+    assert not np.isclose(float(got_loss), same, rtol=1e-4)
+
+
+def _aux_loss(params, batch):
+    err = batch["x"] @ params["w"] - batch["y"]
+    return jnp.mean(err**2), {"mae": jnp.mean(jnp.abs(err)), "n_pos": jnp.sum(err > 0, dtype=jnp.int32)}
+
+
+@pytest.mark.parametrize("combine", ["mean", "sum", "stack"])
+def test_has_aux_combine(combine):
+    params = {"w": jax.random.normal(jax.random.key(1), (6, 3))}
+    batch, k = _data(), 4
+    (want_loss, want_aux), want_grads = jax.jit(jax.value_and_grad(_aux_loss, has_aux=True))(params, batch)
+    fn = accumulate_gradients(_aux_loss, k, has_aux=True, aux_combine=combine)
+    (loss, aux), grads = jax.jit(fn)(params, batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(grads["w"], want_grads["w"], rtol=1e-5)
+    assert aux["n_pos"].dtype == jnp.int32 and aux["mae"].dtype == jnp.float32
+    if combine == "stack":
+        assert aux["mae"].shape == (k,) and int(aux["n_pos"].sum()) == int(want_aux["n_pos"])
+    elif combine == "mean":  # means of equal-size micro-batches = full-batch mean; counts add
+        np.testing.assert_allclose(aux["mae"], want_aux["mae"], rtol=1e-5)
+        assert int(aux["n_pos"]) == int(want_aux["n_pos"])
+    else:
+        np.testing.assert_allclose(aux["mae"], k * want_aux["mae"], rtol=1e-5)
+        assert int(aux["n_pos"]) == int(want_aux["n_pos"])
+
+
+def test_bad_inputs():
+    params = {"w": jnp.ones((6, 3))}
+    with pytest.raises(ValueError, match="batch size 16 is not divisible by num_microbatches=3"):
+        accumulate_gradients(_aux_loss, 3)(params, _data())
+    with pytest.raises(ValueError, match="same leading batch axis"):
+        accumulate_gradients(_aux_loss, 2)(params, {"x": jnp.ones((4, 6)), "y": jnp.ones((8, 3))})
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="num_microbatches=.* must be a positive int"):
+            accumulate_gradients(_aux_loss, bad)
+    with pytest.raises(ValueError, match="aux_combine='max'.*mean"):
+        accumulate_gradients(_aux_loss, 2, aux_combine="max")
+    with pytest.raises(ValueError, match="accum_dtype"):
+        accumulate_gradients(_aux_loss, 2, accum_dtype=jnp.int32)
+    with pytest.raises(ValueError, match="every_k=0"):
+        multi_steps(optax.sgd(0.1), 0)
+
+
+def test_check_divisible():
+    assert check_divisible(64, 4, 8) == 2
+    with pytest.raises(ValueError, match="global_batch=30 is not divisible by num_microbatches=4"):
+        check_divisible(30, 4, 8)
+    with pytest.raises(ValueError, match=r"micro-batch size 4 .* not divisible by num_devices=8.*32"):
+        check_divisible(16, 4, 8)
+    with pytest.raises(ValueError, match="num_devices=0 must be a positive int"):
+        check_divisible(16, 4, 0)
+
+
+# ----------------------------------------------------------------------------- HLO: one all-reduce
+
+
+def _computations(hlo: str) -> dict[str, str]:
+    comps, name, lines = {}, None, []
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if header and not line.startswith(" "):
+            name, lines = header.group(1), []
+        elif line.startswith("}") and name:
+            comps[name] = "\n".join(lines)
+            name = None
+        elif name:
+            lines.append(line)
+    return comps
+
+
+_ALL_REDUCE = re.compile(r"\s(?:all-reduce|all-reduce-start|reduce-scatter)\(")
+_CALLED = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?([%\w.\-, ]+)\}?")
+
+
+def _all_reduce_counts(hlo: str) -> tuple[int, int]:
+    """(all-reduce ops in the module, those inside a while loop body)."""
+    comps = _computations(hlo)
+    total = sum(len(_ALL_REDUCE.findall(text)) for text in comps.values())
+    todo = [b.lstrip("%") for text in comps.values() for b in re.findall(r"body=%?([\w.\-]+)", text)]
+    in_loops, seen = 0, set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        in_loops += len(_ALL_REDUCE.findall(comps[name]))
+        for group in _CALLED.findall(comps[name]):
+            todo += [n.strip().lstrip("%") for n in group.split(",")]
+    return total, in_loops
+
+
+def _mlp_loss(params, batch):
+    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+    return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
+
+
+@pytest.fixture(scope="module")
+def sharded_problem():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    keys = jax.random.split(jax.random.key(3), 3)
+    params = {"w1": jax.random.normal(keys[0], (6, 16)), "b1": jnp.zeros((16,)),
+              "w2": jax.random.normal(keys[1], (16, 3))}
+    batch = _data(batch=64)
+    return (mesh, jax.device_put(params, NamedSharding(mesh, P())),
+            jax.device_put(batch, NamedSharding(mesh, P("data"))), params, batch)
+
+
+def test_shard_map_step_reduces_once_after_the_scan(sharded_problem):
+    mesh, sharded_params, sharded_batch, params, batch = sharded_problem
+
+    def shard(fn):
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+
+    step = shard(data_parallel_value_and_grad(_mlp_loss, 4, "data"))
+    total, in_loops = _all_reduce_counts(step.lower(sharded_params, sharded_batch).compile().as_text())
+    assert (total, in_loops) == (1, 0)
+    want_loss, want_grads = jax.jit(jax.value_and_grad(_mlp_loss))(params, batch)
+    loss, grads = step(sharded_params, sharded_batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    _assert_trees_close(grads, want_grads, rtol=1e-5, atol=1e-6)
+
+    # Naive: accumulate replicated params inside shard_map without marking them
+    # varying. JAX's autodiff then psums every micro-batch's gradient inside the loop.
+    def naive(params, batch):
+        loss, grads = accumulate_gradients(_mlp_loss, 4)(params, batch)
+        return jax.lax.pmean(loss, "data"), jax.tree.map(lambda g: g / 8, grads)
+    total, in_loops = _all_reduce_counts(shard(naive).lower(sharded_params, sharded_batch)
+                                         .compile().as_text())
+    assert in_loops >= 1 and total >= 2
+    _assert_trees_close(shard(naive)(sharded_params, sharded_batch)[1], want_grads, rtol=1e-5, atol=1e-6)
+
+
+def test_jit_named_sharding_step_matches_full_batch(sharded_problem):
+    """Plain jit over a batch sharded on "data": correct values; XLA places the reduction.
+
+    XLA:CPU keeps one all-reduce per micro-batch inside the loop here (measured
+    with jax 0.10.2); use `data_parallel_value_and_grad` under shard_map for a
+    single reduction per step.
+    """
+    mesh, sharded_params, sharded_batch, params, batch = sharded_problem
+    step = jax.jit(accumulate_gradients(_mlp_loss, 4))
+    loss, grads = step(sharded_params, sharded_batch)
+    want_loss, want_grads = jax.jit(jax.value_and_grad(_mlp_loss))(params, batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    _assert_trees_close(grads, want_grads, rtol=1e-5, atol=1e-6)
+    total, _ = _all_reduce_counts(step.lower(sharded_params, sharded_batch).compile().as_text())
+    assert total >= 1  # the batch really is split over devices
+
+
+# ----------------------------------------------------------------------------- MultiSteps
+
+
+def test_multi_steps_with_loss_scaled_grads_matches_full_batch_sgd():
+    loss_fn, params = _linen_problem()
+    batch, k, lr = _data(), 4, 0.1
+    optimizer = multi_steps(optax.sgd(lr), k)
+    scale = prec.DynamicLossScale(initial_scale=2.0**10)
+
+    @jax.jit
+    def micro_step(params, opt_state, scale, micro_batch, poison):
+        grads = jax.grad(lambda p: scale.scale(loss_fn(p, micro_batch) * poison))(params)
+        grads = scale.unscale(grads)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, scale.adjust(prec.all_finite(grads))
+
+    opt_state = optimizer.init(params)
+    p = params
+    for i in range(k):
+        micro = jax.tree.map(lambda x, i=i: x[i::k], batch)
+        if i == 2:  # an overflowing micro-step is dropped: nothing moves, nothing counts
+            p_bad, state_bad, scale = micro_step(p, opt_state, scale, micro, jnp.float32(jnp.inf))
+            _assert_trees_close(p_bad, p, rtol=0)
+            assert int(state_bad.mini_step) == int(opt_state.mini_step) == 2
+            opt_state = state_bad
+            assert int(scale.skipped_steps) == 1
+        p, opt_state, scale = micro_step(p, opt_state, scale, micro, jnp.float32(1.0))
+        if i < k - 1:
+            _assert_trees_close(p, params, rtol=0)  # no optimizer step before the K-th
+    assert int(opt_state.mini_step) == 0
+    grads = jax.jit(jax.grad(loss_fn))(params, batch)
+    want = jax.tree.map(lambda w, g: w - lr * g, params, grads)
+    _assert_trees_close(p, want, rtol=1e-5, atol=1e-7)
