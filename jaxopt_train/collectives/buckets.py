@@ -82,7 +82,8 @@ def plan_buckets(leaves: Sequence, bucket_mb: float, first_bucket_mb: float | No
         open_.setdefault(dtype, []).append(index)
         if nbytes >= cap:
             close(dtype)
-    for dtype in list(open_):
+    # Still-open buckets are issued in the order their first (last-layer) leaf becomes ready.
+    for dtype in sorted(open_, key=lambda d: -open_[d][0]):
         close(dtype)
     return done
 

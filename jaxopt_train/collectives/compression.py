@@ -22,8 +22,8 @@ Error bound, per element of one result (before feedback), with block scale
 
 where s_j is the scale of device j's block holding the element and s_sum that
 of the summed block; i.e. at most (n + 1)/2 quantisation steps of the largest
-block. For bf16 (8 significant bits) the bound is
-`2**-9 * (sum_j |v_j| + |sum_j v_j|)`. With feedback the accumulated error over
+block. For bf16 (8 significant bits, unit roundoff 2**-8) the bound is
+`2**-8 * (sum_j |v_j| + |sum_j v_j|)`. With feedback the accumulated error over
 any number of steps stays within one step's bound.
 """
 
