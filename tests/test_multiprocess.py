@@ -1,0 +1,121 @@
+"""Two processes x 4 CPU devices (jax.distributed on localhost) against one process x 8 devices.
+
+JAX aborts a process whose peer never arrives (SIGABRT, not an exception), so
+the workers run as subprocesses, each with a timeout, and a dying peer must
+make the other exit non-zero within a bounded time.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+# Shared by the workers and the in-process reference: builds the inputs from
+# fixed numbers and runs the ring functions and two data-parallel SGD steps.
+SHARED = r'''
+import jax, jax.numpy as jnp, numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jaxopt_train.collectives import (all_reduce_tree, ring_all_gather, ring_all_reduce,
+                                      ring_reduce_scatter)
+
+def compute():
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("data",))
+    rng = np.random.default_rng(0)
+    # Integer-valued f32: every partial sum is exact, so any ring order gives psum's bits.
+    host = {"x": rng.integers(-8, 9, (8 * 16, 3)).astype(np.float32),
+            "y": rng.integers(-8, 9, (8 * 16,)).astype(np.float32)}
+    sharding = NamedSharding(mesh, P("data"))
+    glob = {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in host.items()}
+
+    def body(x, y):
+        w = jnp.zeros((3,), jnp.float32)
+        for _ in range(2):
+            g = jax.grad(lambda w: jnp.sum((x @ w - y) ** 2))(w)
+            g = all_reduce_tree({"w": g}, "data", method="hierarchical")["w"]
+            w = w - jnp.float32(2.0**-12) * g
+        rs = ring_reduce_scatter(x, "data")
+        return {"ar": ring_all_reduce(x, "data"), "ar_bidir": ring_all_reduce(x, "data", bidirectional=True),
+                "psum": lax.psum(x, "data"), "rs": lax.all_gather(rs, "data", axis=0, tiled=True),
+                "ag": ring_all_gather(x, "data"), "tree_ring": all_reduce_tree(x, "data", method="ring"),
+                "w": w}
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P(),
+                               check_vma=False))
+    out = fn(glob["x"], glob["y"])
+    return {k: np.asarray(v.addressable_data(0)).tolist() for k, v in out.items()}
+'''
+
+WORKER = r'''
+import json, os, sys
+process_id, port, mode, out_path = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+import jax
+jax.config.update("jax_num_cpu_devices", 4)
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
+                           initialization_timeout=20, heartbeat_timeout_seconds=5, shutdown_timeout_seconds=5)
+assert jax.device_count() == 8 and jax.local_device_count() == 4, (jax.device_count(), jax.local_device_count())
+if mode == "die" and process_id == 1:
+    os._exit(3)  # a crash: no shutdown handshake
+''' + SHARED + r'''
+result = compute()
+if process_id == 0:
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+jax.distributed.shutdown()
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path, mode: str, timeout: float):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    out = tmp_path / "result.json"
+    port = str(_free_port())
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), port, mode, str(out)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    start, results = time.monotonic(), []
+    for proc in procs:
+        try:
+            output, _ = proc.communicate(timeout=max(1.0, timeout - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail(f"multi-process {mode!r} run hung past {timeout} s")
+        results.append((proc.returncode, output))
+    return results, time.monotonic() - start, out
+
+
+def test_two_processes_match_one_process_with_eight_devices(tmp_path):
+    results, _, out = _launch(tmp_path, "ok", timeout=120)
+    for rc, output in results:
+        assert rc == 0, output[-3000:]
+    multi = json.loads(out.read_text())
+    namespace: dict = {}
+    exec(SHARED, namespace)  # noqa: S102 (our own code, shared with the workers)
+    single = namespace["compute"]()
+    assert set(multi) == set(single)
+    for key in single:
+        np.testing.assert_array_equal(np.asarray(multi[key]), np.asarray(single[key]), err_msg=key)
+    np.testing.assert_array_equal(np.asarray(single["ar"]), np.asarray(single["psum"]))
+    assert np.any(np.asarray(single["w"]) != 0)
+
+
+def test_dead_peer_makes_the_other_process_exit_nonzero_in_bounded_time(tmp_path):
+    results, elapsed, _ = _launch(tmp_path, "die", timeout=90)
+    (rc0, output0), (rc1, _) = results
+    assert rc1 == 3
+    assert rc0 != 0, output0[-3000:]
+    assert elapsed < 90
