@@ -415,6 +415,131 @@ assert max_abs_diff(g_dp, g_full) <= 1e-5 * scale
 '''),
 ])
 
+# ----------------------------------------------------------------------------- 03
+NOTEBOOKS["03_ring_reductions"] = ("Ring all-reduce vs lax.psum", """
+Data-parallel training sums gradients across devices once per step. XLA's `lax.psum`
+hands that to the backend (NCCL on GPUs). `jaxopt_train.collectives` also builds the
+reduction explicitly from `lax.ppermute` steps, so its schedule can be inspected and
+changed: a ring (reduce-scatter then all-gather), a bidirectional ring (two rings in
+opposite directions, each over half the data) and a hierarchical one (rings inside
+groups, then across groups: the multi-host layout).
+
+On a CPU runtime this runs on 8 emulated devices (the numbers are memory copies, not a
+network); on a multi-GPU or TPU runtime it uses the real devices.
+""", [
+    md("## The ring"),
+    code('''
+import functools
+import statistics
+import time
+
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jaxopt_train import collectives
+
+devices = jax.devices()
+n = len(devices)
+if n < 2:
+    print(f"only {n} device: every reduction is a copy. Use a CPU runtime (8 emulated devices), "
+          "a TPU runtime or a multi-GPU machine to see rings at work.")
+order = collectives.ring_order(devices)  # process, TPU coordinates, NVLink neighbours
+print(collectives.describe_ring(devices, order))
+mesh = jax.make_mesh((n,), ("data",))
+'''),
+    md("""
+## Every method equals `lax.psum`
+
+`all_reduce_tree(tree, "data", method=...)` runs inside `jax.shard_map`; each device holds
+its own shard and gets back the sum over all devices. On integer-valued float32 data every
+summation order is exact, so the results must be bit-equal; on random data they differ by
+rounding only. (`bucket_mb=0`: one bucket per leaf, here the whole array.)
+"""),
+    code('''
+METHODS = collectives.METHODS  # ("psum", "ring", "ring_bidir", "hierarchical")
+SIZES = [4096, 262144] if SMALL else [2**12, 2**16, 2**20, 2**24, 2**26]  # float32 per device
+
+
+@functools.cache
+def all_reduce(method, size):
+    """Jitted shard_map all-reduce for one method and per-device size (compiled once)."""
+    kwargs = {"group_size": n // 2} if method == "hierarchical" and n >= 4 and n % 2 == 0 else {}
+    body = lambda x: collectives.all_reduce_tree(x, "data", method=method, bucket_mb=0, **kwargs)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+
+
+def sharded(values):
+    return jax.device_put(values, NamedSharding(mesh, P("data")))
+
+
+rng = np.random.default_rng(0)
+size = SIZES[0]
+integers = sharded(rng.integers(-1000, 1000, size=n * size).astype(np.float32))
+normals = sharded(rng.normal(size=n * size).astype(np.float32))
+reference_int = np.asarray(all_reduce("psum", size)(integers))
+reference = np.asarray(all_reduce("psum", size)(normals))
+for method in METHODS:
+    exact = np.array_equal(np.asarray(all_reduce(method, size)(integers)), reference_int)
+    diff = np.max(np.abs(np.asarray(all_reduce(method, size)(normals)) - reference))
+    ulp = diff / np.spacing(np.max(np.abs(reference)))
+    print(f"{method:13s} integer data bit-equal: {exact}   random data max |diff| = {diff:.2e} ({ulp:.1f} ulp)")
+    assert exact, method
+'''),
+    md("""
+## Bandwidth
+
+Bus bandwidth, as NCCL reports it: `2 (n-1)/n * bytes / time`, the traffic each link
+carries in an optimal ring, so the figure is comparable across device counts. Each
+point is the median of bursts of back-to-back calls. On emulated CPU devices this is
+memory bandwidth shared by all "devices"; on GPUs it is the NVLink/PCIe fabric.
+"""),
+    code('''
+def burst_seconds(fn, x, calls, repeats=3):
+    jax.block_until_ready(fn(x))  # compile + warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outs = [fn(x) for _ in range(calls)]
+        jax.block_until_ready(outs)
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
+
+
+bus_factor = 2 * (n - 1) / n if n > 1 else 1.0
+results = {method: [] for method in METHODS}
+for size in SIZES:
+    x = sharded(rng.normal(size=n * size).astype(np.float32))
+    for method in METHODS:
+        seconds = burst_seconds(all_reduce(method, size), x, calls=5 if SMALL else 20)
+        results[method].append(bus_factor * size * 4 / seconds / 1e9)
+
+print(f"bus bandwidth, GB/s ({n} x {jax.devices()[0].device_kind})")
+print(f"{'bytes/device':>14s}" + "".join(f"{m:>14s}" for m in METHODS))
+for i, size in enumerate(SIZES):
+    print(f"{size * 4:14,d}" + "".join(f"{results[m][i]:14.2f}" for m in METHODS))
+print("ratio to psum at the largest size: " + ", ".join(
+    f"{m} {results[m][-1] / results['psum'][-1]:.2f}x" for m in METHODS[1:]))
+'''),
+    code('''
+import matplotlib.pyplot as plt
+
+fig, ax = plt.subplots(figsize=(7, 4))
+for method in METHODS:
+    ax.plot([s * 4 for s in SIZES], results[method], marker="o", label=method)
+ax.set(xscale="log", xlabel="bytes per device", ylabel="bus bandwidth (GB/s)",
+       title=f"all-reduce over {n} {jax.devices()[0].platform.upper()} devices")
+ax.legend()
+ax.grid(alpha=0.3)
+fig.tight_layout()
+plt.show()
+'''),
+    md("""
+Use the winner in training with `Trainer(..., grad_sync="ring")` or
+`jaxopt-train train --grad-sync ring`; `jaxopt-train bench collectives` runs the full sweep
+(more sizes, bucket sizes, compression) and writes JSON.
+"""),
+])
+
 
 def main(argv: list[str]) -> int:
     wanted = [name for name in NOTEBOOKS if not argv or any(name.startswith(a) for a in argv)]
