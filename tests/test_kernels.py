@@ -264,3 +264,26 @@ def test_autotune_rejects_wrong_candidates(monkeypatch):
 
 def test_matmul_fn_is_reexported():
     assert matmul_fn is matmul
+
+
+def test_mosaic_pipeline_depth_fits_shared_memory():
+    from jaxopt_train.kernels.mosaic_gpu import fit_stages
+
+    square = MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=4)
+    assert fit_stages(square, jnp.bfloat16, jnp.bfloat16, has_bias=False) == 4
+    assert fit_stages(square, jnp.bfloat16, jnp.float32, has_bias=True) == 3
+    wide = MatmulConfig(block_m=128, block_n=256, block_k=64, num_stages=4)
+    assert fit_stages(wide, jnp.bfloat16, jnp.bfloat16, has_bias=False) == 3
+    with pytest.raises(ValueError, match="shared memory"):
+        fit_stages(MatmulConfig(block_m=256, block_n=256, block_k=256), jnp.bfloat16,
+                   jnp.bfloat16, has_bias=False)
+    with pytest.raises(ValueError, match="wgmma_in_flight"):
+        MatmulConfig(num_stages=1, wgmma_in_flight=1)
+
+
+def test_autotune_budget_keeps_best_so_far():
+    first, second = (MatmulConfig(block_m=16, block_n=16, block_k=16, num_stages=1),
+                     MatmulConfig(block_m=32, block_n=32, block_k=32, num_stages=1))
+    winners = autotune([(16, 16, 16)], backend="interpret", candidates=[first, second],
+                       timer=lambda fn: 1.0, write_cache=False, budget_s=0.0)
+    assert winners == {(16, 16, 16): first}

@@ -78,6 +78,8 @@ def test_gradients_match_reference(backend):
 @pytest.mark.parametrize("backend,config", [
     ("mosaic_gpu", MatmulConfig(block_m=64, block_n=256, block_k=64, num_stages=3, group_m=4,
                                 grid_minor="m")),
+    ("mosaic_gpu", MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=4,
+                                wgmma_in_flight=1)),
     ("triton", MatmulConfig(block_m=64, block_n=128, block_k=32, num_stages=4, num_warps=4)),
 ])
 def test_config_override(backend, config):
@@ -92,3 +94,25 @@ def test_auto_picks_a_kernel_on_gpu():
     from jaxopt_train.kernels.matmul import resolve_backend
 
     assert resolve_backend("auto") in ("mosaic_gpu", "triton")
+
+
+@pytest.mark.parametrize("shape", [(1000, 777, 513), (130, 250, 64), (2, 129, 300, 72)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_mosaic_wgmma_in_flight_odd_shapes_and_grad(shape):
+    _backend_or_skip("mosaic_gpu")
+    config = MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=4, wgmma_in_flight=1)
+    a, b, bias = _operands(shape, jnp.bfloat16, seed=4)
+
+    def run(a, b, bias):
+        return matmul(a, b, bias=bias, activation="gelu", backend="mosaic_gpu", config=config,
+                      out_dtype=jnp.float32)
+
+    _close(jax.jit(run)(a, b, bias),
+           matmul_reference(a, b, bias=bias, activation="gelu", out_dtype=jnp.float32), 1e-4)
+    loss = lambda fn: lambda a, b, bias: jnp.sum(jnp.sin(fn(a, b, bias)))  # noqa: E731
+    ref = lambda a, b, bias: matmul_reference(a, b, bias=bias, activation="gelu",  # noqa: E731
+                                              out_dtype=jnp.float32)
+    got = jax.jit(jax.grad(loss(run), argnums=(0, 1, 2)))(a, b, bias)
+    want = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2)))(a, b, bias)
+    for g, w in zip(got, want):
+        _close(g, w, 2e-2)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxopt_train.kernels import available_backends, matmul, matmul_reference
+from jaxopt_train.kernels.matmul import resolve_config
 
 DENSE_BF16_PEAK = {"NVIDIA H100": 989e12, "NVIDIA H200": 989e12}
 LARGE_SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 8192, 2048), (16384, 2048, 8192)]
@@ -88,6 +89,8 @@ def _measure(make_fn, backends, shape, dtype, args, peak, fused: bool):
     for backend in backends:
         row = {"shape": list(shape), "backend": backend, "fused": fused}
         try:
+            if backend not in ("xla_dot", "xla"):
+                row["config"] = resolve_config(backend, m, n, k, dtype).to_dict()
             fn = make_fn(backend)
             row["max_rel_error"] = float(jnp.max(jnp.abs(fn(a, b, bias).astype(jnp.float32) - ref))) / scale
             seconds = time_fn(fn, sets, calls=args.calls, bursts=args.bursts, warmup_s=args.warmup_s)
@@ -108,7 +111,7 @@ def _measure(make_fn, backends, shape, dtype, args, peak, fused: bool):
 
 def _table(rows, title):
     lines = [f"\n{title}", f"{'shape (MxNxK)':<20} {'backend':<11} {'TFLOP/s':>8} {'vs XLA':>7} "
-             f"{'% peak':>7} {'ms':>8} {'rel err':>8}"]
+             f"{'% peak':>7} {'ms':>8} {'rel err':>8}  config (bm x bn x bk, stages, warps, group, in-flight)"]
     for r in rows:
         shape = "x".join(map(str, r["shape"]))
         if "error" in r:
@@ -116,9 +119,17 @@ def _table(rows, title):
             continue
         pct = "-" if r.get("pct_peak") is None else f"{r['pct_peak']:.1f}"
         ratio = "-" if "vs_xla" not in r else f"{r['vs_xla']:.3f}"
-        lines.append(f"{shape:<20} {r['backend']:<11} {r['tflops']:>8.1f} {ratio:>7} {pct:>7} "
-                     f"{r['ms']:>8.3f} {r['max_rel_error']:>8.1e}")
+        lines.append(f"{shape:<20} {r['backend']:<11} {r['tflops']:>8.3g} {ratio:>7} {pct:>7} "
+                     f"{r['ms']:>8.3f} {r['max_rel_error']:>8.1e}  {_short(r.get('config'))}")
     return "\n".join(lines)
+
+
+def _short(config: dict | None) -> str:
+    if not config:
+        return ""
+    text = f"{config['block_m']}x{config['block_n']}x{config['block_k']} s{config['num_stages']}"
+    text += f" w{config['num_warps']} g{config['group_m']}{config['grid_minor']}"
+    return text + f" f{config.get('wgmma_in_flight', 0)}"
 
 
 def _geomean_large(rows, backend):

@@ -7,7 +7,8 @@ from the defining module's globals; nothing else in the package imports it.
 import triton
 import triton.language as tl
 
-GELU_SCALE = 1.5957691216057308  # 2 * sqrt(2 / pi): gelu_tanh(x) = x * sigmoid(GELU_SCALE * u)
+# A tl.constexpr: @triton.jit kernels may read only constexpr globals.
+GELU_SCALE = tl.constexpr(1.5957691216057308)  # 2 * sqrt(2 / pi): gelu_tanh(x) = x * sigmoid(GELU_SCALE * u)
 
 
 @triton.jit

@@ -80,13 +80,33 @@ def store(backend: str, device_kind: str, m: int, n: int, k: int, dtype, config:
     _loaded[str(path)] = data
 
 
-def default_candidates(backend: str) -> list[MatmulConfig]:
-    """The sweep for `backend`: tiles x pipeline depth x warps x tile order."""
+def default_candidates(backend: str, *, quick: bool = False) -> list[MatmulConfig]:
+    """The sweep for `backend`: tiles x pipeline depth x warps x tile order.
+
+    `quick` gives a short list (about 10) of the likeliest winners.
+    """
+    if backend == "mosaic_gpu" and quick:
+        square = [MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=4, group_m=g,
+                               grid_minor=minor, wgmma_in_flight=f)
+                  for f, g, minor in itertools.product((1, 0), (8, 16), ("n", "m"))]
+        return square + [
+            MatmulConfig(block_m=64, block_n=256, block_k=64, num_stages=4, group_m=8,
+                         wgmma_in_flight=1),
+            MatmulConfig(block_m=64, block_n=256, block_k=64, num_stages=4, group_m=8,
+                         grid_minor="m", wgmma_in_flight=1),
+            MatmulConfig(block_m=128, block_n=128, block_k=128, num_stages=2, group_m=8,
+                         wgmma_in_flight=1),
+        ]
+    if backend == "triton" and quick:
+        return [MatmulConfig(block_m=bm, block_n=bn, block_k=bk, num_stages=s, num_warps=w)
+                for bm, bn, bk, s, w in ((128, 256, 64, 3, 8), (256, 128, 64, 3, 8),
+                                         (128, 256, 64, 4, 8), (128, 128, 64, 4, 4))]
     if backend == "mosaic_gpu":
-        grid = itertools.product((128,), (128, 256), (64,), (3, 4, 5), (4, 8, 16), ("m", "n"))
+        grid = itertools.product(((128, 128, 64), (64, 256, 64)), (3, 4), (4, 8, 16), ("m", "n"),
+                                 (0, 1))
         return [MatmulConfig(block_m=bm, block_n=bn, block_k=bk, num_stages=s, group_m=g,
-                             grid_minor=minor)
-                for bm, bn, bk, s, g, minor in grid if not (bn == 256 and s > 4)]
+                             grid_minor=minor, wgmma_in_flight=f)
+                for (bm, bn, bk), s, g, minor, f in grid]
     if backend == "triton":
         grid = itertools.product(((128, 256, 64), (256, 128, 64), (128, 128, 64), (128, 128, 32),
                                   (64, 128, 64)), (3, 4), (4, 8))
@@ -122,7 +142,8 @@ def _tolerance(dtype) -> float:
 
 def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: str = "auto",
              candidates: Sequence[MatmulConfig] | None = None, timer: Timer | None = None,
-             write_cache: bool = True, seed: int = 0) -> dict[tuple[int, int, int], MatmulConfig]:
+             write_cache: bool = True, seed: int = 0,
+             budget_s: float | None = None) -> dict[tuple[int, int, int], MatmulConfig]:
     """Finds the fastest correct config for each (M, N, K) and caches it.
 
     Every candidate first runs on random data and must match `matmul_reference`
@@ -136,6 +157,8 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
         candidates: configs to sweep; default `default_candidates(backend)`.
         timer: `timer(fn) -> seconds per call`; default `burst_timer`.
         write_cache: store winners in the cache file.
+        budget_s: per shape: stop trying further candidates once this many
+            seconds have passed on the shape (the best so far wins).
 
     Returns:
         {(M, N, K): winning config}.
@@ -153,6 +176,7 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
     device_kind = jax.devices()[0].device_kind
     winners = {}
     for shape in shapes:
+        deadline = None if budget_s is None else time.perf_counter() + budget_s
         m, n, k = (int(x) for x in shape)
         key_a, key_b = jax.random.split(jax.random.key(seed))
         a = jax.random.normal(key_a, (m, k), jnp.float32).astype(dtype)
@@ -161,6 +185,10 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
         scale = float(np.max(np.abs(reference))) or 1.0
         best: tuple[float, MatmulConfig] | None = None
         for config in candidates:
+            if best is not None and deadline is not None and time.perf_counter() > deadline:
+                logger.warning("autotune %s %s: time budget spent, keeping %s", backend,
+                               (m, n, k), best[1])
+                break
             fn = jax.jit(lambda a, b, c=config: matmul(a, b, backend=backend, config=c))
             try:
                 out = np.asarray(fn(a, b).astype(jnp.float32))
@@ -183,3 +211,37 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
         if write_cache:
             store(backend, device_kind, m, n, k, dtype, best[1], best[0])
     return winners
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m jaxopt_train.kernels.autotune --backend mosaic_gpu --shapes 8192x8192x8192`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="tune matmul tilings and cache the winners")
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--shapes", required=True, help="comma list of MxNxK")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    parser.add_argument("--quick", action="store_true", help="short candidate list")
+    parser.add_argument("--budget-s", type=float, default=None, help="time budget per shape")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+        if any(len(s) != 3 for s in shapes):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--shapes={args.shapes!r} must be a comma list of MxNxK, e.g. 8192x8192x8192")
+    from jaxopt_train.kernels.matmul import resolve_backend
+
+    backend = resolve_backend(args.backend)
+    candidates = default_candidates(backend, quick=args.quick)
+    winners = autotune(shapes, jnp.dtype(args.dtype), backend=backend, candidates=candidates,
+                       budget_s=args.budget_s)
+    for shape, config in winners.items():
+        print(f"{backend} {'x'.join(map(str, shape))}: {config}")
+    print(f"cache: {cache_path()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -34,6 +34,9 @@ class MatmulConfig:
         group_m: width of the L2-reuse band of the tile order (Triton's grouped
             ordering, Mosaic GPU's planar snake); 1 means plain row-major.
         grid_minor: which tile index varies fastest inside a band ("m" or "n").
+        wgmma_in_flight: Mosaic GPU only: wgmma groups left running while the
+            next K step is issued (0 or 1); 1 delays releasing each SMEM stage
+            by one step so the tensor cores never wait on the issuing warps.
     """
 
     block_m: int = 128
@@ -43,6 +46,7 @@ class MatmulConfig:
     num_warps: int = 8
     group_m: int = 8
     grid_minor: str = "n"
+    wgmma_in_flight: int = 0
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -55,6 +59,11 @@ class MatmulConfig:
             raise ValueError(f"MatmulConfig.num_warps={self.num_warps!r} must be one of 1, 2, 4, 8, 16")
         if not isinstance(self.group_m, int) or self.group_m < 1:
             raise ValueError(f"MatmulConfig.group_m={self.group_m!r} must be an int >= 1")
+        if self.wgmma_in_flight not in (0, 1):
+            raise ValueError(f"MatmulConfig.wgmma_in_flight={self.wgmma_in_flight!r} must be 0 or 1")
+        if self.wgmma_in_flight >= self.num_stages:
+            raise ValueError(f"MatmulConfig.wgmma_in_flight={self.wgmma_in_flight} needs "
+                             f"num_stages > it; got num_stages={self.num_stages}")
         if self.grid_minor not in GRID_MINOR:
             raise ValueError(f"MatmulConfig.grid_minor={self.grid_minor!r} must be one of {GRID_MINOR}")
 

@@ -77,16 +77,19 @@ def _matmul_kernel(a_gmem, b_gmem, bias_gmem, out_gmem, out_smem, bias_smem, bia
     in_transforms = _swizzled(plgpu, bk, a_gmem.dtype)
     epi_m, epi_n = min(_EPILOGUE_TILE, bm), min(_EPILOGUE_TILE, bn)
 
+    spec_kwargs = dict(transforms=in_transforms, memory_space=plgpu.SMEM)
+    if config.wgmma_in_flight:
+        # A stage is still being read by the in-flight wgmma: release it one step late.
+        spec_kwargs["delay_release"] = config.wgmma_in_flight
+
     def make_pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(k_iters,),
             memory_registers=_PRODUCER_REGISTERS,
             in_specs=[
-                plgpu.BlockSpec((_NUM_CONSUMERS * bm, bk), lambda k: (0, k),
-                                transforms=in_transforms, memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((bk, bn), lambda k: (k, 0),
-                                transforms=in_transforms, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((_NUM_CONSUMERS * bm, bk), lambda k: (0, k), **spec_kwargs),
+                plgpu.BlockSpec((bk, bn), lambda k: (k, 0), **spec_kwargs),
             ],
             wg_axis="wg",
             num_compute_wgs=_NUM_CONSUMERS,
@@ -134,7 +137,7 @@ def _matmul_kernel(a_gmem, b_gmem, bias_gmem, out_gmem, out_smem, bias_smem, bia
 
             def mma_body(_, a_smem, b_smem, acc_ref):
                 plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem)
-                plgpu.wgmma_wait(0)
+                plgpu.wgmma_wait(config.wgmma_in_flight)  # reading acc_ref waits for all
                 return acc_ref
 
             make_pipeline(mma_body, compute_context)(
@@ -199,7 +202,8 @@ def mosaic_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
         scratch += [plgpu.SMEM((_NUM_CONSUMERS, bn), jnp.float32),
                     plgpu.Barrier(num_barriers=_NUM_CONSUMERS)]
     m_iters, n_iters, k_iters = mp // (_NUM_CONSUMERS * bm), np_ // bn, kp // bk
-    stages = fit_stages(config, a.dtype, out_dtype, bias is not None)
+    stages = max(fit_stages(config, a.dtype, out_dtype, bias is not None),
+                 config.wgmma_in_flight + 1)
     if stages != config.num_stages:
         config = dataclasses.replace(config, num_stages=stages)
     body = functools.partial(_matmul_kernel, config=config, activation=activation,
