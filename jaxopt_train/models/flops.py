@@ -26,6 +26,7 @@ so ~8.2 GFLOPs forward). Training is 3x the forward pass.
 from __future__ import annotations
 
 from jaxopt_train.models.gpt import GPTConfig
+from jaxopt_train.models.resnet import VISION_PRESETS, VISION_SPECS
 
 
 def _check_gpt_config(cfg: GPTConfig) -> None:
@@ -67,3 +68,66 @@ def gpt_flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> int:
     if not isinstance(seq_len, int) or not 1 <= seq_len <= cfg.seq_len:
         raise ValueError(f"seq_len={seq_len!r} must be an int in [1, {cfg.seq_len}]")
     return 6 * gpt_flops_param_count(cfg) + 12 * cfg.n_layers * cfg.d_model * seq_len
+
+
+def _conv_out(size: int, kernel: int, stride: int) -> int:
+    # Same symmetric padding as resnet._Layers.conv (and the 3x3/2 max-pool).
+    pad = (kernel - 1) // 2
+    return (size + 2 * pad - kernel) // stride + 1
+
+
+def _conv_macs(size: int, cin: int, cout: int, kernel: int, stride: int) -> tuple[int, int]:
+    out = _conv_out(size, kernel, stride)
+    return out * out * kernel * kernel * cin * cout, out
+
+
+def vision_forward_macs(name: str, image_size: int, num_classes: int = 1000) -> int:
+    """Multiply-accumulates of one forward pass of a square ``image_size`` RGB image."""
+    spec = VISION_SPECS[name]
+    total, size = 0, image_size
+    if spec.kind == "cnn":
+        chans = (3, *spec.widths)
+        for i in range(len(spec.widths)):
+            macs, size = _conv_macs(size, chans[i], chans[i + 1], 3, 1 if i == 0 else 2)
+            total += macs
+        return total + spec.widths[-1] * num_classes
+    macs, size = _conv_macs(size, 3, spec.widths[0], 7, 2)
+    total += macs
+    size = _conv_out(size, 3, 2)  # max-pool
+    cin = spec.widths[0]
+    for stage, (blocks, width) in enumerate(zip(spec.stage_sizes, spec.widths)):
+        for index in range(blocks):
+            stride = 2 if stage > 0 and index == 0 else 1
+            cout = width * spec.expansion
+            if spec.block == "bottleneck":
+                shapes = [(cin, width, 1, 1), (width, width, 3, stride), (width, cout, 1, 1)]
+            else:
+                shapes = [(cin, width, 3, stride), (width, width, 3, 1)]
+            block_in = size
+            for c_in, c_out, kernel, s in shapes:
+                macs, size = _conv_macs(size, c_in, c_out, kernel, s)
+                total += macs
+            if stride != 1 or cin != cout:
+                total += _conv_macs(block_in, cin, cout, 1, stride)[0]
+            cin = cout
+    return total + cin * num_classes
+
+
+def resnet_flops_per_image(
+    name: str, *, image_size: int | None = None, num_classes: int = 1000, training: bool = True
+) -> int:
+    """FLOPs per image: 2 x MACs forward, x3 when ``training`` (see the module doc).
+
+    Args:
+      name: A vision preset ("resnet18", "resnet50", "cnn-small").
+      image_size: Square input side; default 224 for ResNets, 32 for cnn-small.
+      num_classes: Classifier outputs.
+      training: Count forward + backward (3x forward) instead of forward only.
+    """
+    if name not in VISION_SPECS:
+        raise ValueError(f"name={name!r} is not a vision preset; legal values: {VISION_PRESETS}")
+    image_size = VISION_SPECS[name].default_image_size if image_size is None else image_size
+    if not isinstance(image_size, int) or image_size < 1:
+        raise ValueError(f"image_size={image_size!r} must be a positive int")
+    forward = 2 * vision_forward_macs(name, image_size, num_classes)
+    return 3 * forward if training else forward

@@ -1,0 +1,224 @@
+"""ResNet-18/50 (torchvision v1.5 layout) and a small CNN, in Flax NNX.
+
+* Images are NHWC floats; ``__call__(images, train)`` returns logits
+  [B, num_classes] in the compute ``dtype`` (`classification_loss` upcasts).
+* BatchNorm normalises with the batch statistics when ``train`` and with the
+  running averages otherwise. Under ``jax.shard_map`` pass ``axis_name="data"``
+  so each device normalises with the statistics of the *global* batch (one
+  ``pmean`` of mean and mean-square per BatchNorm) - without it every device
+  uses its own micro-batch and data-parallel training differs from one big
+  batch. Under plain ``jax.jit`` with a sharded batch leave ``axis_name=None``:
+  XLA's SPMD partitioner inserts the reduction itself.
+* Convolutions have no bias (BatchNorm follows), the last BatchNorm of every
+  residual branch starts at zero scale (each block starts as the identity,
+  Goyal et al. 2017), the stride of a bottleneck sits on its 3x3 conv (v1.5).
+* The layer shapes live in `VISION_SPECS` so `flops.resnet_flops_per_image`
+  counts the same network that is built here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxopt_train.models.gpt import canonical_dtype, gpt_loss
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionSpec:
+    """Layer shapes of a preset.
+
+    Attributes:
+      kind: "resnet" or "cnn".
+      block: "basic" (two 3x3) or "bottleneck" (1x1, 3x3, 1x1 x4) for ResNets.
+      stage_sizes: Residual blocks per stage (ResNets).
+      widths: Stage widths (ResNets) or conv widths (cnn, each conv after the
+        first has stride 2).
+      default_image_size: Side used by the FLOP count when none is given.
+    """
+
+    kind: str
+    widths: tuple[int, ...]
+    block: str = ""
+    stage_sizes: tuple[int, ...] = ()
+    default_image_size: int = 224
+
+    @property
+    def expansion(self) -> int:
+        return 4 if self.block == "bottleneck" else 1
+
+
+VISION_SPECS = {
+    "resnet18": VisionSpec("resnet", (64, 128, 256, 512), "basic", (2, 2, 2, 2)),
+    "resnet50": VisionSpec("resnet", (64, 128, 256, 512), "bottleneck", (3, 4, 6, 3)),
+    "cnn-small": VisionSpec("cnn", (32, 64, 128), default_image_size=32),
+}
+VISION_PRESETS = tuple(VISION_SPECS)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layers:
+    """Shared constructor arguments of every conv / norm / dense layer."""
+
+    dtype: Any
+    param_dtype: Any
+    axis_name: str | None
+    rngs: nnx.Rngs
+
+    def conv(self, cin, cout, kernel, stride=1):
+        pad = (kernel - 1) // 2
+        return nnx.Conv(
+            cin, cout, (kernel, kernel), (stride, stride), padding=((pad, pad), (pad, pad)),
+            use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
+            kernel_init=nnx.initializers.variance_scaling(2.0, "fan_out", "normal"),
+            rngs=self.rngs,
+        )
+
+    def norm(self, features, zero_scale=False):
+        return nnx.BatchNorm(
+            features, momentum=0.9, epsilon=1e-5, dtype=self.dtype, param_dtype=self.param_dtype,
+            axis_name=self.axis_name,
+            scale_init=nnx.initializers.zeros if zero_scale else nnx.initializers.ones,
+            rngs=self.rngs,
+        )
+
+    def dense(self, cin, cout):
+        return nnx.Linear(cin, cout, dtype=self.dtype, param_dtype=self.param_dtype, rngs=self.rngs)
+
+
+def _normalise(norm: nnx.BatchNorm, x: jax.Array, train: bool) -> jax.Array:
+    # Flax computes the statistics in float32 by promoting bf16 against a
+    # float32 dtype, which strict dtype promotion rejects; the output stays in
+    # the layer's compute dtype either way.
+    with jax.numpy_dtype_promotion("standard"):
+        return norm(x, use_running_average=not train)
+
+
+class ResidualBlock(nnx.Module):
+    """Basic (3x3, 3x3) or bottleneck (1x1, 3x3, 1x1) block with a projection shortcut."""
+
+    def __init__(self, layers: _Layers, cin: int, width: int, stride: int, bottleneck: bool):
+        if bottleneck:
+            cout = 4 * width
+            shapes = [(cin, width, 1, 1), (width, width, 3, stride), (width, cout, 1, 1)]
+        else:
+            cout = width
+            shapes = [(cin, width, 3, stride), (width, width, 3, 1)]
+        self.convs = nnx.List([layers.conv(i, o, k, s) for i, o, k, s in shapes])
+        self.norms = nnx.List(
+            [layers.norm(o, zero_scale=n == len(shapes) - 1) for n, (_, o, _, _) in enumerate(shapes)]
+        )
+        self.has_shortcut = stride != 1 or cin != cout
+        if self.has_shortcut:
+            self.shortcut = layers.conv(cin, cout, 1, stride)
+            self.shortcut_norm = layers.norm(cout)
+
+    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+        residual = x
+        if self.has_shortcut:
+            residual = _normalise(self.shortcut_norm, self.shortcut(x), train)
+        for n, (conv, norm) in enumerate(zip(self.convs, self.norms)):
+            x = _normalise(norm, conv(x), train)
+            if n < len(self.convs) - 1:
+                x = jax.nn.relu(x)
+        return jax.nn.relu(x + residual)
+
+
+def _max_pool_3x3_s2(x: jax.Array) -> jax.Array:
+    neg_inf = jnp.array(-jnp.inf, x.dtype)
+    padding = ((0, 0), (1, 1), (1, 1), (0, 0))
+    return jax.lax.reduce_window(x, neg_inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), padding)
+
+
+class ResNet(nnx.Module):
+    """ResNet for NHWC images (7x7/2 stem, 3x3/2 max-pool, 4 stages, global average pool)."""
+
+    def __init__(self, spec: VisionSpec, *, num_classes: int, layers: _Layers):
+        self.dtype = layers.dtype
+        self.stem = layers.conv(3, spec.widths[0], 7, 2)
+        self.stem_norm = layers.norm(spec.widths[0])
+        blocks, cin = [], spec.widths[0]
+        for stage, (size, width) in enumerate(zip(spec.stage_sizes, spec.widths)):
+            for index in range(size):
+                stride = 2 if stage > 0 and index == 0 else 1
+                blocks.append(ResidualBlock(layers, cin, width, stride, spec.block == "bottleneck"))
+                cin = width * spec.expansion
+        self.blocks = nnx.List(blocks)
+        self.head = layers.dense(cin, num_classes)
+
+    def __call__(self, images: jax.Array, train: bool) -> jax.Array:
+        _check_images(images, 3)
+        x = jax.nn.relu(_normalise(self.stem_norm, self.stem(images), train))
+        x = _max_pool_3x3_s2(x)
+        for block in self.blocks:
+            x = block(x, train)
+        return self.head(jnp.mean(x, axis=(1, 2)))
+
+
+class SmallCNN(nnx.Module):
+    """conv3x3 -> [conv3x3/2] * (len(widths) - 1), each with BatchNorm + ReLU, then mean-pool + dense."""
+
+    def __init__(self, spec: VisionSpec, *, num_classes: int, layers: _Layers, in_channels: int = 3):
+        chans = (in_channels, *spec.widths)
+        self.convs = nnx.List(
+            [layers.conv(chans[i], chans[i + 1], 3, 1 if i == 0 else 2) for i in range(len(spec.widths))]
+        )
+        self.norms = nnx.List([layers.norm(w) for w in spec.widths])
+        self.head = layers.dense(spec.widths[-1], num_classes)
+        self.in_channels = in_channels
+
+    def __call__(self, images: jax.Array, train: bool) -> jax.Array:
+        _check_images(images, self.in_channels)
+        x = images
+        for conv, norm in zip(self.convs, self.norms):
+            x = jax.nn.relu(_normalise(norm, conv(x), train))
+        return self.head(jnp.mean(x, axis=(1, 2)))
+
+
+def _check_images(images: jax.Array, channels: int) -> None:
+    if images.ndim != 4 or images.shape[-1] != channels or not jnp.issubdtype(images.dtype, jnp.floating):
+        raise ValueError(
+            f"images must be float NHWC with {channels} channels, got shape={images.shape} "
+            f"dtype={images.dtype}"
+        )
+
+
+def create_vision_model(
+    name: str,
+    *,
+    num_classes: int,
+    dtype: Any = jnp.float32,
+    param_dtype: Any = jnp.float32,
+    rngs: nnx.Rngs,
+    axis_name: str | None = None,
+) -> ResNet | SmallCNN:
+    """Builds the vision preset ``name``.
+
+    Args:
+      name: One of `VISION_PRESETS`: "resnet18", "resnet50", "cnn-small".
+      num_classes: Classifier outputs.
+      dtype: Compute dtype ("bf16" style aliases accepted).
+      param_dtype: Parameter storage dtype.
+      rngs: Parameter init randomness.
+      axis_name: Mesh axis over which BatchNorm averages its statistics when
+        the model runs inside ``jax.shard_map`` (see the module docstring).
+    """
+    if name not in VISION_SPECS:
+        raise ValueError(f"name={name!r} is not a vision preset; legal values: {VISION_PRESETS}")
+    if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 1:
+        raise ValueError(f"num_classes={num_classes!r} must be a positive int")
+    layers = _Layers(
+        canonical_dtype(dtype, "dtype"), canonical_dtype(param_dtype, "param_dtype"), axis_name, rngs
+    )
+    spec = VISION_SPECS[name]
+    model_class = ResNet if spec.kind == "resnet" else SmallCNN
+    return model_class(spec, num_classes=num_classes, layers=layers)
+
+
+def classification_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean softmax cross-entropy of [B, C] logits against int labels [B], in float32."""
+    return gpt_loss(logits, labels)
