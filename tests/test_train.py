@@ -203,8 +203,8 @@ def test_sigterm_saves_checkpoint_and_exits_cleanly(tmp_path):
     before = signal.getsignal(signal.SIGTERM)
     cfg = _cfg(tmp_path)
     result = train(cfg, devices=_one_device(), stream=KillAtStep4())
-    assert result.interrupted and result.step == 21
-    assert os.listdir(os.path.join(cfg.run_dir, "checkpoints")) == ["21"]
+    assert result.interrupted and result.step == 20
+    assert os.listdir(os.path.join(cfg.run_dir, "checkpoints")) == ["20"]
     assert signal.getsignal(signal.SIGTERM) is before
     saved = json.load(open(os.path.join(cfg.run_dir, "config.json")))
     assert saved["config"]["steps"] == 200

@@ -101,7 +101,7 @@ class TrainConfig:
     matmul: str = "xla"
     attention: str = "auto"
     remat: str = "none"
-    scan_layers: bool = False
+    scan_layers: bool = True
     model_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
     seq_len: int | None = None
     num_classes: int = 10
