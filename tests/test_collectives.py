@@ -79,10 +79,10 @@ def _suite_1d(dtype_name):
         if full:
             order = (3, 1, 0, 2, 7, 6, 5, 4)
             out["rs_order"] = ring_reduce_scatter(x, "data", ring_order=order, num_chunks=3)
-            out["ag"] = ring_all_gather(x, "data", ring_order=order)
+            out["ag"] = ring_all_gather(x, "data", ring_order=order, num_chunks=2)
             out["ag_ref"] = lax.all_gather(x, "data", axis=0, tiled=True)
             out["ar_bidir"] = ring_all_reduce(y, "data", bidirectional=True, num_chunks=2)
-            out["ar_grouped"] = grouped_all_reduce(y, "data", 4, ring_order=order)
+            out["ar_grouped"] = grouped_all_reduce(y, "data", 4, ring_order=order, num_chunks=2)
         return out
 
     return mesh, n, _smap(body, mesh, (P("data"), P("data")), P("data"))

@@ -79,44 +79,62 @@ def accumulation_dtype(dtype) -> np.dtype:
 
 
 def _take(chunks, label, label_to_chunk):
-    """Chunk `label_to_chunk[label]` of `chunks` ([m, pieces, c]), `label` traced."""
+    """Row `label_to_chunk[label]` of `chunks` ([m, c]), `label` traced."""
     index = label if label_to_chunk is None else jnp.asarray(label_to_chunk)[label]
     return lax.dynamic_index_in_dim(chunks, index, axis=0, keepdims=False)
 
 
-def reduce_scatter_chunks(chunks, ring: _Ring, *, wire_dtype, accum_dtype, label_to_chunk=None):
-    """Ring reduce-scatter of `chunks` [m, pieces, c]; returns this device's sum [pieces, c].
+def reduce_scatter_pieces(pieces, ring: _Ring, *, wire_dtype, accum_dtype, label_to_chunk=None):
+    """Ring reduce-scatter of each piece [m, c] independently; returns this device's sums ([c] each).
 
-    The device at ring position p ends with the sum of chunk `label_to_chunk[p]`
-    (chunk p when None), in `accum_dtype`. The `pieces` axis holds independent
-    rings that XLA can overlap (chunk pipelining).
+    The device at ring position p ends with the sum of row `label_to_chunk[p]`
+    (row p when None) of every piece, in `accum_dtype`. The pieces are
+    independent rings emitted step by step, so XLA can overlap the transfer of
+    one piece with the addition of another (chunk pipelining).
     """
     m, perm = ring.size, ring.perm()
     pos = ring.position()
-    own = lambda label: _take(chunks, label % m, label_to_chunk).astype(accum_dtype)  # noqa: E731
-    acc = own(pos - 1)
+    own = lambda piece, label: _take(piece, label % m, label_to_chunk).astype(accum_dtype)  # noqa: E731
+    accs = [own(piece, pos - 1) for piece in pieces]
     for step in range(m - 1):
-        pieces = [lax.ppermute(a.astype(wire_dtype), ring.axis_name, perm) for a in acc]
-        acc = jnp.stack(pieces).astype(accum_dtype) + own(pos - step - 2)
-    return acc
+        received = [lax.ppermute(acc.astype(wire_dtype), ring.axis_name, perm) for acc in accs]
+        accs = [r.astype(accum_dtype) + own(piece, pos - step - 2) for r, piece in zip(received, pieces)]
+    return accs
 
 
-def all_gather_chunks(shard, ring: _Ring, *, wire_dtype, out_dtype, label_to_chunk=None):
-    """Ring all-gather of `shard` [pieces, c] held at ring position p as chunk `label_to_chunk[p]`.
+def all_gather_pieces(shards, ring: _Ring, *, wire_dtype, out_dtype, label_to_chunk=None,
+                      piece_major: bool = True):
+    """Ring all-gather of each shard [c] (held at ring position p as row `label_to_chunk[p]`).
 
-    Returns [m, pieces, c] in `out_dtype`. Every device rounds its own shard
-    through `wire_dtype` too, so all devices end bit-identical.
+    Returns one buffer, [pieces, m, c] (`piece_major`) or [m, pieces, c], in
+    `out_dtype`, written in place as the rows arrive. Every device rounds its
+    own shard through `wire_dtype` too, so all devices end bit-identical.
     """
     m, perm = ring.size, ring.perm()
     pos = ring.position()
+    count, width = len(shards), shards[0].shape[0]
     index = lambda label: label % m if label_to_chunk is None else jnp.asarray(label_to_chunk)[label % m]  # noqa: E731
-    current = shard.astype(wire_dtype)
-    out = jnp.zeros((m,) + shard.shape, out_dtype)
-    out = lax.dynamic_update_index_in_dim(out, current.astype(out_dtype), index(pos), 0)
+    out = jnp.zeros((count, m, width) if piece_major else (m, count, width), out_dtype)
+    zero = jnp.zeros((), jnp.int32)
+
+    def write(out, value, k, label):
+        row = index(label).astype(jnp.int32)
+        start = (jnp.int32(k), row, zero) if piece_major else (row, jnp.int32(k), zero)
+        return lax.dynamic_update_slice(out, value.astype(out_dtype)[None, None], start)
+
+    current = [shard.astype(wire_dtype) for shard in shards]
+    for k, value in enumerate(current):
+        out = write(out, value, k, pos)
     for step in range(m - 1):
-        current = jnp.stack([lax.ppermute(piece, ring.axis_name, perm) for piece in current])
-        out = lax.dynamic_update_index_in_dim(out, current.astype(out_dtype), index(pos - step - 1), 0)
+        current = [lax.ppermute(value, ring.axis_name, perm) for value in current]
+        for k, value in enumerate(current):
+            out = write(out, value, k, pos - step - 1)
     return out
+
+
+def all_gather_chunks(shard, ring: _Ring, *, wire_dtype, out_dtype):
+    """All-gather of one [1, c] shard into [m, 1, c] rows in ring-position order (used by compression)."""
+    return all_gather_pieces([shard[0]], ring, wire_dtype=wire_dtype, out_dtype=out_dtype, piece_major=False)
 
 
 def _check_floating_or_int(x, what: str):
@@ -128,13 +146,6 @@ def _check_num_chunks(num_chunks: int) -> int:
     if not isinstance(num_chunks, int) or num_chunks < 1:
         raise ValueError(f"{num_chunks=} must be a positive int (pieces per shard for pipelining)")
     return num_chunks
-
-
-def _split(flat, parts: int, pieces: int):
-    """Pads `flat` with zeros to a multiple of parts*pieces and reshapes to [parts, pieces, c]."""
-    per = parts * pieces
-    padded = jnp.pad(flat, (0, -flat.size % per))
-    return padded.reshape(parts, pieces, -1)
 
 
 def ring_reduce_scatter(x, axis_name: AxisName, *, ring_order: Sequence[int] | None = None,
@@ -165,14 +176,17 @@ def ring_reduce_scatter(x, axis_name: AxisName, *, ring_order: Sequence[int] | N
             f"ring_reduce_scatter needs {x.shape[0]=} divisible by the size {n} of axis {axis_name!r}; "
             "pad dimension 0 or use ring_all_reduce"
         )
-    pieces = _check_num_chunks(num_chunks)
+    count = _check_num_chunks(num_chunks)
     rows = x.reshape(n, -1)
     per_row = rows.shape[1]
-    chunks = jnp.pad(rows, ((0, 0), (0, -per_row % pieces))).reshape(n, pieces, -1)
+    rows = jnp.pad(rows, ((0, 0), (0, -per_row % count)))
+    width = rows.shape[1] // count
+    pieces = [rows[:, k * width:(k + 1) * width] for k in range(count)]
     wire = x.dtype if wire_dtype is None else np.dtype(wire_dtype)
-    shard = reduce_scatter_chunks(chunks, ring, wire_dtype=wire, accum_dtype=accumulation_dtype(x.dtype),
-                                  label_to_chunk=ring.cycles[0])
-    return shard.reshape(-1)[:per_row].astype(x.dtype).reshape((x.shape[0] // n,) + x.shape[1:])
+    shards = reduce_scatter_pieces(pieces, ring, wire_dtype=wire, accum_dtype=accumulation_dtype(x.dtype),
+                                   label_to_chunk=ring.cycles[0])
+    shard = shards[0] if count == 1 else jnp.concatenate(shards)
+    return shard[:per_row].astype(x.dtype).reshape((x.shape[0] // n,) + x.shape[1:])
 
 
 def ring_all_gather(x, axis_name: AxisName, *, ring_order: Sequence[int] | None = None, num_chunks: int = 1):
@@ -194,34 +208,40 @@ def ring_all_gather(x, axis_name: AxisName, *, ring_order: Sequence[int] | None 
     ring = single_ring(axis_name, ring_order)
     if x.ndim == 0:
         raise ValueError(f"ring_all_gather needs an array with a dimension 0 to concatenate; got {x.shape=}")
-    pieces = _check_num_chunks(num_chunks)
+    count = _check_num_chunks(num_chunks)
     flat = x.reshape(-1)
-    shard = jnp.pad(flat, (0, -flat.size % pieces)).reshape(pieces, -1)
-    gathered = all_gather_chunks(shard, ring, wire_dtype=x.dtype, out_dtype=x.dtype,
-                                 label_to_chunk=ring.cycles[0])
+    shards = list(jnp.pad(flat, (0, -flat.size % count)).reshape(count, -1))
+    gathered = all_gather_pieces(shards, ring, wire_dtype=x.dtype, out_dtype=x.dtype,
+                                 label_to_chunk=ring.cycles[0], piece_major=False)
     return gathered.reshape(n, -1)[:, : flat.size].reshape((n * x.shape[0],) + x.shape[1:])
 
 
 def all_reduce_rings(x, rings: Sequence[_Ring], *, wire_dtype=None, num_chunks: int = 1):
-    """All-reduce of `x` over one or two-stage rings; the engine of the public all-reduces.
+    """All-reduce of `x` over one or more nested rings; the engine of the public all-reduces.
 
     With one ring this is reduce-scatter + all-gather. With several (inner,
     ..., outer) the shard left by each reduce-scatter is reduced by the next
     ring, and all-gathers run back out in reverse order: the hierarchical
-    scheme. Sums stay in the accumulation dtype between stages.
+    scheme. Sums stay in the accumulation dtype between stages. The flat data
+    is zero-padded and split into `num_chunks` contiguous pieces, each reduced
+    by its own pipelined ring; the last all-gather writes every piece straight
+    into the one output buffer.
     """
     accum = accumulation_dtype(x.dtype)
     wire = x.dtype if wire_dtype is None else np.dtype(wire_dtype)
-    pieces = _check_num_chunks(num_chunks)
-    parts = math.prod(r.size for r in rings)
-    data = _split(x.reshape(-1), parts, pieces).reshape(-1)
+    count = _check_num_chunks(num_chunks)
+    per = math.prod(r.size for r in rings) * count
+    flat = x.reshape(-1)
+    blocks = jnp.pad(flat, (0, -flat.size % per)).reshape(count, -1)
+    data = [blocks[k] for k in range(count)]
     for ring in rings:
-        chunks = data.reshape(ring.size, pieces, -1)
-        data = reduce_scatter_chunks(chunks, ring, wire_dtype=wire, accum_dtype=accum).reshape(-1)
-    for ring in reversed(rings):
-        shard = data.reshape(pieces, -1)
-        data = all_gather_chunks(shard, ring, wire_dtype=wire, out_dtype=accum).reshape(-1)
-    return data[: x.size].astype(x.dtype).reshape(x.shape)
+        data = reduce_scatter_pieces([d.reshape(ring.size, -1) for d in data], ring, wire_dtype=wire,
+                                     accum_dtype=accum)
+    for depth, ring in enumerate(reversed(rings)):
+        last = depth == len(rings) - 1
+        out = all_gather_pieces(data, ring, wire_dtype=wire, out_dtype=x.dtype if last else accum)
+        data = out if last else [out[k].reshape(-1) for k in range(count)]
+    return data.reshape(-1)[: flat.size].reshape(x.shape)
 
 
 def ring_all_reduce(x, axis_name: AxisName, *, bidirectional: bool = False, wire_dtype=None,

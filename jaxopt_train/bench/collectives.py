@@ -1,0 +1,337 @@
+"""`jaxopt-train bench collectives`: psum vs the ring all-reduce variants, side by side.
+
+For each message size (bytes per device, as nccl-tests counts) and dtype it
+times `lax.psum` and every ring variant in the same run and prints algorithm
+bandwidth (size / time), bus bandwidth (algbw * 2(n-1)/n: what each link
+carries, comparable across device counts), the ratio to psum and the share of
+the NVLink peak per direction. With `--gpt` it also times a data-parallel GPT
+step per grad-sync method: step time, compute-only and comm-only times, the
+hidden-communication fraction 1 - (step - compute_only) / comm_only, and the
+throughput against one device at equal per-device batch.
+
+Timing: warm-up calls, then bursts of back-to-back calls with one
+`block_until_ready` at the end; the median over bursts is reported.
+
+    python -m jaxopt_train.bench.collectives --quick
+    python -m jaxopt_train.bench.collectives --sizes 1M,16M,256M,1G --dtypes f32,bf16 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+DTYPES = {"f32": "float32", "bf16": "bfloat16"}
+# NVLink bandwidth per direction by device kind, used when NVML cannot say (datasheets).
+NVLINK_PEAK_GBS = {"H200": 450.0, "H100": 450.0, "GH200": 450.0, "B200": 900.0, "A100": 300.0, "V100": 150.0}
+# Per-direction GB/s of one NVLink, by NVLink version (NVML's nvmlDeviceGetNvLinkVersion).
+PER_LINK_GBS = {2: 25.0, 3: 25.0, 4: 25.0, 5: 50.0}
+
+
+def parse_size(text: str) -> int:
+    """'64K', '1M', '1G' (KiB/MiB/GiB) or plain bytes -> bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def fmt_size(nbytes: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return str(nbytes)
+
+
+def nvlink_peak(device) -> tuple[float | None, str]:
+    """(GB/s per direction, where the figure came from) for `device`, or (None, why not)."""
+    if device.platform != "gpu":
+        return None, f"no NVLink on platform {device.platform!r}"
+    try:
+        import pynvml  # noqa: PLC0415 (GPU-only, lazy)
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(device.local_hardware_id)
+            links, version = 0, None
+            for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
+                try:
+                    if pynvml.nvmlDeviceGetNvLinkState(handle, link):
+                        links += 1
+                        version = version or pynvml.nvmlDeviceGetNvLinkVersion(handle, link)
+                except pynvml.NVMLError:
+                    continue
+            if links and version in PER_LINK_GBS:
+                return links * PER_LINK_GBS[version], f"NVML: {links} active NVLink v{version} links"
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as err:  # noqa: BLE001 (fall back to the table)
+        reason = f"NVML unavailable ({type(err).__name__})"
+    else:
+        reason = "NVML reports no active NVLink"
+    for kind, peak in NVLINK_PEAK_GBS.items():
+        if kind in device.device_kind:
+            return peak, f"datasheet table ({kind}); {reason}"
+    return None, f"unknown device kind {device.device_kind!r}; {reason}"
+
+
+def time_burst(fn: Callable, args: tuple, *, warmup: int, iters: int, bursts: int) -> float:
+    """Median seconds per call over `bursts` bursts of `iters` back-to-back calls."""
+    import jax  # noqa: PLC0415
+
+    for _ in range(warmup):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(bursts):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / iters)
+    return statistics.median(times)
+
+
+def variants(n: int, dtype: str, chunks: list[int]) -> dict[str, Callable]:
+    """name -> per-device function x -> sum over "data"."""
+    import jax.numpy as jnp  # noqa: PLC0415
+    from jax import lax  # noqa: PLC0415
+
+    from jaxopt_train.collectives import grouped_all_reduce, ring_all_reduce  # noqa: PLC0415
+
+    out: dict[str, Callable] = {"psum": lambda x: lax.psum(x, "data")}
+    for c in chunks:
+        out[f"ring/c{c}"] = lambda x, c=c: ring_all_reduce(x, "data", num_chunks=c)
+        if n > 2:  # on 2 devices the reverse ring is the same ring
+            out[f"ring_bidir/c{c}"] = lambda x, c=c: ring_all_reduce(x, "data", bidirectional=True, num_chunks=c)
+        if dtype == "f32":
+            out[f"ring_wire_bf16/c{c}"] = lambda x, c=c: ring_all_reduce(x, "data", wire_dtype=jnp.bfloat16,
+                                                                         num_chunks=c)
+    if n >= 4 and n % 2 == 0:
+        out[f"hierarchical/{n // 2}x2"] = lambda x: grouped_all_reduce(x, "data", n // 2, num_chunks=chunks[0])
+    return out
+
+
+def bench_collectives(args, record: Callable[[dict], None]) -> list[dict]:
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    from jax.sharding import NamedSharding  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    devices = jax.devices()
+    n = len(devices)
+    mesh = jax.sharding.Mesh(devices, ("data",))
+    rows = []
+    for dtype in args.dtypes:
+        np_dtype = jnp.dtype(DTYPES[dtype])
+        fns = variants(n, dtype, args.chunks)
+        if args.methods:
+            fns = {k: v for k, v in fns.items() if k == "psum" or k.split("/")[0] in args.methods}
+        for size in args.sizes:
+            elems = size // np_dtype.itemsize
+            x = jax.device_put(jnp.ones((n * elems,), np_dtype), NamedSharding(mesh, P("data")))
+            base = None
+            for name, body in fns.items():
+                fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
+                                           check_vma=False))
+                try:
+                    seconds = time_burst(fn, (x,), warmup=args.warmup, iters=args.iters, bursts=args.bursts)
+                except Exception as err:  # noqa: BLE001 (one failing variant must not lose the sweep)
+                    print(f"  {name} {dtype} {fmt_size(size)} failed: {type(err).__name__}: {err}", file=sys.stderr)
+                    continue
+                algbw = size / seconds / 1e9
+                row = {"kind": "allreduce", "dtype": dtype, "size_bytes": size, "variant": name, "devices": n,
+                       "time_s": seconds, "algbw_gbs": algbw, "busbw_gbs": algbw * 2 * (n - 1) / n}
+                if name == "psum":
+                    base = row
+                row["ratio_to_psum"] = row["busbw_gbs"] / base["busbw_gbs"] if base else None
+                if "wire_bf16" in name or dtype == "bf16":  # in f32-equivalent bytes against psum's f32
+                    row["f32_equiv_busbw_gbs"] = row["busbw_gbs"] * 4 / np_dtype.itemsize
+                row["share_of_nvlink_peak"] = row["busbw_gbs"] / args.peak if args.peak else None
+                rows.append(row)
+                record(row)
+            del x
+    return rows
+
+
+def print_table(rows: list[dict], peak_note: str) -> None:
+    print(f"\nall-reduce: bus bandwidth = algbw * 2(n-1)/n; peak: {peak_note}")
+    print(f"{'dtype':<5} {'size':>6} {'variant':<22} {'time_us':>10} {'algbw':>8} {'busbw':>8} "
+          f"{'x psum':>7} {'peak%':>6}")
+    for r in rows:
+        ratio = f"{r['ratio_to_psum']:.3f}" if r.get("ratio_to_psum") else "-"
+        share = f"{100 * r['share_of_nvlink_peak']:.0f}" if r.get("share_of_nvlink_peak") else "-"
+        print(f"{r['dtype']:<5} {fmt_size(r['size_bytes']):>6} {r['variant']:<22} {r['time_s'] * 1e6:>10.1f} "
+              f"{r['algbw_gbs']:>8.2f} {r['busbw_gbs']:>8.2f} {ratio:>7} {share:>6}")
+
+
+def bench_gpt(args, record: Callable[[dict], None]) -> list[dict]:
+    """Data-parallel GPT step per grad-sync method, vs compute-only, comm-only and one device."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+    from jax import lax  # noqa: PLC0415
+    from jax.sharding import NamedSharding  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    from jaxopt_train.collectives import all_reduce_tree  # noqa: PLC0415
+    from jaxopt_train.models import GPT, get_gpt_config, gpt_loss  # noqa: PLC0415
+
+    overrides = dict(kv.split("=") for kv in args.gpt_overrides.split(",") if kv)
+    overrides = {k: (int(v) if v.isdigit() else v) for k, v in overrides.items()}
+    cfg = get_gpt_config(args.gpt_config, **overrides)
+    graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    devices = jax.devices()
+    n = len(devices)
+    mesh = jax.sharding.Mesh(devices, ("data",))
+    batch, seq = args.gpt_batch, cfg.seq_len
+    tokens = jax.random.randint(jax.random.key(1), (n * batch, seq + 1), 0, cfg.vocab_size, jnp.int32)
+    sharded = jax.device_put(tokens, NamedSharding(mesh, P("data")))
+    replicated = jax.device_put(params, NamedSharding(mesh, P()))
+
+    def grads_of(p, toks):
+        loss = lambda q: gpt_loss(nnx.merge(graphdef, q)(toks[:, :-1]), toks[:, 1:])  # noqa: E731
+        return jax.value_and_grad(loss)(p)
+
+    def step_body(method):
+        def body(p, toks):
+            loss, g = grads_of(p, toks)
+            if method is not None:
+                g = all_reduce_tree(g, "data", method=method, bucket_mb=args.bucket_mb)
+            p = jax.tree.map(lambda w, d: w - jnp.asarray(1e-4, w.dtype) * d.astype(w.dtype), p, g)
+            return p, lax.pmean(loss, "data")
+        return body
+
+    smap = lambda f, ins, outs: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=ins, out_specs=outs,  # noqa: E731
+                                                      check_vma=False))
+    timing = dict(warmup=args.warmup, iters=args.gpt_iters, bursts=args.bursts)
+    compute_only = time_burst(smap(step_body(None), (P(), P("data")), (P(), P())), (replicated, sharded), **timing)
+    single = jax.jit(step_body_single(grads_of))
+    one = time_burst(single, (jax.device_put(params, devices[0]), jax.device_put(tokens[:batch], devices[0])),
+                     **timing)
+    rows = []
+    for method in args.gpt_methods:
+        step = time_burst(smap(step_body(method), (P(), P("data")), (P(), P())), (replicated, sharded), **timing)
+        comm = time_burst(smap(lambda g, m=method: all_reduce_tree(g, "data", method=m, bucket_mb=args.bucket_mb),
+                               P(), P()), (replicated,), **timing)
+        hidden = 1.0 - (step - compute_only) / comm if comm > 0 else None
+        row = {"kind": "gpt_step", "config": args.gpt_config, "overrides": overrides,
+               "devices": n, "per_device_batch": batch, "seq_len": seq, "method": method,
+               "step_s": step, "compute_only_s": compute_only, "comm_only_s": comm, "hidden_comm_fraction": hidden,
+               "one_device_step_s": one, "throughput_vs_one_device": n * one / step}
+        rows.append(row)
+        record(row)
+    return rows
+
+
+def step_body_single(grads_of):
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    def body(p, toks):
+        loss, g = grads_of(p, toks)
+        return jax.tree.map(lambda w, d: w - jnp.asarray(1e-4, w.dtype) * d.astype(w.dtype), p, g), loss
+    return body
+
+
+def print_gpt(rows: list[dict]) -> None:
+    if not rows:
+        return
+    r0 = rows[0]
+    print(f"\ndata-parallel GPT step ({r0['config']} {r0['overrides']}, {r0['devices']} devices, "
+          f"batch {r0['per_device_batch']}x{r0['seq_len']} per device)")
+    print(f"{'method':<13} {'step_ms':>8} {'compute_ms':>10} {'comm_ms':>8} {'hidden':>7} {'x 1 dev':>8}")
+    for r in rows:
+        hidden = f"{r['hidden_comm_fraction']:.2f}" if r["hidden_comm_fraction"] is not None else "-"
+        print(f"{r['method']:<13} {r['step_s'] * 1e3:>8.2f} {r['compute_only_s'] * 1e3:>10.2f} "
+              f"{r['comm_only_s'] * 1e3:>8.2f} {hidden:>7} {r['throughput_vs_one_device']:>8.2f}")
+
+
+def _csv(kind):
+    return lambda text: [kind(t) for t in text.split(",") if t]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxopt-train bench collectives", description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", type=_csv(parse_size), default=None,
+                   help="bytes per device, e.g. 1M,16M,256M,1G (default 1M..1G by 4x; --quick: 64K,1M)")
+    p.add_argument("--dtypes", type=_csv(str), default=["f32", "bf16"], help="f32,bf16")
+    p.add_argument("--chunks", type=_csv(int), default=None, help="ring pipeline chunks to try (default 1,4)")
+    p.add_argument("--methods", type=_csv(str), default=None,
+                   help="ring variants besides psum: ring,ring_bidir,ring_wire_bf16,hierarchical (default all)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10, help="calls per timed burst")
+    p.add_argument("--bursts", type=int, default=5)
+    p.add_argument("--peak", type=float, default=None, help="link peak GB/s per direction (default: NVML/table)")
+    p.add_argument("--gpt", action="store_true", help="also time a data-parallel GPT step per grad-sync method")
+    p.add_argument("--gpt-config", default="gpt-tiny")
+    p.add_argument("--gpt-overrides", default="", help="GPTConfig overrides, e.g. n_layers=4,dtype=bfloat16")
+    p.add_argument("--gpt-batch", type=int, default=4, help="sequences per device")
+    p.add_argument("--gpt-iters", type=int, default=5)
+    p.add_argument("--gpt-methods", type=_csv(str), default=["psum", "ring"])
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--quick", action="store_true", help="tiny sizes and few calls (CPU smoke run)")
+    p.add_argument("--json", default=None, help="write the raw figures here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    bad = [d for d in args.dtypes if d not in DTYPES]
+    if bad:
+        print(f"--dtypes {bad} unknown; expected some of {sorted(DTYPES)}", file=sys.stderr)
+        return 2
+    if args.quick:
+        args.sizes = args.sizes or [64 << 10, 1 << 20]
+        args.warmup, args.iters, args.bursts, args.gpt_iters = 1, 3, 3, 2
+        args.gpt_overrides = args.gpt_overrides or "n_layers=1"
+        args.gpt_batch = min(args.gpt_batch, 2)
+    args.sizes = args.sizes or [1 << s for s in range(20, 31, 2)]
+    args.chunks = args.chunks or ([1, 2] if args.quick else [1, 4])
+    import jax  # noqa: PLC0415
+
+    device = jax.devices()[0]
+    peak_note = "--peak given"
+    if args.peak is None:
+        args.peak, peak_note = nvlink_peak(device)
+    meta = {"jax": jax.__version__, "python": platform.python_version(), "device_kind": device.device_kind,
+            "platform": device.platform, "devices": jax.device_count(), "peak_gbs_per_direction": args.peak,
+            "peak_source": peak_note, "argv": sys.argv[1:] if argv is None else argv}
+    print(f"# {meta['devices']} x {meta['device_kind']} ({meta['platform']}), jax {meta['jax']}; "
+          f"peak {args.peak} GB/s per direction ({peak_note})", flush=True)
+    results: dict[str, Any] = {"meta": meta, "allreduce": [], "gpt_step": []}
+
+    def dump():
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+
+    def record(key):
+        def add(row):
+            results[key].append(row)
+            print("  " + json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()}),
+                  flush=True)
+            dump()
+        return add
+
+    rows = bench_collectives(args, record("allreduce"))
+    gpt_rows = []
+    if args.gpt:
+        try:
+            gpt_rows = bench_gpt(args, record("gpt_step"))
+        except Exception as err:  # noqa: BLE001 (keep the all-reduce table)
+            print(f"gpt step benchmark failed: {type(err).__name__}: {err}", file=sys.stderr)
+    dump()
+    print_table(rows, peak_note)
+    print_gpt(gpt_rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
