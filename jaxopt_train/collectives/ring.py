@@ -103,18 +103,20 @@ def reduce_scatter_pieces(pieces, ring: _Ring, *, wire_dtype, accum_dtype, label
 
 
 def all_gather_pieces(shards, ring: _Ring, *, wire_dtype, out_dtype, label_to_chunk=None,
-                      piece_major: bool = True):
+                      piece_major: bool = True, out=None, first: int = 0):
     """Ring all-gather of each shard [c] (held at ring position p as row `label_to_chunk[p]`).
 
     Returns one buffer, [pieces, m, c] (`piece_major`) or [m, pieces, c], in
-    `out_dtype`, written in place as the rows arrive. Every device rounds its
-    own shard through `wire_dtype` too, so all devices end bit-identical.
+    `out_dtype`, written in place as the rows arrive (into `out` from piece
+    `first` on, when given). Every device rounds its own shard through
+    `wire_dtype` too, so all devices end bit-identical.
     """
     m, perm = ring.size, ring.perm()
     pos = ring.position()
     count, width = len(shards), shards[0].shape[0]
     index = lambda label: label % m if label_to_chunk is None else jnp.asarray(label_to_chunk)[label % m]  # noqa: E731
-    out = jnp.zeros((count, m, width) if piece_major else (m, count, width), out_dtype)
+    if out is None:
+        out = jnp.zeros((count, m, width) if piece_major else (m, count, width), out_dtype)
     zero = jnp.zeros((), jnp.int32)
 
     def write(out, value, k, label):
@@ -124,11 +126,11 @@ def all_gather_pieces(shards, ring: _Ring, *, wire_dtype, out_dtype, label_to_ch
 
     current = [shard.astype(wire_dtype) for shard in shards]
     for k, value in enumerate(current):
-        out = write(out, value, k, pos)
+        out = write(out, value, first + k, pos)
     for step in range(m - 1):
         current = [lax.ppermute(value, ring.axis_name, perm) for value in current]
         for k, value in enumerate(current):
-            out = write(out, value, k, pos - step - 1)
+            out = write(out, value, first + k, pos - step - 1)
     return out
 
 
@@ -216,32 +218,44 @@ def ring_all_gather(x, axis_name: AxisName, *, ring_order: Sequence[int] | None 
     return gathered.reshape(n, -1)[:, : flat.size].reshape((n * x.shape[0],) + x.shape[1:])
 
 
-def all_reduce_rings(x, rings: Sequence[_Ring], *, wire_dtype=None, num_chunks: int = 1):
+def all_reduce_rings(x, rings: Sequence[_Ring], *, wire_dtype=None, num_chunks: int = 1,
+                     bidirectional: bool = False):
     """All-reduce of `x` over one or more nested rings; the engine of the public all-reduces.
 
     With one ring this is reduce-scatter + all-gather. With several (inner,
     ..., outer) the shard left by each reduce-scatter is reduced by the next
     ring, and all-gathers run back out in reverse order: the hierarchical
     scheme. Sums stay in the accumulation dtype between stages. The flat data
-    is zero-padded and split into `num_chunks` contiguous pieces, each reduced
-    by its own pipelined ring; the last all-gather writes every piece straight
-    into the one output buffer.
+    is zero-padded and split into `num_chunks` contiguous pieces (twice that
+    when `bidirectional`, the second half going round the reversed rings),
+    each reduced by its own pipelined ring; the last all-gather writes every
+    piece straight into the one output buffer.
     """
     accum = accumulation_dtype(x.dtype)
     wire = x.dtype if wire_dtype is None else np.dtype(wire_dtype)
-    count = _check_num_chunks(num_chunks)
-    per = math.prod(r.size for r in rings) * count
+    per_direction = _check_num_chunks(num_chunks)
+    directions = [list(rings)] + ([[r.reversed() for r in rings]] if bidirectional else [])
+    count = per_direction * len(directions)
     flat = x.reshape(-1)
-    blocks = jnp.pad(flat, (0, -flat.size % per)).reshape(count, -1)
-    data = [blocks[k] for k in range(count)]
-    for ring in rings:
-        data = reduce_scatter_pieces([d.reshape(ring.size, -1) for d in data], ring, wire_dtype=wire,
-                                     accum_dtype=accum)
-    for depth, ring in enumerate(reversed(rings)):
-        last = depth == len(rings) - 1
-        out = all_gather_pieces(data, ring, wire_dtype=wire, out_dtype=x.dtype if last else accum)
-        data = out if last else [out[k].reshape(-1) for k in range(count)]
-    return data.reshape(-1)[: flat.size].reshape(x.shape)
+    blocks = jnp.pad(flat, (0, -flat.size % (math.prod(r.size for r in rings) * count))).reshape(count, -1)
+    groups = [[blocks[d * per_direction + k] for k in range(per_direction)] for d in range(len(directions))]
+    for stage in range(len(rings)):
+        groups = [reduce_scatter_pieces([p.reshape(ring_set[stage].size, -1) for p in group], ring_set[stage],
+                                        wire_dtype=wire, accum_dtype=accum)
+                  for group, ring_set in zip(groups, directions)]
+    for stage in reversed(range(len(rings))):
+        last = stage == 0
+        out = None
+        for d, (group, ring_set) in enumerate(zip(groups, directions)):
+            if last:
+                out = all_gather_pieces(group, ring_set[stage], wire_dtype=wire, out_dtype=x.dtype,
+                                        out=out if out is not None else jnp.zeros(
+                                            (count, ring_set[stage].size, group[0].shape[0]), x.dtype),
+                                        first=d * per_direction)
+            else:
+                gathered = all_gather_pieces(group, ring_set[stage], wire_dtype=wire, out_dtype=accum)
+                groups[d] = [gathered[k].reshape(-1) for k in range(len(group))]
+    return out.reshape(-1)[: flat.size].reshape(x.shape)
 
 
 def ring_all_reduce(x, axis_name: AxisName, *, bidirectional: bool = False, wire_dtype=None,
@@ -267,10 +281,4 @@ def ring_all_reduce(x, axis_name: AxisName, *, bidirectional: bool = False, wire
     """
     ring = single_ring(axis_name, ring_order)
     _check_floating_or_int(x, "ring_all_reduce")
-    if not bidirectional:
-        return all_reduce_rings(x, [ring], wire_dtype=wire_dtype, num_chunks=num_chunks)
-    flat = x.reshape(-1)
-    half = (flat.size + 1) // 2
-    forward = all_reduce_rings(flat[:half], [ring], wire_dtype=wire_dtype, num_chunks=num_chunks)
-    backward = all_reduce_rings(flat[half:], [ring.reversed()], wire_dtype=wire_dtype, num_chunks=num_chunks)
-    return jnp.concatenate([forward, backward]).reshape(x.shape)
+    return all_reduce_rings(x, [ring], wire_dtype=wire_dtype, num_chunks=num_chunks, bidirectional=bidirectional)

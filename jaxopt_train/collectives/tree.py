@@ -44,16 +44,9 @@ def _reducer(method: str, axis_name, *, ring_order, group_size, num_chunks):
     if method == "hierarchical":
         rings = _hierarchy(axis_name, group_size, ring_order)
     else:
-        ring = single_ring(axis_name, ring_order)
-        rings = [ring]
-    if method == "ring_bidir":
-        def bidirectional(flat):
-            half = (flat.size + 1) // 2
-            forward = all_reduce_rings(flat[:half], [ring], num_chunks=num_chunks)
-            backward = all_reduce_rings(flat[half:], [ring.reversed()], num_chunks=num_chunks)
-            return jnp.concatenate([forward, backward])
-        return bidirectional
-    return lambda flat: all_reduce_rings(flat, rings, num_chunks=num_chunks)
+        rings = [single_ring(axis_name, ring_order)]
+    bidirectional = method == "ring_bidir"
+    return lambda flat: all_reduce_rings(flat, rings, num_chunks=num_chunks, bidirectional=bidirectional)
 
 
 def _check_leaves(leaves):
