@@ -1,0 +1,154 @@
+"""Timing and memory sampling for the training benchmark.
+
+Steady-state timing follows the project rule: warm up, then time bursts of
+back-to-back dispatches with ONE device sync at the end of each burst, and
+report the median burst. A separate, slower *trace* pass syncs after every
+step to get per-step time and memory for the plot; it never feeds the table's
+step time.
+
+Memory in use comes from the allocator (`device.memory_stats()`, GPU/TPU). On
+backends without allocator statistics (CPU) it falls back to the bytes of the
+live `jax.Array`s resident on the device, which misses XLA's scratch buffers;
+every figure says which source it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+ALLOCATOR = "allocator"
+LIVE_ARRAYS = "live-arrays"
+
+
+def _memory_stats(device) -> dict[str, int] | None:
+    try:
+        return device.memory_stats()
+    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+        return None
+
+
+def memory_source(device) -> str:
+    """"allocator" when `device` reports allocator statistics, else "live-arrays"."""
+    stats = _memory_stats(device)
+    return ALLOCATOR if stats and "bytes_in_use" in stats else LIVE_ARRAYS
+
+
+def live_array_bytes(device) -> int:
+    """Bytes of the live arrays with a shard on `device` (XLA scratch not included)."""
+    total = 0
+    for array in jax.live_arrays():
+        try:
+            if array.is_deleted() or device not in array.sharding.device_set:
+                continue
+            shard_shape = array.sharding.shard_shape(array.shape)
+        except Exception:  # noqa: BLE001 - an array freed while we look at it
+            continue
+        total += math.prod(shard_shape) * np.dtype(array.dtype).itemsize
+    return total
+
+
+def bytes_in_use(device) -> int:
+    """Bytes in use on `device` now, from the source `memory_source` names."""
+    stats = _memory_stats(device)
+    if stats and "bytes_in_use" in stats:
+        return int(stats["bytes_in_use"])
+    return live_array_bytes(device)
+
+
+def peak_bytes_in_use(device) -> int | None:
+    """The allocator's process-wide high-water mark, or None where there is none."""
+    stats = _memory_stats(device)
+    if stats and "peak_bytes_in_use" in stats:
+        return int(stats["peak_bytes_in_use"])
+    return None
+
+
+StepFn = Callable[[Any], tuple[Any, Any]]
+
+
+@dataclasses.dataclass
+class BurstTiming:
+    """Per-optimizer-step seconds of each timed burst."""
+
+    wall_s: list[float]  # burst wall time / steps (device-bound => device time per step)
+    dispatch_s: list[float]  # host time inside the dispatch calls / steps
+    steps_per_burst: int
+
+    @property
+    def step_s(self) -> float:
+        return statistics.median(self.wall_s)
+
+    @property
+    def dispatch_step_s(self) -> float:
+        return statistics.median(self.dispatch_s)
+
+
+def warm_up(step: StepFn, state: Any, calls: int) -> Any:
+    """Runs `calls` dispatches (at least one) and waits for them."""
+    out = None
+    for _ in range(max(1, calls)):
+        state, out = step(state)
+    jax.block_until_ready((state, out))
+    return state
+
+
+def time_bursts(step: StepFn, state: Any, *, bursts: int, calls_per_burst: int,
+                steps_per_call: int) -> tuple[Any, BurstTiming]:
+    """Times `bursts` bursts of `calls_per_burst` back-to-back dispatches, one sync each."""
+    wall, dispatch = [], []
+    steps = calls_per_burst * steps_per_call
+    for _ in range(bursts):
+        in_calls = 0.0
+        out = None
+        start = time.perf_counter()
+        for _ in range(calls_per_burst):
+            t0 = time.perf_counter()
+            state, out = step(state)
+            in_calls += time.perf_counter() - t0
+        jax.block_until_ready((state, out))
+        wall.append((time.perf_counter() - start) / steps)
+        dispatch.append(in_calls / steps)
+    return state, BurstTiming(wall, dispatch, steps)
+
+
+@dataclasses.dataclass
+class Trace:
+    """Per-dispatch samples of the trace pass (synced after every dispatch)."""
+
+    step_s: list[float] = dataclasses.field(default_factory=list)  # per optimizer step
+    bytes_in_flight: list[int] = dataclasses.field(default_factory=list)  # right after dispatch
+    bytes_at_rest: list[int] = dataclasses.field(default_factory=list)  # after the sync
+    source: str = LIVE_ARRAYS
+
+    @property
+    def swing_bytes(self) -> int | None:
+        samples = self.bytes_in_flight + self.bytes_at_rest
+        return max(samples) - min(samples) if samples else None
+
+    @property
+    def max_bytes(self) -> int | None:
+        samples = self.bytes_in_flight + self.bytes_at_rest
+        return max(samples) if samples else None
+
+
+def trace_steps(step: StepFn, state: Any, *, calls: int, steps_per_call: int,
+                device) -> tuple[Any, Trace]:
+    """Runs `calls` dispatches, each synced, sampling memory in use around each one."""
+    trace = Trace(source=memory_source(device))
+    trace.bytes_at_rest.append(bytes_in_use(device))
+    for _ in range(calls):
+        start = time.perf_counter()
+        state, out = step(state)
+        trace.bytes_in_flight.append(bytes_in_use(device))
+        jax.block_until_ready((state, out))
+        trace.step_s.append((time.perf_counter() - start) / steps_per_call)
+        trace.bytes_at_rest.append(bytes_in_use(device))
+    return state, trace

@@ -1,0 +1,401 @@
+"""`jaxopt-train bench train`: baseline vs optimised training, measured in one process.
+
+Configs run one after the other on the same model and global batch:
+
+- baseline: f32 params and compute, XLA attention, no remat, micro-batches fed
+  from a host loop (one jit call each, optax.MultiSteps), psum every call, no
+  donation, one optimizer step per dispatch;
+- optimised: bf16 compute with f32 master weights, cuDNN attention on GPU,
+  `lax.scan` accumulation with one all-reduce after it, donated state, the
+  first remat policy ("none", "dots", "full") whose compiled step fits
+  `--memory-budget`, the fastest grad-sync method, `--steps-per-dispatch` steps
+  per compiled call, and the `--xla-preset` XLA flags;
+- with `--ablate`, each technique alone over the baseline.
+
+Timing: warm up, then bursts of back-to-back dispatches with one sync per
+burst (median burst), compilation excluded. A separate trace pass syncs per
+dispatch for the per-step memory/throughput plot. XLA flags are process-wide:
+every config here runs under them (compare runs with `--xla-preset none`).
+With more than one device the configs run data-parallel and the optimised one
+is rerun on one device at the same per-device batch for scaling efficiency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import os
+import sys
+import time
+import warnings
+
+QUICK = dict(model="gpt-tiny", global_batch=8, microbatches=2, steps=4, warmup=1, bursts=2,
+             seq_len=32, layers=1, image_size=16, steps_per_dispatch=2, trace_steps=3)
+DEFAULTS = dict(model="gpt-124m", global_batch=8, microbatches=1, steps=40, warmup=5, bursts=5,
+                seq_len=None, layers=None, image_size=None, steps_per_dispatch=4, trace_steps=10)
+REMAT_ORDER = ("none", "dots", "full")
+
+
+def _parser() -> argparse.ArgumentParser:
+    from jaxopt_train.collectives import METHODS  # noqa: PLC0415
+    from jaxopt_train.models import GPT_PRESETS, VISION_PRESETS  # noqa: PLC0415
+    from jaxopt_train.runtime.xla_flags import PRESETS  # noqa: PLC0415
+
+    p = argparse.ArgumentParser(prog="jaxopt-train bench train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=GPT_PRESETS + VISION_PRESETS)
+    p.add_argument("--global-batch", type=int, help="sequences or images per optimizer step")
+    p.add_argument("--microbatches", type=int, help="micro-batches per optimizer step")
+    p.add_argument("--steps", type=int, help="timed optimizer steps (over all bursts)")
+    p.add_argument("--warmup", type=int, help="untimed warm-up dispatches")
+    p.add_argument("--bursts", type=int, help="timed bursts (the median is reported)")
+    p.add_argument("--trace-steps", type=int, help="synced dispatches traced for the plot/swing")
+    p.add_argument("--seq-len", type=int, help="GPT sequence length override (small mode)")
+    p.add_argument("--layers", type=int, help="GPT depth override (small mode)")
+    p.add_argument("--image-size", type=int, help="vision input side override (small mode)")
+    p.add_argument("--steps-per-dispatch", type=int, help="optimizer steps per compiled call (k)")
+    p.add_argument("--compare-dispatch", help="comma list of k, e.g. 1,16: rerun the optimised "
+                   "config at each k and report host dispatch vs wall time per step")
+    p.add_argument("--remat", choices=("auto",) + REMAT_ORDER, default="auto")
+    p.add_argument("--memory-budget", help="per-device bytes for remat choice, e.g. 16GiB "
+                   "(default: the allocator's limit where known, else no remat)")
+    p.add_argument("--grad-sync", choices=("auto",) + METHODS, default="auto")
+    p.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
+                   help="optimised attention; auto = cudnn on GPU, else xla")
+    p.add_argument("--xla-preset", choices=sorted(PRESETS), default="gpu-throughput")
+    p.add_argument("--xla-extra", default=None, help="more XLA flags, '--name=value ...'")
+    p.add_argument("--devices", type=int, help="use the first N devices (default: all)")
+    p.add_argument("--no-scaling", action="store_true", help="skip the 1-device scaling run")
+    p.add_argument("--ablate", action="store_true", help="each technique alone over the baseline")
+    p.add_argument("--dataset-tokens", type=float, help="epoch size: tokens (GPT) or images "
+                   "(vision); default 10e9 tokens / 1,281,167 images")
+    p.add_argument("--gpu-hour-usd", type=float, default=2.50, help="price per device-hour")
+    p.add_argument("--peak-tflops", type=float, help="dense peak per device (MFU denominator)")
+    p.add_argument("--out", help="directory for train_bench.md, train_bench.json, train_bench.png")
+    p.add_argument("--json", help="write the raw figures as JSON to this path")
+    p.add_argument("--quick", action="store_true", help="CPU small mode (tiny shapes and steps)")
+    return p
+
+
+def _parse(argv):
+    args = _parser().parse_args(argv)
+    defaults = QUICK if args.quick else DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    for name in ("global_batch", "microbatches", "steps", "warmup", "bursts", "trace_steps",
+                 "steps_per_dispatch"):
+        if getattr(args, name) < (0 if name == "warmup" else 1):
+            raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    args.compare = [int(k) for k in args.compare_dispatch.split(",")] if args.compare_dispatch else []
+    return args
+
+
+def _set_xla_flags(args) -> dict:
+    """Applies the preset if the backend has not started; returns what is in force."""
+    from jaxopt_train.runtime import backend_started, flags_in_force, xla_flags  # noqa: PLC0415
+
+    started = backend_started()
+    report = xla_flags(args.xla_preset, extra=args.xla_extra, apply=not started)
+    return {"preset": args.xla_preset, "applied": not started, "requested": report.added,
+            "in_force": flags_in_force(),
+            "note": "" if not started else "backend already running: preset NOT applied"}
+
+
+class Bench:
+    """Holds the shared settings and measures one config at a time."""
+
+    def __init__(self, args, workload, devices, peak_tflops):
+        self.args, self.workload, self.devices, self.peak = args, workload, devices, peak_tflops
+        unit_default = 10e9 if workload.is_gpt else 1_281_167
+        self.dataset_items = args.dataset_tokens or unit_default
+
+    def measure(self, run, workload=None, devices=None, runner=None, peak_window=None):
+        from jaxopt_train.bench import _timing, train_report, train_steps  # noqa: PLC0415
+
+        workload = workload or self.workload
+        devices = devices or self.devices
+        device = devices[0]
+        gc.collect()
+        peak_before, in_use_before = peak_window or (_timing.peak_bytes_in_use(device),
+                                                     _timing.bytes_in_use(device))
+        if runner is None:
+            runner = train_steps.build_runner(workload, run, train_steps.data_mesh(devices))
+        k, bursts = runner.steps_per_call, self.args.bursts
+        calls = max(1, math.ceil(self.args.steps / bursts / k))
+        state = _timing.warm_up(runner.step, runner.state, self.args.warmup)
+        state, timing = _timing.time_bursts(runner.step, state, bursts=bursts,
+                                            calls_per_burst=calls, steps_per_call=k)
+        state, trace = _timing.trace_steps(runner.step, state, calls=self.args.trace_steps,
+                                           steps_per_call=k, device=device)
+        peak = _peak_memory(device, peak_before, in_use_before, runner.compiled)
+        del state
+        row = train_report.row_figures(
+            name=run.name, timing=timing, trace=trace, compile_s=runner.compile_s,
+            items_per_step=workload.items_per_step, flops_per_step=workload.flops_per_step,
+            unit=workload.unit, num_devices=len(devices), peak_tflops=self.peak,
+            peak_memory=peak, dataset_items=self.dataset_items,
+            gpu_hour_usd=self.args.gpu_hour_usd, steps_per_call=k)
+        row["config"] = run.describe()
+        row["attention_resolved"] = train_steps.resolved_attention(workload, run)
+        row["global_batch"] = workload.global_batch
+        print(f"[bench train] {run.name}: {row['step_ms']:.2f} ms/step, "
+              f"{row['throughput']:,.0f} {workload.unit}/s, compile {runner.compile_s:.1f} s",
+              file=sys.stderr, flush=True)
+        return row
+
+
+def _analysis_bytes(compiled) -> int | None:
+    from jaxopt_train.runtime import fits  # noqa: PLC0415
+
+    try:
+        return fits(compiled, budget=2**60).needed_bytes
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
+
+
+def _peak_memory(device, peak_before, in_use_before, compiled) -> tuple[int | None, str]:
+    """The allocator's peak if this config raised the process-wide mark, else XLA's estimate."""
+    from jaxopt_train.bench import _timing  # noqa: PLC0415
+
+    peak_after = _timing.peak_bytes_in_use(device)
+    if peak_after is not None and peak_before is not None and peak_after > peak_before:
+        return peak_after, "allocator"
+    estimates = [b for b in (_analysis_bytes(c) for c in compiled) if b is not None]
+    if not estimates:
+        return None, "unavailable"
+    return max(estimates) + (in_use_before or 0), "xla-estimate"
+
+
+def _memory_budget(args, device) -> int | None:
+    from jaxopt_train.runtime import parse_bytes  # noqa: PLC0415
+
+    if args.memory_budget:
+        return parse_bytes(args.memory_budget)
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - CPU and some plugins raise
+        stats = {}
+    return int(stats["bytes_limit"]) if "bytes_limit" in stats else None
+
+
+def choose_remat(bench, run, budget):
+    """First remat policy whose compiled step fits `budget`: (run, runner or None, trials, window)."""
+    from jaxopt_train.bench import _timing, train_steps  # noqa: PLC0415
+    from jaxopt_train.runtime import fits  # noqa: PLC0415
+
+    args, workload = bench.args, bench.workload
+    device = bench.devices[0]
+    window = (_timing.peak_bytes_in_use(device), _timing.bytes_in_use(device))
+    if not workload.is_gpt or args.remat != "auto" or budget is None:
+        chosen = args.remat if args.remat != "auto" and workload.is_gpt else "none"
+        reason = "fixed by --remat" if args.remat != "auto" else "no memory budget known"
+        return dataclasses.replace(run, remat=chosen), None, [{"remat": chosen, "reason": reason}], window
+    trials, mesh = [], train_steps.data_mesh(bench.devices)
+    for policy in REMAT_ORDER:
+        candidate = dataclasses.replace(run, remat=policy)
+        runner = train_steps.build_runner(workload, candidate, mesh)
+        report = fits(runner.compiled[0], budget=budget)
+        trials.append({"remat": policy, "needed_bytes": report.needed_bytes,
+                       "budget_bytes": budget, "fits": report.fits})
+        print(f"[bench train] remat={policy}: {report}", file=sys.stderr, flush=True)
+        if report.fits or policy == REMAT_ORDER[-1]:
+            return candidate, runner, trials, window
+        del runner
+        gc.collect()
+    raise AssertionError("unreachable")
+
+
+def choose_grad_sync(args, workload, run, devices):
+    """The fastest `all_reduce_tree` method on gradients shaped like the params (psum on 1 device)."""
+    if args.grad_sync != "auto":
+        return args.grad_sync, {}
+    if len(devices) == 1:
+        return "psum", {}
+    import jax  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+    from jax.sharding import NamedSharding  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    from jaxopt_train.bench import _timing, train_steps  # noqa: PLC0415
+    from jaxopt_train.collectives import all_reduce_tree  # noqa: PLC0415
+
+    mesh = train_steps.data_mesh(devices)
+    shapes = jax.eval_shape(lambda: nnx.state(train_steps.build_model(workload, run, None), nnx.Param))
+    grads = jax.jit(lambda: jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes),
+                    out_shardings=NamedSharding(mesh, P()))()
+    methods = ["psum", "ring", "ring_bidir"] + (["hierarchical"] if len(devices) >= 4 else [])
+    times = {}
+    for method in methods:
+        fn = jax.jit(jax.shard_map(lambda g, m=method: all_reduce_tree(g, "data", method=m),
+                                   mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+        step = lambda g, f=fn: (g, f(g))  # noqa: E731 - (state, out) shape _timing expects
+        _timing.warm_up(step, grads, 1)
+        _, timing = _timing.time_bursts(step, grads, bursts=3, calls_per_burst=3, steps_per_call=1)
+        times[method] = timing.step_s * 1e3
+    return min(times, key=times.get), times
+
+
+def _ablation_runs(baseline, optimised, workload, num_devices):
+    runs, skipped = [], []
+
+    def add(name, reason_to_skip=None, **changes):
+        if reason_to_skip:
+            skipped.append({"name": name, "reason": reason_to_skip})
+        else:
+            runs.append(dataclasses.replace(baseline, name=name, **changes))
+
+    add("+bf16", policy=optimised.policy)
+    add(f"+bf16+{optimised.attention} attention",
+        None if workload.is_gpt and optimised.attention != "xla" else
+        "same as +bf16: the fused kernel is unavailable (not a GPU, or not a GPT)",
+        policy=optimised.policy, attention=optimised.attention)
+    add("+scan accumulation", None if workload.microbatches > 1 else "no-op with --microbatches 1",
+        accumulation="scan")
+    add("+donate", donate=True)
+    add(f"+remat={optimised.remat}", None if optimised.remat != "none" else "chosen remat is none",
+        remat=optimised.remat)
+    add(f"+grad_sync={optimised.grad_sync}",
+        None if num_devices > 1 and optimised.grad_sync != "psum" else "psum chosen (or 1 device)",
+        grad_sync=optimised.grad_sync, accumulation="scan")
+    add(f"+steps_per_dispatch={optimised.steps_per_dispatch}"
+        + (" (+scan accumulation)" if workload.microbatches > 1 else ""),
+        None if optimised.steps_per_dispatch > 1 else "k = 1",
+        steps_per_dispatch=optimised.steps_per_dispatch, accumulation="scan")
+    skipped.append({"name": "+xla flags", "reason": "XLA flags are process-wide; compare a run "
+                    "with --xla-preset none"})
+    return runs, skipped
+
+
+def run_bench(args, xla_report) -> dict:
+    import jax  # noqa: PLC0415
+
+    from jaxopt_train.bench import train_report, train_steps  # noqa: PLC0415
+    from jaxopt_train.train.mfu import matmul_dtype_name, resolve_peak_tflops  # noqa: PLC0415
+
+    devices = jax.devices()[: args.devices] if args.devices else jax.devices()
+    workload = train_steps.Workload(args.model, args.global_batch, args.microbatches,
+                                    seq_len=args.seq_len if args.model.startswith("gpt") else None,
+                                    n_layers=args.layers if args.model.startswith("gpt") else None,
+                                    image_size=None if args.model.startswith("gpt") else args.image_size)
+    kind = devices[0].device_kind
+    attention = args.attention if args.attention != "auto" else (
+        "cudnn" if jax.default_backend() == "gpu" else "xla")
+    optimised = train_steps.RunConfig("optimised", policy="bf16", attention=attention,
+                                      accumulation="scan", donate=True,
+                                      steps_per_dispatch=args.steps_per_dispatch)
+    baseline = train_steps.RunConfig("baseline")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "MFU omitted" is said in the table's header instead
+        peak = resolve_peak_tflops(kind, matmul_dtype_name(jax.numpy.bfloat16), args.peak_tflops)
+    bench = Bench(args, workload, devices, peak)
+    grad_sync, sync_times = choose_grad_sync(args, workload, optimised, devices)
+    optimised = dataclasses.replace(optimised, grad_sync=grad_sync)
+    budget = _memory_budget(args, devices[0])
+    optimised, runner, remat_trials, window = choose_remat(bench, optimised, budget)
+    rows = [bench.measure(optimised, runner=runner, peak_window=window)]
+    del runner
+    rows.insert(0, bench.measure(baseline))
+    skipped = []
+    if args.ablate:
+        runs, skipped = _ablation_runs(baseline, optimised, workload, len(devices))
+        rows += [bench.measure(run) for run in runs]
+    train_report.add_ratios(rows, rows[0])
+    result = {
+        "device_kind": kind, "platform": devices[0].platform, "num_devices": len(devices),
+        "jax": jax.__version__, "model": args.model, "unit": workload.unit,
+        "global_batch": workload.global_batch, "microbatches": workload.microbatches,
+        "items_per_step": workload.items_per_step, "flops_per_step": workload.flops_per_step,
+        "peak_tflops_per_device": peak,
+        "mfu_denominator": None if peak is None else
+        f"{peak:g} TFLOP/s x {len(devices)} device(s) (dense bf16 peak of {kind})",
+        "dataset_items": bench.dataset_items, "gpu_hour_usd": args.gpu_hour_usd,
+        "xla_flags": xla_report, "memory_budget_bytes": budget, "remat_trials": remat_trials,
+        "grad_sync_ms": sync_times, "rows": rows, "ablations_skipped": skipped,
+        "args": {k: v for k, v in vars(args).items()},
+    }
+    if workload.is_gpt:
+        cfg = workload.gpt_config()
+        result["gpt"] = {"seq_len": cfg.seq_len, "d_model": cfg.d_model, "n_layers": cfg.n_layers}
+    if len(devices) > 1 and not args.no_scaling:
+        result["scaling"] = _scaling(bench, optimised, rows[1])
+    if args.compare:
+        result["dispatch"] = [bench.measure(dataclasses.replace(
+            optimised, name=f"optimised k={k}", steps_per_dispatch=k)) for k in args.compare]
+    return result
+
+
+def _scaling(bench, optimised, row_n) -> dict:
+    n, workload = len(bench.devices), bench.workload
+    one = dataclasses.replace(workload, global_batch=workload.global_batch // n)
+    row_1 = bench.measure(dataclasses.replace(optimised, name="optimised, 1 device"),
+                          workload=one, devices=bench.devices[:1])
+    return {"num_devices": n, "global_batch": workload.global_batch,
+            "one_device_global_batch": one.global_batch, "throughput": row_n["throughput"],
+            "one_device_throughput": row_1["throughput"],
+            "efficiency": row_n["throughput"] / (n * row_1["throughput"]), "one_device_row": row_1}
+
+
+def render(result) -> str:
+    from jaxopt_train.bench import train_report  # noqa: PLC0415
+
+    unit = result["unit"]
+    flags = result["xla_flags"]
+    lines = [f"device: {result['device_kind']} x {result['num_devices']} ({result['platform']}), "
+             f"jax {result['jax']}; model {result['model']}, global batch {result['global_batch']}, "
+             f"{result['microbatches']} micro-batch(es), {result['items_per_step']:,} {unit}/step",
+             f"MFU denominator: {result['mfu_denominator'] or 'n/a (unknown device; pass --peak-tflops)'}",
+             f"XLA flags (preset {flags['preset']}{', ' + flags['note'] if flags['note'] else ''}): "
+             f"{' '.join(f'{k}={v}' for k, v in flags['in_force'].items()) or '(none)'}",
+             f"epoch = {result['dataset_items']:,.0f} {unit}; cost at ${result['gpu_hour_usd']}/device-hour",
+             "", train_report.markdown_table(result["rows"], unit),
+             "peak mem: allocator high-water mark; * = XLA memory-analysis estimate (args + outputs "
+             f"+ temps; the process-wide mark was not raised); swing source: {result['rows'][0]['memory_source']}"]
+    opt = next(r for r in result["rows"] if r["name"] == "optimised")
+    lines.append(f"optimised: remat={opt['config']['remat']}, grad_sync={opt['config']['grad_sync']}, "
+                 f"attention={opt['attention_resolved']}, steps_per_dispatch={opt['steps_per_dispatch']}")
+    for skip in result["ablations_skipped"]:
+        lines.append(f"ablation {skip['name']} skipped: {skip['reason']}")
+    if "scaling" in result:
+        lines += ["", "data parallel (weak scaling: same per-device batch):",
+                  train_report.scaling_table(result["scaling"], unit)]
+    if "dispatch" in result:
+        lines += ["", "steps_per_dispatch (optimised config):",
+                  train_report.dispatch_table(result["dispatch"])]
+    return "\n".join(lines)
+
+
+def _write_outputs(args, result, text) -> None:
+    from jaxopt_train.bench import train_report  # noqa: PLC0415
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "train_bench.md"), "w") as f:
+            f.write(text + "\n")
+        with open(os.path.join(args.out, "train_bench.json"), "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        rows = [r for r in result["rows"] if r["name"] in ("baseline", "optimised")]
+        train_report.save_plot(rows, os.path.join(args.out, "train_bench.png"), result["unit"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    # XLA reads its flags once, when the backend starts: set them before any device use.
+    xla_report = _set_xla_flags(args)
+    start = time.perf_counter()
+    result = run_bench(args, xla_report)
+    result["bench_wall_s"] = time.perf_counter() - start
+    text = render(result)
+    print(text)
+    _write_outputs(args, result, text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,133 @@
+"""Figures, Markdown table and PNG of the training benchmark.
+
+MFU uses one denominator for every row: the dense peak of the *optimised*
+config's matmul dtype (bf16 on an H200: 989 TFLOP/s per device, from
+`jaxopt_train.train.mfu.PEAK_TFLOPS`), so a baseline running f32/TF32
+matmuls is measured against the same hardware ceiling as the optimised one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from jaxopt_train.bench._timing import BurstTiming, Trace
+
+GIB = 2**30
+
+
+def row_figures(*, name: str, timing: BurstTiming, trace: Trace, compile_s: float,
+                items_per_step: int, flops_per_step: float, unit: str, num_devices: int,
+                peak_tflops: float | None, peak_memory: tuple[int | None, str],
+                dataset_items: float, gpu_hour_usd: float, steps_per_call: int) -> dict[str, Any]:
+    """The table row (a flat dict of floats/strings) for one measured config."""
+    step_s = timing.step_s
+    tflops = flops_per_step / step_s / 1e12
+    epoch_s = dataset_items / (items_per_step / step_s)
+    peak_bytes, peak_source = peak_memory
+    return {
+        "name": name,
+        "step_ms": step_s * 1e3,
+        "step_ms_bursts": [s * 1e3 for s in timing.wall_s],
+        "steps_per_s": 1.0 / step_s,
+        f"{unit}_per_s": items_per_step / step_s,
+        "throughput": items_per_step / step_s,
+        "tflops": tflops,
+        "mfu": None if peak_tflops is None else tflops / (peak_tflops * num_devices),
+        "peak_memory_bytes": peak_bytes,
+        "peak_memory_source": peak_source,
+        "memory_swing_bytes": trace.swing_bytes,
+        "memory_source": trace.source,
+        "compile_s": compile_s,
+        "host_dispatch_ms_per_step": timing.dispatch_step_s * 1e3,
+        "wall_ms_per_step": step_s * 1e3,
+        "steps_per_dispatch": steps_per_call,
+        "epoch_hours": epoch_s / 3600,
+        "epoch_cost_usd": epoch_s / 3600 * num_devices * gpu_hour_usd,
+        "trace_step_ms": [s * 1e3 for s in trace.step_s],
+        "trace_bytes_in_flight": trace.bytes_in_flight,
+        "trace_bytes_at_rest": trace.bytes_at_rest,
+        "num_devices": num_devices,
+    }
+
+
+def add_ratios(rows: list[dict[str, Any]], baseline: dict[str, Any]) -> None:
+    """Adds speed-up (baseline step time / row's) and memory ratio (row's / baseline peak)."""
+    for row in rows:
+        row["speedup_vs_baseline"] = baseline["step_ms"] / row["step_ms"]
+        a, b = row["peak_memory_bytes"], baseline["peak_memory_bytes"]
+        row["memory_ratio_vs_baseline"] = a / b if a and b else None
+
+
+def _fmt(value, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return f"{value * scale:{spec}}{suffix}"
+
+
+def _hours(h: float) -> str:
+    return f"{h * 60:.1f} min" if h < 1 else f"{h:.2f} h"
+
+
+def markdown_table(rows: list[dict[str, Any]], unit: str) -> str:
+    header = (f"| config | step ms | {unit}/s | TFLOP/s | MFU | peak mem GiB | swing GiB | "
+              "compile s | dispatch ms/step | epoch | cost USD | speed-up | mem ratio |")
+    lines = [header, "|" + "|".join(["---"] * 13) + "|"]
+    for r in rows:
+        src = {"allocator": "", "xla-estimate": "*", "live-arrays": "+"}.get(r["peak_memory_source"], "?")
+        lines.append(
+            f"| {r['name']} | {r['step_ms']:.2f} | {r['throughput']:,.0f} | {r['tflops']:.3g} | "
+            f"{_fmt(r['mfu'], '.1f', 100, '%')} | {_fmt(r['peak_memory_bytes'], '.3f', 1 / GIB)}{src} | "
+            f"{_fmt(r['memory_swing_bytes'], '.3f', 1 / GIB)} | {r['compile_s']:.1f} | "
+            f"{r['host_dispatch_ms_per_step']:.2f} | {_hours(r['epoch_hours'])} | "
+            f"{r['epoch_cost_usd']:,.2f} | {_fmt(r.get('speedup_vs_baseline'), '.2f', 1, 'x')} | "
+            f"{_fmt(r.get('memory_ratio_vs_baseline'), '.2f', 1, 'x')} |")
+    return "\n".join(lines)
+
+
+def scaling_table(scaling: dict[str, Any], unit: str) -> str:
+    return "\n".join([
+        f"| devices | global batch | {unit}/s | per device | scaling efficiency |",
+        "|---|---|---|---|---|",
+        f"| 1 | {scaling['one_device_global_batch']} | {scaling['one_device_throughput']:,.0f} | "
+        f"{scaling['one_device_throughput']:,.0f} | 100% |",
+        f"| {scaling['num_devices']} | {scaling['global_batch']} | {scaling['throughput']:,.0f} | "
+        f"{scaling['throughput'] / scaling['num_devices']:,.0f} | {100 * scaling['efficiency']:.1f}% |",
+    ])
+
+
+def dispatch_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| steps_per_dispatch | steps/s | wall ms/step | host dispatch ms/step | vs k=first |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['steps_per_dispatch']} | {r['steps_per_s']:.1f} | {r['wall_ms_per_step']:.3f} | "
+                     f"{r['host_dispatch_ms_per_step']:.3f} | "
+                     f"{r['steps_per_s'] / rows[0]['steps_per_s']:.2f}x |")
+    return "\n".join(lines)
+
+
+def save_plot(rows: list[dict[str, Any]], path: str, unit: str) -> None:
+    """PNG: memory in use and throughput per traced step, one line per config."""
+    import matplotlib  # noqa: PLC0415 - optional and slow to import
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, (ax_mem, ax_tput) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+    for row in rows:
+        samples = [b for pair in zip(row["trace_bytes_at_rest"], row["trace_bytes_in_flight"])
+                   for b in pair] + row["trace_bytes_at_rest"][-1:]
+        ax_mem.plot([i / 2 for i in range(len(samples))], [b / GIB for b in samples],
+                    marker=".", label=row["name"])
+        items = row["throughput"] * row["step_ms"] / 1e3
+        ax_tput.plot(range(1, len(row["trace_step_ms"]) + 1),
+                     [items / (ms / 1e3) for ms in row["trace_step_ms"]], marker=".",
+                     label=row["name"])
+    ax_mem.set_ylabel(f"memory in use, GiB ({rows[0]['memory_source']})")
+    ax_mem.legend()
+    ax_tput.set_ylabel(f"{unit}/s (synced per dispatch)")
+    ax_tput.set_xlabel("traced dispatch")
+    fig.suptitle("baseline vs optimised: memory in use and throughput per step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,327 @@
+"""The training steps the benchmark compares, built from one `RunConfig` each.
+
+Two ways to run an optimizer step over `global_batch` examples split in K
+micro-batches, on a 1-D "data" mesh (params and optimizer state replicated):
+
+- host loop (the baseline): one jitted call per micro-batch, gradients
+  all-reduced with `lax.psum` in every call, the optimizer wrapped in
+  `multi_steps` (optax.MultiSteps) so it steps every K calls;
+- in-graph: one compiled call runs `steps_per_dispatch` optimizer steps
+  (`lax.scan` over pre-staged batches), each accumulating its K micro-batches
+  with `accumulate_gradients` (`lax.scan`) and reducing gradients across
+  devices once, after the scan, with `all_reduce_tree(method=grad_sync)`.
+
+The bench writes its own lean step instead of the trainer's
+(`jaxopt_train.train.step`): the trainer also checks finiteness, selects
+between old and new state, clips and reports the gradient norm, which cost
+full passes over the parameters that a speed benchmark of the techniques
+should not carry. The techniques themselves come from the library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxopt_train.accumulation import accumulate_gradients, check_divisible, multi_steps
+from jaxopt_train.collectives import all_reduce_tree
+from jaxopt_train.data import synthetic_image_batch, synthetic_lm_batch
+from jaxopt_train.models import (GPT, GPT_PRESETS, VISION_PRESETS, classification_loss,
+                                 create_vision_model, get_gpt_config, gpt_loss,
+                                 resnet_flops_per_image)
+from jaxopt_train.models.flops import gpt_flops_per_token
+from jaxopt_train.models.gpt import warn_if_cudnn_unavailable
+from jaxopt_train.precision import get_policy
+
+AXIS = "data"
+ACCUMULATIONS = ("host", "scan")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What is trained: a model preset and the batch shape (same for every config)."""
+
+    model: str
+    global_batch: int
+    microbatches: int = 1
+    seq_len: int | None = None  # GPT: override the preset's sequence length
+    n_layers: int | None = None  # GPT: override the depth (small CPU mode)
+    image_size: int | None = None  # vision: override the input side
+    num_classes: int = 1000
+
+    def __post_init__(self):
+        if self.model not in GPT_PRESETS + VISION_PRESETS:
+            raise ValueError(f"model={self.model!r}; legal values: {GPT_PRESETS + VISION_PRESETS}")
+
+    @property
+    def is_gpt(self) -> bool:
+        return self.model in GPT_PRESETS
+
+    @property
+    def unit(self) -> str:
+        return "tokens" if self.is_gpt else "images"
+
+    def gpt_config(self, **overrides):
+        extra = {k: v for k, v in (("seq_len", self.seq_len), ("n_layers", self.n_layers))
+                 if v is not None}
+        return get_gpt_config(self.model, **extra, **overrides)
+
+    @property
+    def image_side(self) -> int:
+        if self.image_size is not None:
+            return self.image_size
+        return 32 if self.model == "cnn-small" else 224
+
+    @property
+    def items_per_step(self) -> int:
+        """Tokens (GPT) or images (vision) per optimizer step."""
+        if self.is_gpt:
+            return self.global_batch * self.gpt_config().seq_len
+        return self.global_batch
+
+    @property
+    def flops_per_step(self) -> float:
+        """Model FLOPs of one optimizer step (`jaxopt_train.models.flops`)."""
+        if self.is_gpt:
+            return float(gpt_flops_per_token(self.gpt_config())) * self.items_per_step
+        per_image = resnet_flops_per_image(self.model, image_size=self.image_side,
+                                           num_classes=self.num_classes)
+        return float(per_image) * self.global_batch
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """One column of the comparison: which techniques are on."""
+
+    name: str
+    policy: str = "fp32"
+    attention: str = "xla"
+    accumulation: str = "host"
+    donate: bool = False
+    remat: str = "none"
+    grad_sync: str = "psum"
+    steps_per_dispatch: int = 1
+
+    def __post_init__(self):
+        if self.accumulation not in ACCUMULATIONS:
+            raise ValueError(f"accumulation={self.accumulation!r}; legal values: {ACCUMULATIONS}")
+        if self.steps_per_dispatch < 1:
+            raise ValueError(f"steps_per_dispatch={self.steps_per_dispatch} must be >= 1")
+        if self.accumulation == "host" and self.steps_per_dispatch > 1:
+            raise ValueError("steps_per_dispatch > 1 runs the step in-graph: it needs "
+                             "accumulation='scan', got accumulation='host'")
+
+    def describe(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def default_optimizer() -> optax.GradientTransformation:
+    """AdamW (GPT-2 betas), identical for every config so only the techniques differ."""
+    return optax.adamw(1e-4, b1=0.9, b2=0.95, weight_decay=0.1)
+
+
+def data_mesh(devices) -> jax.sharding.Mesh:
+    return jax.sharding.Mesh(np.asarray(devices), (AXIS,))
+
+
+def build_model(workload: Workload, run: RunConfig, axis_name: str | None, seed: int = 0):
+    policy = get_policy(run.policy)
+    rngs = nnx.Rngs(seed)
+    if workload.is_gpt:
+        cfg = workload.gpt_config(dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
+                                  attention=_attention_for(run.attention, policy), remat=run.remat)
+        return GPT(warn_if_cudnn_unavailable(cfg), rngs=rngs)
+    return create_vision_model(workload.model, num_classes=workload.num_classes,
+                               dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
+                               rngs=rngs, axis_name=axis_name)
+
+
+def _attention_for(attention: str, policy) -> str:
+    # cuDNN flash attention has no float32 kernel: an f32 policy keeps XLA's.
+    if attention == "cudnn" and np.dtype(policy.compute_dtype) == np.float32:
+        return "xla"
+    return attention
+
+
+def resolved_attention(workload: Workload, run: RunConfig) -> str:
+    """The attention implementation the model really runs (after fallbacks)."""
+    if not workload.is_gpt:
+        return "n/a"
+    attention = _attention_for(run.attention, get_policy(run.policy))
+    if attention == "cudnn" and jax.default_backend() != "gpu":
+        return "xla"
+    return attention
+
+
+def make_loss(graphdef, workload: Workload, run: RunConfig) -> Callable:
+    """`loss(params, batch, model_state) -> (f32 loss, new_model_state)` under the policy."""
+    policy = get_policy(run.policy)
+
+    def loss(params, batch, model_state):
+        # copy=True: fresh Variables at this trace level, so BatchNorm may
+        # update its statistics inside jax.value_and_grad (flax 0.12 refuses otherwise).
+        model = nnx.merge(graphdef, policy.cast_to_compute(params), model_state, copy=True)
+        if workload.is_gpt:
+            return gpt_loss(model(batch["inputs"]), batch["targets"]), model_state
+        logits = model(batch["images"], train=True)
+        _, _, new_state = nnx.split(model, nnx.Param, ...)
+        new_state = jax.tree.map(lambda n, o: n.astype(o.dtype), new_state, model_state)
+        return classification_loss(logits, batch["labels"]), new_state
+
+    return loss
+
+
+def init_state(workload: Workload, run: RunConfig, mesh, optimizer, seed: int = 0):
+    """(graphdef, state) with state = (params, model_state, opt_state) replicated on `mesh`."""
+    axis = AXIS if not workload.is_gpt else None
+    graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: build_model(workload, run, axis, seed)),
+                               nnx.Param, ...)
+
+    def init():
+        _, params, model_state = nnx.split(build_model(workload, run, axis, seed), nnx.Param, ...)
+        with jax.numpy_dtype_promotion("standard"):
+            return params, model_state, optimizer.init(params)
+
+    state = jax.jit(init, out_shardings=NamedSharding(mesh, P()))()
+    return graphdef, state
+
+
+def host_batches(workload: Workload, count: int, run: RunConfig, seed: int = 0):
+    """`count` global batches stacked on a leading axis, inputs in the compute dtype."""
+    size = count * workload.global_batch
+    if workload.is_gpt:
+        cfg = workload.gpt_config()
+        batch = synthetic_lm_batch(size, cfg.seq_len, cfg.vocab_size, seed=seed)
+    else:
+        batch = synthetic_image_batch(size, image_size=workload.image_side,
+                                      num_classes=workload.num_classes, seed=seed)
+        # Stage images in the compute dtype: the cast happens once, on the host.
+        batch["images"] = batch["images"].astype(get_policy(run.policy).compute_dtype)
+    return {k: v.reshape((count, workload.global_batch) + v.shape[1:]) for k, v in batch.items()}
+
+
+def _sync_grads(grads, run: RunConfig, num_devices: int):
+    if num_devices == 1:
+        return grads  # nothing to reduce: skip even the no-op collective
+    grads = all_reduce_tree(grads, AXIS, method=run.grad_sync)
+    return jax.tree.map(lambda g: g / num_devices, grads)
+
+
+def _pmean_floating(tree, num_devices: int):
+    if num_devices == 1:
+        return tree
+    return jax.tree.map(lambda x: lax.pmean(x, AXIS) if jnp.issubdtype(x.dtype, jnp.floating)
+                        else x, tree)
+
+
+def _in_graph_step(loss, optimizer, workload: Workload, run: RunConfig, num_devices: int):
+    grad_fn = accumulate_gradients(loss, workload.microbatches, has_aux=True)
+
+    def one_step(state, batch):
+        params, model_state, opt_state = state
+        (value, new_model_state), grads = grad_fn(params, batch, model_state)
+        grads = _sync_grads(grads, run, num_devices)
+        # optax mixes Python floats with int32 counts, which strict promotion rejects.
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+        new_model_state = _pmean_floating(new_model_state, num_devices)
+        loss_value = value if num_devices == 1 else lax.pmean(value, AXIS)
+        return (params, new_model_state, opt_state), loss_value
+
+    def per_device(state, batches):
+        if run.steps_per_dispatch == 1:
+            state, value = one_step(state, jax.tree.map(lambda x: x[0], batches))
+            return state, value[None]
+        return lax.scan(one_step, state, batches)
+
+    return per_device
+
+
+def _host_micro_step(loss, optimizer, num_devices: int):
+    value_and_grad = jax.value_and_grad(loss, has_aux=True)
+
+    def per_device(state, micro_batch):
+        params, model_state, opt_state = state
+        (value, new_model_state), grads = value_and_grad(params, micro_batch, model_state)
+        if num_devices > 1:  # the baseline syncs every micro-batch, with psum
+            grads = jax.tree.map(lambda g: lax.psum(g, AXIS) / num_devices, grads)
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+        new_model_state = _pmean_floating(new_model_state, num_devices)
+        loss_value = value if num_devices == 1 else lax.pmean(value, AXIS)
+        return (params, new_model_state, opt_state), loss_value[None]
+
+    return per_device
+
+
+@dataclasses.dataclass
+class Runner:
+    """A compiled config, ready to time: `step(state) -> (state, losses)`."""
+
+    step: Callable[[Any], tuple[Any, Any]]
+    state: Any
+    compiled: list[Any]
+    compile_s: float
+    steps_per_call: int
+
+
+def build_runner(workload: Workload, run: RunConfig, mesh, *, seed: int = 0) -> Runner:
+    """Initialises, stages data for and compiles `run` on `mesh` (nothing is executed)."""
+    num_devices = mesh.devices.size
+    check_divisible(workload.global_batch, workload.microbatches, num_devices)
+    host_accumulation = run.accumulation == "host" and workload.microbatches > 1
+    optimizer = default_optimizer()
+    if host_accumulation:
+        optimizer = multi_steps(optimizer, workload.microbatches)
+    graphdef, state = init_state(workload, run, mesh, optimizer, seed)
+    loss = make_loss(graphdef, workload, run)
+    donate = (0,) if run.donate else ()
+    if host_accumulation:
+        return _host_runner(workload, run, mesh, loss, optimizer, state, donate)
+    batches = jax.device_put(host_batches(workload, run.steps_per_dispatch, run, seed),
+                             NamedSharding(mesh, P(None, AXIS)))
+    per_device = _in_graph_step(loss, optimizer, workload, run, num_devices)
+    # check_vma=False: ring reductions built from ppermute give values that are
+    # equal on every device but typed varying, and the params' gradients must
+    # stay per-device until our single all-reduce.
+    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(None, AXIS)),
+                            out_specs=(P(), P()), check_vma=False)
+    start = time.perf_counter()
+    compiled = jax.jit(sharded, donate_argnums=donate).lower(state, batches).compile()
+    compile_s = time.perf_counter() - start
+    return Runner(lambda s: compiled(s, batches), state, [compiled], compile_s,
+                  run.steps_per_dispatch)
+
+
+def _host_runner(workload, run, mesh, loss, optimizer, state, donate) -> Runner:
+    num_devices = mesh.devices.size
+    k = workload.microbatches
+    full = host_batches(workload, 1, run)
+    micro = [jax.device_put({n: v[0, i::k] for n, v in full.items()}, NamedSharding(mesh, P(AXIS)))
+             for i in range(k)]
+    sharded = jax.shard_map(_host_micro_step(loss, optimizer, num_devices), mesh=mesh,
+                            in_specs=(P(), P(AXIS)), out_specs=(P(), P()), check_vma=False)
+    start = time.perf_counter()
+    compiled = jax.jit(sharded, donate_argnums=donate).lower(state, micro[0]).compile()
+    compile_s = time.perf_counter() - start
+
+    def step(state):
+        losses = None
+        for micro_batch in micro:  # one dispatch per micro-batch, as optax.MultiSteps users do
+            state, losses = compiled(state, micro_batch)
+        return state, losses
+
+    return Runner(step, state, [compiled], compile_s, 1)
