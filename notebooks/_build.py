@@ -688,6 +688,7 @@ for name, values in tflops.items():
 ax.set(xscale="log", yscale="log", xlabel="M = N = K (bf16)", ylabel="TFLOP/s",
        title=f"matmul on {jax.devices()[0].device_kind}")
 ax.set_xticks(SIZES, [str(s) for s in SIZES])
+ax.minorticks_off()
 ax.legend()
 ax.grid(alpha=0.3)
 fig.tight_layout()
