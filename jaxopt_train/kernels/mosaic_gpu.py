@@ -202,6 +202,9 @@ def mosaic_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
         scratch += [plgpu.SMEM((_NUM_CONSUMERS, bn), jnp.float32),
                     plgpu.Barrier(num_barriers=_NUM_CONSUMERS)]
     m_iters, n_iters, k_iters = mp // (_NUM_CONSUMERS * bm), np_ // bn, kp // bk
+    if k_iters == 1 and config.wgmma_in_flight:
+        # One K step has nothing to overlap; keep the simplest barrier schedule.
+        config = dataclasses.replace(config, wgmma_in_flight=0)
     stages = max(fit_stages(config, a.dtype, out_dtype, bias is not None),
                  config.wgmma_in_flight + 1)
     if stages != config.num_stages:
