@@ -219,6 +219,7 @@ def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run
                 if done or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
                     ckpt.save(step, trainer.state, meta)
                 if stop.received is not None:
+                    ckpt.save(step, trainer.state, meta)  # no-op if this step is saved already
                     interrupted = True
                     name = signal.Signals(stop.received).name
                     logger.message(f"{name} received: saved a checkpoint at step {step} in "
