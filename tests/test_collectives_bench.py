@@ -1,0 +1,35 @@
+"""Smoke test of `jaxopt-train bench collectives` on the 8 emulated CPU devices."""
+
+import json
+
+import pytest
+
+from jaxopt_train.bench import collectives as bench
+
+
+def test_parse_and_format_sizes():
+    assert bench.parse_size("64K") == 64 << 10 and bench.parse_size("1MiB") == 1 << 20
+    assert bench.parse_size("1G") == 1 << 30 and bench.parse_size("4096") == 4096
+    assert bench.fmt_size(256 << 20) == "256M" and bench.fmt_size(1000) == "1000"
+
+
+def test_quick_run_writes_json_with_psum_baseline(tmp_path, capsys):
+    out = tmp_path / "coll.json"
+    rc = bench.main(["--quick", "--sizes", "64K", "--dtypes", "f32", "--chunks", "1", "--methods", "ring",
+                     "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    variants = [r["variant"] for r in data["allreduce"]]
+    assert variants == ["psum", "ring/c1"]
+    psum, ring = data["allreduce"]
+    assert psum["ratio_to_psum"] == 1.0 and ring["ratio_to_psum"] == pytest.approx(
+        ring["busbw_gbs"] / psum["busbw_gbs"])
+    assert ring["busbw_gbs"] == pytest.approx(ring["algbw_gbs"] * 2 * 7 / 8)
+    assert data["gpt_step"] == []  # --gpt not given
+    assert data["meta"]["devices"] == 8 and data["meta"]["peak_gbs_per_direction"] is None
+    assert "x psum" in capsys.readouterr().out
+
+
+def test_bad_dtype_exits_2(capsys):
+    assert bench.main(["--dtypes", "f64"]) == 2
+    assert "expected some of" in capsys.readouterr().err
