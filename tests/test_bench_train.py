@@ -1,0 +1,168 @@
+"""`jaxopt-train bench train` in CPU small mode, plus its helpers against references."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxopt_train.bench import _timing, train, train_report, train_steps
+from jaxopt_train.models.flops import gpt_flops_per_token, resnet_flops_per_image
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_train")
+    argv = ["--quick", "--devices", "2", "--xla-preset", "none", "--peak-tflops", "0.5",
+            "--memory-budget", "1GiB", "--out", str(out), "--json", str(out / "raw.json")]
+    assert train.main(argv) == 0
+    return out, json.loads((out / "train_bench.json").read_text())
+
+
+def test_quick_bench_rows_are_consistent(quick_run):
+    _, result = quick_run
+    rows = {r["name"]: r for r in result["rows"]}
+    assert list(rows)[:2] == ["baseline", "optimised"]
+    workload = train_steps.Workload("gpt-tiny", 8, 2, seq_len=32, n_layers=1)
+    assert result["items_per_step"] == 8 * 32
+    assert result["flops_per_step"] == gpt_flops_per_token(workload.gpt_config()) * 8 * 32
+    for row in rows.values():
+        step_s = row["step_ms"] / 1e3
+        assert 0 < step_s < 60
+        assert row["step_ms"] == pytest.approx(float(np.median(row["step_ms_bursts"])))
+        assert row["throughput"] == pytest.approx(result["items_per_step"] / step_s)
+        assert row["tflops"] == pytest.approx(result["flops_per_step"] / step_s / 1e12)
+        assert row["mfu"] == pytest.approx(row["tflops"] / (0.5 * 2))  # --peak-tflops x 2 devices
+        assert row["peak_memory_bytes"] > 0 and row["peak_memory_source"] in ("allocator", "xla-estimate")
+        assert row["memory_swing_bytes"] >= 0
+        assert row["compile_s"] > 0 and row["host_dispatch_ms_per_step"] > 0
+        assert row["epoch_hours"] == pytest.approx(10e9 / row["throughput"] / 3600)
+        assert row["epoch_cost_usd"] == pytest.approx(row["epoch_hours"] * 2 * 2.5)
+        assert len(row["trace_step_ms"]) == 3
+    assert rows["baseline"]["speedup_vs_baseline"] == 1.0
+    opt = rows["optimised"]
+    assert opt["config"]["policy"] == "bf16" and opt["config"]["donate"]
+    assert opt["config"]["accumulation"] == "scan" and opt["steps_per_dispatch"] == 2
+    assert opt["speedup_vs_baseline"] == pytest.approx(rows["baseline"]["step_ms"] / opt["step_ms"])
+    # Donation keeps one copy of the state: live memory never grows during a step.
+    assert opt["memory_swing_bytes"] < rows["baseline"]["memory_swing_bytes"]
+    # A 1 GiB budget fits the tiny model without remat, checked by AOT memory analysis.
+    assert result["remat_trials"][0]["remat"] == "none" and result["remat_trials"][0]["fits"]
+    assert set(result["grad_sync_ms"]) == {"psum", "ring", "ring_bidir"}
+    assert opt["config"]["grad_sync"] == min(result["grad_sync_ms"], key=result["grad_sync_ms"].get)
+    assert result["xla_flags"]["preset"] == "none"
+
+
+def test_quick_bench_scaling_and_outputs(quick_run):
+    out, result = quick_run
+    scaling = result["scaling"]
+    assert scaling["num_devices"] == 2 and scaling["one_device_global_batch"] == 4
+    assert scaling["efficiency"] == pytest.approx(
+        scaling["throughput"] / (2 * scaling["one_device_throughput"]))
+    assert scaling["one_device_row"]["num_devices"] == 1
+    table = (out / "train_bench.md").read_text()
+    assert "| config | step ms | tokens/s | TFLOP/s | MFU |" in table
+    assert "| baseline |" in table and "| optimised |" in table and "scaling efficiency" in table
+    assert json.loads((out / "raw.json").read_text())["rows"][0]["name"] == "baseline"
+    png = (out / "train_bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    import matplotlib.image  # noqa: PLC0415
+
+    height, width, _ = matplotlib.image.imread(out / "train_bench.png").shape
+    assert height > 300 and width > 300
+
+
+def test_host_loop_and_scan_accumulation_take_the_same_step():
+    # The baseline (one jit call per micro-batch + optax.MultiSteps) and the
+    # in-graph scan accumulation must train identically in f32: 2 optimizer steps.
+    workload = train_steps.Workload("gpt-tiny", 4, 2, seq_len=8, n_layers=1)
+    mesh = train_steps.data_mesh(jax.devices()[:1])
+    host = train_steps.build_runner(workload, train_steps.RunConfig("host"), mesh)
+    scan = train_steps.build_runner(
+        workload, train_steps.RunConfig("scan", accumulation="scan", donate=True), mesh)
+    host_state, scan_state = host.state, scan.state
+    first = jax.tree.map(np.asarray, host_state[0])
+    for _ in range(2):
+        host_state, _ = host.step(host_state)
+        scan_state, _ = scan.step(scan_state)
+    moved = jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(a - b).max(), host_state[0], first))
+    assert max(moved) > 1e-5  # the optimizer really stepped (twice)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6),
+                 host_state[0], scan_state[0])
+
+
+def test_workload_flops_match_the_model_formulas():
+    gpt = train_steps.Workload("gpt-124m", 8, seq_len=256)
+    assert gpt.items_per_step == 8 * 256
+    assert gpt.flops_per_step == gpt_flops_per_token(gpt.gpt_config()) * 8 * 256
+    assert gpt.gpt_config().seq_len == 256
+    vision = train_steps.Workload("resnet50", 16)
+    assert vision.unit == "images" and vision.items_per_step == 16
+    assert vision.flops_per_step == resnet_flops_per_image("resnet50", image_size=224) * 16
+    with pytest.raises(ValueError, match="legal values"):
+        train_steps.Workload("gpt-huge", 8)
+    with pytest.raises(ValueError, match="accumulation='scan'"):
+        train_steps.RunConfig("x", accumulation="host", steps_per_dispatch=4)
+
+
+def test_time_bursts_syncs_once_per_burst_and_counts_steps():
+    calls = []
+
+    def step(state):
+        calls.append(state)
+        return state + 1, jnp.zeros(())
+
+    state, timing = _timing.time_bursts(step, 0, bursts=3, calls_per_burst=4, steps_per_call=2)
+    assert state == 12 and len(calls) == 12 and timing.steps_per_burst == 8
+    assert len(timing.wall_s) == 3 and all(w >= d > 0 for w, d in zip(timing.wall_s, timing.dispatch_s))
+
+
+def test_live_array_bytes_counts_a_new_array_exactly():
+    device = jax.devices()[0]
+    before = _timing.live_array_bytes(device)
+    x = jax.device_put(np.ones((256, 64), np.float32), device)
+    assert _timing.live_array_bytes(device) - before == x.nbytes
+    del x
+
+
+def test_row_without_peak_has_no_mfu_and_table_says_na():
+    timing = _timing.BurstTiming([0.5, 0.25, 0.75], [0.1, 0.1, 0.1], 4)
+    trace = _timing.Trace([0.5], [100], [50, 150])
+    row = train_report.row_figures(
+        name="baseline", timing=timing, trace=trace, compile_s=1.0, items_per_step=1000,
+        flops_per_step=2e12, unit="tokens", num_devices=1, peak_tflops=None,
+        peak_memory=(None, "unavailable"), dataset_items=1e6, gpu_hour_usd=3.0, steps_per_call=1)
+    assert row["step_ms"] == 500 and row["throughput"] == 2000 and row["tflops"] == 4.0
+    assert row["mfu"] is None and row["memory_swing_bytes"] == 100
+    assert math.isclose(row["epoch_cost_usd"], 500 / 3600 * 3.0)
+    train_report.add_ratios([row], row)
+    line = train_report.markdown_table([row], "tokens").splitlines()[2]
+    assert "| n/a |" in line and "1.00x" in line
+
+
+def test_ablations_switch_one_technique_each():
+    workload = train_steps.Workload("gpt-tiny", 8, 2)
+    baseline = train_steps.RunConfig("baseline")
+    optimised = train_steps.RunConfig("optimised", policy="bf16", attention="cudnn",
+                                      accumulation="scan", donate=True, remat="dots",
+                                      grad_sync="ring", steps_per_dispatch=4)
+    runs, skipped = train._ablation_runs(baseline, optimised, workload, num_devices=2)
+    changed = {r.name: {k for k, v in r.describe().items() if k != "name" and v != getattr(baseline, k)}
+               for r in runs}
+    assert changed["+bf16"] == {"policy"}
+    assert changed["+donate"] == {"donate"}
+    assert changed["+remat=dots"] == {"remat"}
+    assert changed["+scan accumulation"] == {"accumulation"}
+    assert changed["+bf16+cudnn attention"] == {"policy", "attention"}
+    assert [s["name"] for s in skipped] == ["+xla flags"]
+
+
+@pytest.mark.parametrize("argv", [["--quick", "--steps", "0"], ["--model", "gpt-huge"],
+                                  ["--quick", "--remat", "sometimes"]])
+def test_bad_flags_exit(argv):
+    with pytest.raises(SystemExit):
+        train.main(argv)
