@@ -75,7 +75,10 @@ def nnx_model_fns(model, loss_fn: Callable, policy: Policy) -> ModelFns:
         return nnx.merge(graphdef, params, rng_state, model_state)
 
     def loss(params, model_state, batch, train):
-        module = nnx.merge(graphdef, policy.cast_to_compute(params), rng_state, model_state)
+        # tree.map rebuilds the Variables inside the current trace, so BatchNorm
+        # may update its statistics here (NNX refuses mutating outer-trace ones).
+        fresh_state = jax.tree.map(lambda x: x, model_state)
+        module = nnx.merge(graphdef, policy.cast_to_compute(params), rng_state, fresh_state)
         module.train() if train else module.eval()
         with policy.matmul_scope():
             value = _call_loss(loss_fn, module, policy.cast_to_compute(batch), train)

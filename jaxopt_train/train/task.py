@@ -132,7 +132,8 @@ def _vision_task(cfg: TrainConfig, policy: Policy) -> Task:
                                          num_classes=num_classes, seed=2**40 + cfg.seed * 1_000_003 + i)
         description = f"synthetic {image_size}x{image_size} images (random labels)"
     model = create_vision_model(cfg.preset, num_classes=num_classes, dtype=policy.compute_dtype,
-                                param_dtype=policy.param_dtype, rngs=nnx.Rngs(cfg.seed))
+                                param_dtype=policy.param_dtype, rngs=nnx.Rngs(cfg.seed),
+                                axis_name="data")  # BatchNorm statistics over all devices
     fns = nnx_model_fns(model, vision_loss_fn, policy)
     return Task(fns=fns, train_batch=train_batch, eval_batch=eval_batch, unit="images",
                 units_per_example=1,
@@ -146,7 +147,4 @@ def _vision_flops(preset: str, image_size: int, channels: int) -> float:
     counter = getattr(flops, "resnet_flops_per_image", None)
     if counter is None:
         return float("nan")
-    try:
-        return float(counter(preset, image_size=image_size))
-    except TypeError:
-        return float(counter(preset))
+    return float(counter(preset, image_size=image_size, training=True))
