@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 from jaxopt_train.zero import leaf_spec, make_layout, make_zero_step, zero_shardings
 
 N = 8
+STEPS = 2
 HIDDEN = 96  # params ~ 2 * 96 * 96 floats: large enough that state dominates the arguments
 
 
@@ -44,17 +45,21 @@ def runs(mesh):
         sharded = jax.device_put(batch, jax.sharding.NamedSharding(mesh, P("data")))
         compiled = zero.step.lower(state, sharded).compile()
         losses = []
-        for _ in range(3):
+        for _ in range(STEPS):
             state, loss = compiled(state, sharded)
             losses.append(float(loss))
         final = zero.layout.unflatten(state.params) if stage == 3 else state.params
         out[stage] = (compiled.memory_analysis(), final, losses)
-    reference, ref_state, ref_losses = params, tx.init(params), []
-    for _ in range(3):  # one device, full batch
+    @jax.jit
+    def reference_step(params, opt_state):  # one device, full batch
         with jax.numpy_dtype_promotion("standard"):
-            loss, grads = jax.value_and_grad(_loss)(reference, batch)
-            updates, ref_state = tx.update(grads, ref_state, reference)
-        reference = optax.apply_updates(reference, updates)
+            loss, grads = jax.value_and_grad(_loss)(params, batch)
+            updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    reference, ref_state, ref_losses = params, tx.init(params), []
+    for _ in range(STEPS):
+        reference, ref_state, loss = reference_step(reference, ref_state)
         ref_losses.append(float(loss))
     out["reference"] = (None, reference, ref_losses)
     return out

@@ -6,9 +6,12 @@ elements each (reduce-scatter then all-gather), so every link carries
 
 Two things make these rings fast rather than naive:
 
-* Chunk pipelining (`num_chunks`): each of the m shards is split into
-  `num_chunks` independent rings, so the transfer of one chunk can overlap the
-  addition of the previous one instead of alternating send / add / send.
+* Chunk pipelining (`num_chunks`): the data is split into `num_chunks`
+  independent rings, so the transfer of one piece can overlap the addition of
+  another instead of alternating send / add / send. On 2 H200s (jax 0.11.2)
+  XLA ran the pieces' permutes and adds one after another and every extra
+  piece cost a synchronised NCCL call, so `num_chunks > 1` was slower there
+  (BENCHMARKS.md) and the default is 1.
 * Bidirectional rings (`bidirectional=True`): half of the data goes round the
   ring one way and half the other way, using both directions of every link.
 
