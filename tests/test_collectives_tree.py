@@ -192,3 +192,11 @@ def test_ring_order_on_real_devices_is_a_permutation():
     order = ring_order(devices)
     assert sorted(order) == list(range(len(devices)))
     assert "ring over 8 devices" in describe_ring(devices, order)
+
+
+def test_init_error_feedback_shapes():
+    params = {"w": jnp.zeros((3, 4), jnp.bfloat16), "b": jnp.zeros((4,), jnp.float32)}
+    state = init_error_feedback(params)
+    assert state.error["w"].shape == (3, 4) and state.error["w"].dtype == jnp.float32
+    stacked = init_error_feedback(params, num_replicas=N)  # sharded P("data"): (1, 3, 4) per device
+    assert stacked.error["w"].shape == (N, 3, 4) and stacked.error["b"].shape == (N, 4)
