@@ -127,13 +127,10 @@ def _copy_stacked_into_unrolled(scanned, unrolled):
     nnx.update(unrolled, state)
 
 
+@nnx.jit  # module level: models with equal configs share one compilation
 def _grads(model, tokens):
-    @nnx.jit
-    def step(model, tokens):
-        loss_fn = lambda m: gpt_loss(m(tokens[:, :-1]), tokens[:, 1:])  # noqa: E731
-        return nnx.value_and_grad(loss_fn)(model)
-
-    return step(model, tokens)
+    loss_fn = lambda m: gpt_loss(m(tokens[:, :-1]), tokens[:, 1:])  # noqa: E731
+    return nnx.value_and_grad(loss_fn)(model)
 
 
 def _assert_grads_close(got, want):
@@ -340,11 +337,15 @@ def reference_cnn(params, images):
 
 def _randomise(model, seed):
     """Random non-trivial values for every Param (BatchNorm scales start at 0/1)."""
-    state = nnx.state(model, nnx.Param)
+    nnx.update(model, _random_like(nnx.state(model, nnx.Param), seed))
+
+
+@jax.jit  # one compilation instead of one eager op per parameter shape
+def _random_like(state, seed):
     leaves, treedef = jax.tree.flatten(state)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     new = [0.3 * jax.random.normal(k, leaf.shape, leaf.dtype) for k, leaf in zip(keys, leaves)]
-    nnx.update(model, jax.tree.unflatten(treedef, new))
+    return jax.tree.unflatten(treedef, new)
 
 
 def test_cnn_one_step_gradients_match_reference():
@@ -445,18 +446,6 @@ def test_vision_param_counts_match_torchvision():
     for name, count in (("resnet18", 11_689_512), ("resnet50", 25_557_032)):
         model = abstract_vision_model(name)
         assert sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == count
-
-
-@pytest.mark.parametrize("name, tolerance", [("cnn-small", 0.02), ("resnet50", 0.05), ("resnet18", 0.1)])
-def test_vision_flops_match_xla_cost_analysis(name, tolerance):
-    # XLA skips taps that fall into zero padding, so small late feature maps
-    # (ResNet-18's 7x7 3x3 convs) count a little less than the textbook formula.
-    model = abstract_vision_model(name)
-    images = jax.ShapeDtypeStruct((1, 224, 224, 3), jnp.float32)
-    lowered = jax.jit(lambda s, x: nnx.merge(*s)(x, train=False)).lower(nnx.split(model), images)
-    forward = resnet_flops_per_image(name, image_size=224, training=False)
-    assert abs(lowered.cost_analysis()["flops"] / forward - 1) < tolerance
-    assert resnet_flops_per_image(name, image_size=224) == 3 * forward
 
 
 @pytest.mark.parametrize("name, dtype", [("resnet18", jnp.bfloat16), ("resnet50", jnp.bfloat16), ("cnn-small", jnp.float32)])

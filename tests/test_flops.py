@@ -1,0 +1,72 @@
+"""Tests for jaxopt_train.models.flops: parameter counts and FLOPs per token / image."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from jaxopt_train.models import GPT, create_vision_model, get_gpt_config, resnet_flops_per_image
+from jaxopt_train.models.flops import gpt_flops_param_count, gpt_flops_per_token, gpt_param_count
+
+
+def test_gpt_124m_counts_match_nanogpt():
+    cfg = get_gpt_config("gpt-124m")
+    # GPT-2 small with vocab 50304: nanoGPT prints 123.69M (without position embeddings).
+    assert gpt_param_count(cfg) == 124_475_904
+    assert gpt_flops_param_count(cfg) == 123_689_472
+    assert gpt_flops_per_token(cfg) == 6 * 123_689_472 + 12 * 12 * 768 * 1024
+    assert gpt_flops_per_token(cfg, seq_len=512) == 6 * 123_689_472 + 12 * 12 * 768 * 512
+
+
+def test_untied_head_counts_head_not_input_embedding():
+    tied = get_gpt_config("gpt-tiny")
+    untied = get_gpt_config("gpt-tiny", tie_embeddings=False)
+    assert gpt_param_count(untied) - gpt_param_count(tied) == 256 * 128
+    assert gpt_flops_param_count(untied) == gpt_flops_param_count(tied)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "gpt-1b"])
+def test_gpt_forward_flops_match_xla_cost_analysis(name):
+    # Forward matmul FLOPs per token are 2N + 4*L*d*T (a third of the training
+    # formula); XLA also counts the elementwise ops, a few percent on top.
+    cfg = get_gpt_config(name, scan_layers=False, n_layers=2, seq_len=256)
+    model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
+    tokens = jax.ShapeDtypeStruct((1, cfg.seq_len), jnp.int32)
+    lowered = jax.jit(lambda s, x: nnx.merge(*s)(x)).lower(nnx.split(model), tokens)
+    per_token = lowered.cost_analysis()["flops"] / cfg.seq_len
+    assert 1.0 <= per_token / (gpt_flops_per_token(cfg) / 3) < 1.1
+
+
+def test_flops_bad_inputs():
+    with pytest.raises(TypeError, match="GPTConfig"):
+        gpt_param_count({"d_model": 3})
+    with pytest.raises(ValueError, match=r"seq_len=2000 must be an int in \[1, 1024\]"):
+        gpt_flops_per_token(get_gpt_config("gpt-124m"), seq_len=2000)
+    with pytest.raises(ValueError, match="legal values"):
+        resnet_flops_per_image("resnet34")
+    with pytest.raises(ValueError, match="image_size=0"):
+        resnet_flops_per_image("resnet50", image_size=0)
+
+
+def test_resnet_macs_match_published_figures():
+    # torchvision: ResNet-18 1.81 GMACs, ResNet-50 4.09 GMACs at 224x224.
+    assert abs(resnet_flops_per_image("resnet18", training=False) / 2e9 - 1.814) < 0.001
+    assert abs(resnet_flops_per_image("resnet50", training=False) / 2e9 - 4.089) < 0.001
+
+
+def abstract_vision_model(name):
+    return nnx.eval_shape(lambda: create_vision_model(name, num_classes=1000, rngs=nnx.Rngs(0)))
+
+
+@pytest.mark.parametrize("name, tolerance", [("cnn-small", 0.02), ("resnet50", 0.05), ("resnet18", 0.1)])
+def test_vision_flops_match_xla_cost_analysis(name, tolerance):
+    # XLA skips taps that fall into zero padding, so small late feature maps
+    # (ResNet-18's 7x7 3x3 convs) count a little less than the textbook formula.
+    model = abstract_vision_model(name)
+    images = jax.ShapeDtypeStruct((1, 224, 224, 3), jnp.float32)
+    lowered = jax.jit(lambda s, x: nnx.merge(*s)(x, train=False)).lower(nnx.split(model), images)
+    forward = resnet_flops_per_image(name, image_size=224, training=False)
+    assert abs(lowered.cost_analysis()["flops"] / forward - 1) < tolerance
+    assert resnet_flops_per_image(name, image_size=224) == 3 * forward
+
+
