@@ -102,7 +102,8 @@ NOTEBOOKS["01_mixed_precision"] = ("Mixed precision and loss scaling", """
 A precision `Policy` names three dtypes: **param** (the f32 master weights the optimizer
 updates), **compute** (what forward and backward run in) and **output** (what the loss
 sees). bf16 has f32's exponent range, so it needs no loss scaling; fp16 does: its smallest
-normal number is 6e-5, so small gradients underflow to zero unless the loss is scaled up
+normal number is 6.1e-5 (below it precision fades through the subnormals down to 6e-8,
+then zero), so small gradients lose their digits or vanish unless the loss is scaled up
 before the backward pass and the gradients scaled back down after it.
 
 This notebook uses `jaxopt_train.precision`: presets, casting, and dynamic loss scaling
@@ -331,9 +332,11 @@ print(f"loss: full {float(loss_full):.6f}  scan {float(loss_scan):.6f}")
 print(f"max |scan - full|       = {max_abs_diff(g_scan, g_full):.3e}")
 print(f"max |MultiSteps - full| = {max_abs_diff(g_multi, g_full):.3e}")
 print(f"max |scan - MultiSteps| = {max_abs_diff(g_scan, g_multi):.3e}")
+# Only the f32 summation order differs; allow more on accelerators (TF32 / bf16-pass dots).
 scale = max(float(np.max(np.abs(g))) for g in jax.tree.leaves(g_full))
-assert max_abs_diff(g_scan, g_full) <= 1e-5 * scale
-assert max_abs_diff(g_multi, g_full) <= 1e-5 * scale
+TOL = (1e-5 if jax.default_backend() == "cpu" else 1e-4) * scale
+assert max_abs_diff(g_scan, g_full) <= TOL
+assert max_abs_diff(g_multi, g_full) <= TOL
 '''),
     md("""
 The differences are float32 rounding (summation order), a few ulp of the largest gradient.
@@ -411,7 +414,7 @@ replicated = jax.device_put(params, NamedSharding(mesh, P()))
 loss_dp, g_dp = dp_grad(replicated, sharded_batch)
 print(f"{n} devices x {K} micro-batches of {BATCH // (n * K)} rows")
 print(f"max |data parallel - full| = {max_abs_diff(g_dp, g_full):.3e}   loss {float(loss_dp):.6f}")
-assert max_abs_diff(g_dp, g_full) <= 1e-5 * scale
+assert max_abs_diff(g_dp, g_full) <= TOL
 '''),
 ])
 
@@ -457,7 +460,7 @@ rounding only. (`bucket_mb=0`: one bucket per leaf, here the whole array.)
 """),
     code('''
 METHODS = collectives.METHODS  # ("psum", "ring", "ring_bidir", "hierarchical")
-SIZES = [4096, 262144] if SMALL else [2**12, 2**16, 2**20, 2**24, 2**26]  # float32 per device
+SIZES = [4096, 32768, 262144] if SMALL else [2**12, 2**16, 2**20, 2**24, 2**26]  # float32 per device
 
 
 @functools.cache
