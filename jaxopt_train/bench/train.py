@@ -126,7 +126,10 @@ class Bench:
             runner = train_steps.build_runner(workload, run, train_steps.data_mesh(devices))
         k, bursts = runner.steps_per_call, self.args.bursts
         calls = max(1, math.ceil(self.args.steps / bursts / k))
-        state = _timing.warm_up(runner.step, runner.state, self.args.warmup)
+        # Take the state from the runner: a second reference would keep the
+        # initial (non-donated) state alive and inflate the config's memory.
+        state, runner.state = runner.state, None
+        state = _timing.warm_up(runner.step, state, self.args.warmup)
         state, timing = _timing.time_bursts(runner.step, state, bursts=bursts,
                                             calls_per_burst=calls, steps_per_call=k)
         state, trace = _timing.trace_steps(runner.step, state, calls=self.args.trace_steps,
