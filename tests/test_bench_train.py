@@ -166,3 +166,16 @@ def test_ablations_switch_one_technique_each():
 def test_bad_flags_exit(argv):
     with pytest.raises(SystemExit):
         train.main(argv)
+
+
+@pytest.mark.gpu
+def test_gpu_optimised_uses_cudnn_and_reports_mfu(tmp_path):
+    argv = ["--model", "gpt-tiny", "--steps", "8", "--bursts", "2", "--trace-steps", "2",
+            "--devices", "1", "--json", str(tmp_path / "r.json")]
+    assert train.main(argv) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    opt = next(r for r in result["rows"] if r["name"] == "optimised")
+    assert opt["attention_resolved"] == "cudnn"
+    assert opt["peak_memory_source"] in ("allocator", "xla-estimate") and opt["memory_source"] == "allocator"
+    if result["peak_tflops_per_device"] is not None:
+        assert 0 < opt["mfu"] < 1

@@ -195,7 +195,8 @@ def choose_remat(bench, run, budget):
     window = (_timing.peak_bytes_in_use(device), _timing.bytes_in_use(device))
     if not workload.is_gpt or args.remat != "auto" or budget is None:
         chosen = args.remat if args.remat != "auto" and workload.is_gpt else "none"
-        reason = "fixed by --remat" if args.remat != "auto" else "no memory budget known"
+        reason = ("remat applies to GPT models only" if not workload.is_gpt else
+                  "fixed by --remat" if args.remat != "auto" else "no memory budget known")
         return dataclasses.replace(run, remat=chosen), None, [{"remat": chosen, "reason": reason}], window
     trials, mesh = [], train_steps.data_mesh(bench.devices)
     for policy in REMAT_ORDER:
