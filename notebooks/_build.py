@@ -74,8 +74,9 @@ def build(name: str, title: str, intro: str, cells: list[tuple[str, str]]) -> nb
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.metadata["language_info"] = {"name": "python"}
+    # No "accelerator" entry: Colab opens on a CPU runtime (8 emulated devices, SMALL
+    # mode); pick a GPU/TPU runtime to run at full size on real devices.
     nb.metadata["colab"] = {"provenance": []}
-    nb.metadata["accelerator"] = "GPU"
     nb.cells = [nbformat.v4.new_markdown_cell(f"{badge(name)}\n\n# {title}\n\n{intro.strip()}"),
                 nbformat.v4.new_code_cell(SETUP.strip())]
     for kind, source in cells:
