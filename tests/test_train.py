@@ -1,9 +1,17 @@
-"""The trainer end to end on CPU: learning, resume, data parallelism, guards, signals."""
+"""The trainer end to end on CPU: learning, resume, data parallelism, guards, signals, sinks.
+
+Compile time dominates here (2 CPU cores), so the loop tests share one tiny
+run shape (`TINY_RUN`, on all 8 devices) and a compilation cache: its train
+and eval steps compile once for the module (and for tests/test_train_cli.py).
+Numerical claims are checked against plain-`jax.jit` references, never
+against a second compile of the trainer itself.
+"""
 
 import dataclasses
 import json
 import os
 import signal
+import urllib.request
 
 import jax
 import jax.numpy as jnp
@@ -15,33 +23,38 @@ from flax import nnx
 from jaxopt_train.data.text import load_text_corpus
 from jaxopt_train.models import GPT, get_gpt_config
 from jaxopt_train.train import NonFiniteError, RunDirError, TrainConfig, Trainer, train
+from jaxopt_train.train import loop as loop_lib
 from jaxopt_train.train.metrics import read_jsonl
 from jaxopt_train.train.model import gpt_loss_fn
 
-TINY = dict(d_model=32, n_layers=1, n_heads=2)
-# One model/run shape shared by the loop tests, so that with the compilation
-# cache below they compile the train and eval steps once between them.
-LEARN = dict(model_overrides=dict(d_model=64, n_layers=2, n_heads=4), seq_len=64, batch_size=16,
-             steps=300, warmup=20, lr=1e-2, log_every=20, eval_every=0, eval_batches=4,
-             checkpoint_every=150, progress="lines")
+TINY_MODEL = dict(d_model=32, n_layers=1, n_heads=2)
+# The run shape of the resume / signal / non-finite / sink tests (and the CLI
+# test). Everything that enters the compiled step (model, batch, optimizer
+# schedule) must stay equal between them for the compilation cache to hit.
+TINY_RUN = dict(model_overrides=TINY_MODEL, seq_len=32, batch_size=16, microbatches=2, steps=8,
+                warmup=2, lr=1e-2, log_every=2, eval_every=0, eval_batches=1, checkpoint_every=0,
+                progress="lines")  # orbax saves cost ~1 s each here: only the final one
+# The learning run: big enough to learn real structure in ~200 steps on one device.
+LEARN_RUN = dict(model_overrides=dict(d_model=64, n_layers=1, n_heads=4), seq_len=64,
+                 batch_size=16, steps=200, warmup=10, lr=1e-2, log_every=50, eval_every=0,
+                 eval_batches=4, checkpoint_every=100, progress="lines")
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _compilation_cache(tmp_path_factory):
+    # One directory per pytest session, shared with tests/test_train_cli.py.
+    cache = tmp_path_factory.getbasetemp() / "jaxopt_train_jax_cache"
+    cache.mkdir(exist_ok=True)
     old = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+    jax.config.update("jax_compilation_cache_dir", str(cache))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     yield
     jax.config.update("jax_compilation_cache_dir", old[0])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
 
 
-def _cfg(tmp_path, name="run", **kw):
-    return TrainConfig(**{"run_dir": str(tmp_path / name), **LEARN, **kw})
-
-
-def _one_device():
-    return jax.devices()[:1]
+def _tiny(tmp_path, name="run", **kw):
+    return TrainConfig(**{"run_dir": str(tmp_path / name), **TINY_RUN, **kw})
 
 
 def _unigram_entropy() -> float:
@@ -51,61 +64,297 @@ def _unigram_entropy() -> float:
     return float(-(p * np.log(p)).sum())  # nats per byte
 
 
-def test_gpt_tiny_learns_and_resume_matches_uninterrupted_run(tmp_path, capsys):
-    full = train(_cfg(tmp_path, "full"), devices=_one_device())
-    assert full.step == 300 and not full.interrupted
-    entropy = _unigram_entropy()
-    assert full.eval_loss < entropy - 0.45, (full.eval_loss, entropy)
-    assert "compiled train step" in capsys.readouterr().out
-    full_records = read_jsonl(os.path.join(full.run_dir, "metrics.jsonl"))
-    assert [r["step"] for r in full_records] == list(range(20, 301, 20))
-    assert full_records[-1]["loss"] < full_records[0]["loss"] - 1.0
-    assert {"loss", "tokens_per_s", "step_time_s", "grad_norm", "lr", "eval_loss"} <= set(full_records[-1])
-    assert sorted(os.listdir(os.path.join(full.run_dir, "checkpoints"))) == ["150", "300"]
+def _assert_trees_close(a, b, **tol):
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(leaves_a) == len(leaves_b)
+    for x, y in zip(leaves_a, leaves_b):
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), **tol)
 
-    split_cfg = _cfg(tmp_path, "split")
-    first = train(split_cfg, until_step=160, devices=_one_device())
-    assert first.step == 160
-    second = train(dataclasses.replace(split_cfg, resume=True), devices=_one_device())
-    assert second.step == 300
-    for a, b in zip(jax.tree.leaves(full.trainer.params), jax.tree.leaves(second.trainer.params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+# ---------------------------------------------------------------- the train() loop
+
+def test_gpt_learns_well_below_unigram_entropy(tmp_path, capsys):
+    cfg = TrainConfig(run_dir=str(tmp_path / "learn"), **LEARN_RUN)
+    result = train(cfg, devices=jax.devices()[:1])
+    assert result.step == 200 and not result.interrupted
+    entropy = _unigram_entropy()  # ~3.1 nats/byte; a model of context must beat it clearly
+    assert result.eval_loss < entropy - 0.4, (result.eval_loss, entropy)
+    assert "compiled train step" in capsys.readouterr().out
+    records = read_jsonl(os.path.join(result.run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [50, 100, 150, 200]
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5
+    assert {"loss", "tokens_per_s", "step_time_s", "grad_norm", "lr", "eval_loss"} <= set(records[-1])
+    assert sorted(os.listdir(os.path.join(result.run_dir, "checkpoints"))) == ["100", "200"]
+
+
+def test_resume_matches_uninterrupted_run(tmp_path):
+    full = train(_tiny(tmp_path, "full"))
+    assert full.step == 8 and full.trainer.num_devices == 8
+    full_records = read_jsonl(os.path.join(full.run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in full_records] == [2, 4, 6, 8]
+
+    split_cfg = _tiny(tmp_path, "split")
+    first = train(split_cfg, until_step=2)  # saves its own checkpoint at step 2
+    assert first.step == 2
+    second = train(dataclasses.replace(split_cfg, resume=True))
+    assert second.step == 8
+    # Adam moments, the schedule position and the data order all come back.
+    _assert_trees_close(full.trainer.params, second.trainer.params, rtol=1e-5, atol=1e-6)
     records = read_jsonl(os.path.join(split_cfg.run_dir, "metrics.jsonl"))
-    assert [r["step"] for r in records] == [r["step"] for r in full_records]  # appended
+    assert [r["step"] for r in records] == [2, 4, 6, 8]  # appended to the same file
     np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in full_records],
-                               rtol=1e-4)
+                               rtol=1e-5)
     # The same run dir without --resume must not destroy the run.
     with pytest.raises(RunDirError, match="--resume"):
-        train(split_cfg, devices=_one_device())
+        train(split_cfg)
     # Resuming into a model of another shape is refused by name.
-    other = dataclasses.replace(split_cfg, resume=True, model_overrides=dict(TINY))
+    other = dataclasses.replace(split_cfg, resume=True, model_overrides=dict(TINY_MODEL, d_model=16))
     with pytest.raises(RunDirError, match="model_overrides"):
-        train(other, devices=_one_device())
+        train(other)
 
 
-def _gpt_trainer(devices, microbatches):
-    cfg = get_gpt_config("gpt-tiny", seq_len=16, **TINY)
-    return Trainer(GPT(cfg, rngs=nnx.Rngs(0)), gpt_loss_fn, optimizer=optax.sgd(0.5),
-                   microbatches=microbatches, devices=devices)
+def test_sigterm_saves_checkpoint_and_exits_cleanly(tmp_path):
+    class KillAtStep2:
+        def write(self, text):
+            if text.startswith("step 2 "):
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        def flush(self):
+            pass
+
+        def isatty(self):
+            return False
+
+    before = signal.getsignal(signal.SIGTERM)
+    cfg = _tiny(tmp_path)
+    result = train(cfg, stream=KillAtStep2())
+    assert result.interrupted and result.step == 2
+    assert os.listdir(os.path.join(cfg.run_dir, "checkpoints")) == ["2"]
+    assert signal.getsignal(signal.SIGTERM) is before
+    with open(os.path.join(cfg.run_dir, "config.json"), encoding="utf-8") as f:
+        assert json.load(f)["config"]["steps"] == 8
 
 
-def test_data_parallel_8_devices_equals_one_device():
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 256, size=(3, 16, 17)).astype(np.int32)
-    single = _gpt_trainer(jax.devices()[:1], microbatches=1)
-    parallel = _gpt_trainer(jax.devices()[:8], microbatches=2)
-    assert parallel.num_devices == 8
-    for t in tokens:
-        batch = {"inputs": t[:, :-1], "targets": t[:, 1:]}
-        loss_1 = single.step(batch)["loss"]
-        loss_8 = parallel.step(batch)["loss"]
-        np.testing.assert_allclose(loss_1, loss_8, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(single.params), jax.tree.leaves(parallel.params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-    assert "arguments" in parallel.memory_report
+def test_nonfinite_run_stops_with_clear_error_keeping_last_good_checkpoint(tmp_path, monkeypatch):
+    real_build_task = loop_lib.build_task
+
+    def poisoned_build_task(cfg, policy):
+        task = real_build_task(cfg, policy)
+        clean = task.train_batch
+
+        def train_batch(step):
+            batch = clean(step)
+            if step >= 4:  # token ids past the vocabulary embed as NaN (jnp.take's "fill" mode)
+                batch = dict(batch, inputs=np.full_like(batch["inputs"], 10_000))
+            return batch
+
+        task.train_batch = train_batch
+        return task
+
+    monkeypatch.setattr(loop_lib, "build_task", poisoned_build_task)
+    cfg = _tiny(tmp_path, max_nonfinite_steps=2, checkpoint_every=4)
+    with pytest.raises(NonFiniteError, match="2 consecutive steps had non-finite"):
+        train(cfg)
+    # Steps 0-3 were clean and checkpointed at 4; nothing saved after the guard tripped at 6.
+    assert os.listdir(os.path.join(cfg.run_dir, "checkpoints")) == ["4"]
+    records = read_jsonl(os.path.join(cfg.run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [2, 4, 6]
+    assert np.isfinite(records[1]["loss"]) and records[2]["loss"] == "nan"
+
+
+def test_prometheus_scrape_and_tensorboard_events_during_a_run(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    class Scraper:
+        """Metric lines arrive after the sinks were written: scrape the live endpoint then."""
+
+        def __init__(self):
+            self.port, self.scrapes = None, {}
+
+        def write(self, text):
+            if text.startswith("prometheus metrics at "):
+                self.port = int(text.split(":")[2].split("/")[0])
+            elif text.startswith("step "):
+                url = f"http://127.0.0.1:{self.port}/metrics"
+                with urllib.request.urlopen(url, timeout=10) as response:
+                    self.scrapes[int(text.split()[1])] = response.read().decode()
+
+        def flush(self):
+            pass
+
+    scraper = Scraper()
+    cfg = _tiny(tmp_path, tensorboard=True, prometheus_port=0)
+    train(cfg, until_step=4, stream=scraper)
+    assert scraper.port and sorted(scraper.scrapes) == [2, 4]
+    records = read_jsonl(os.path.join(cfg.run_dir, "metrics.jsonl"))
+    for record, (step, text) in zip(records, sorted(scraper.scrapes.items())):
+        gauges = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+        assert float(gauges["jaxopt_train_step"]) == step
+        assert float(gauges["jaxopt_train_loss"]) == pytest.approx(record["loss"], rel=1e-6)
+        assert float(gauges["jaxopt_train_tokens_per_s"]) > 0
+        assert "jaxopt_train_step_time_s" in gauges and "jaxopt_train_loss_scale" in gauges
+    with pytest.raises(OSError):  # the server is shut down with the run
+        urllib.request.urlopen(f"http://127.0.0.1:{scraper.port}/metrics", timeout=2)
+
+    events = EventAccumulator(os.path.join(cfg.run_dir, "tb"))
+    events.Reload()
+    assert {"loss", "tokens_per_s", "step_time_s", "lr"} <= set(events.Tags()["scalars"])
+    losses = events.Scalars("loss")
+    assert [e.step for e in losses] == [2, 4]
+    np.testing.assert_allclose([e.value for e in losses], [r["loss"] for r in records], rtol=1e-6)
+
+
+@pytest.mark.parametrize("steps, warmup", [(8, 2), (300, 30), (5, 0), (1, 3)])
+def test_logged_lr_is_the_optimizer_schedule(steps, warmup):
+    cfg = TrainConfig(steps=steps, warmup=warmup, lr=3e-3)
+    w = min(warmup, steps - 1) if steps > 1 else 0
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if w else cfg.lr, peak_value=cfg.lr, warmup_steps=w, decay_steps=steps,
+        end_value=cfg.lr / 10)
+    for step in sorted({0, 1, w, w + 1, steps // 2, steps - 1, steps}):
+        assert loop_lib._current_lr(cfg, step) == pytest.approx(float(schedule(step)), rel=1e-5)
+
+
+# ---------------------------------------------------------------- Trainer vs references
+
+def _tiny_gpt():
+    return GPT(get_gpt_config("gpt-tiny", seq_len=32, **TINY_MODEL), rngs=nnx.Rngs(0))
+
+
+def _token_batches(steps, batch):
+    tokens = np.random.default_rng(0).integers(0, 256, size=(steps, batch, 33)).astype(np.int32)
+    return [{"inputs": t[:, :-1], "targets": t[:, 1:]} for t in tokens]
+
+
+@pytest.fixture(scope="module")
+def gpt_sgd_reference():
+    """Batches and the params after each of 3 full-batch SGD steps, by plain jax.jit(jax.grad)."""
+    graphdef, params = nnx.split(_tiny_gpt())
+
+    @jax.jit
+    def step(params, batch):
+        loss, grads = jax.value_and_grad(lambda p: gpt_loss_fn(nnx.merge(graphdef, p), batch))(params)
+        return jax.tree.map(lambda p, g: p - 0.5 * g, params, grads), loss
+
+    batches = _token_batches(3, 16)
+    trajectory, losses = [], []
+    for batch in batches:
+        params, loss = step(params, batch)
+        trajectory.append(params)
+        losses.append(float(loss))
+    return batches, trajectory, losses
+
+
+def test_data_parallel_8_devices_matches_full_batch_reference(gpt_sgd_reference):
+    batches, trajectory, losses = gpt_sgd_reference
+    trainer = Trainer(_tiny_gpt(), gpt_loss_fn, optimizer=optax.sgd(0.5), microbatches=2)
+    assert trainer.num_devices == 8 and trainer.state.grad_error is None
+    for batch, expected_loss in zip(batches, losses):
+        np.testing.assert_allclose(trainer.step(batch)["loss"], [expected_loss], rtol=1e-5)
+    _assert_trees_close(nnx.split(trainer.model)[1], trajectory[-1], rtol=1e-4, atol=1e-6)
+    assert "arguments" in trainer.memory_report
     with pytest.raises(ValueError, match="divisible"):
-        parallel.step({"inputs": tokens[0, :12, :-1], "targets": tokens[0, :12, 1:]})
+        trainer.step({k: v[:12] for k, v in batches[0].items()})
 
+
+def test_int8_compression_with_error_feedback_stays_close(gpt_sgd_reference):
+    batches, trajectory, _ = gpt_sgd_reference
+    trainer = Trainer(_tiny_gpt(), gpt_loss_fn, optimizer=optax.sgd(0.5), microbatches=2,
+                      grad_compression="int8")
+    errors = []
+    for batch in batches:
+        assert bool(trainer.step(batch)["finite"][0])
+        errors.append(jax.tree.map(np.asarray, trainer.state.grad_error.error))
+    # Error feedback lives in the state: one f32 slice per device, changing every step.
+    leaf = jax.tree.leaves(errors[-1])[0]
+    assert leaf.dtype == np.float32 and leaf.shape[0] == 8
+    assert any(np.abs(x).max() > 0 for x in jax.tree.leaves(errors[0]))
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(errors[1]),
+                                                         jax.tree.leaves(errors[2])))
+    got, want = nnx.split(trainer.model)[1], trajectory[-1]
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        # int8 with 256-element blocks: each element within a few quantisation steps of its block.
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=2e-2 * np.abs(w).max() + 1e-6)
+    with pytest.raises(ValueError, match="grad_compression='fp4'"):
+        Trainer(_tiny_gpt(), gpt_loss_fn, grad_compression="fp4")
+
+
+def test_pallas_matmul_trains_like_xla_inside_shard_map():
+    from jaxopt_train.precision import get_policy
+    from jaxopt_train.train.task import build_task
+
+    policy = get_policy("bf16")
+    shape = dict(preset="gpt-tiny", precision="bf16", model_overrides=dict(TINY_MODEL, n_heads=1),
+                 seq_len=8, batch_size=4)
+    pallas_task = build_task(TrainConfig(matmul="pallas", **shape), policy)
+    xla_fns = build_task(TrainConfig(matmul="xla", **shape), policy).fns
+    trainer = Trainer.from_model_fns(pallas_task.fns, optax.sgd(0.5), policy, devices=jax.devices()[:2])
+
+    @jax.jit
+    def reference_step(params, batch):  # plain XLA matmuls, the full batch on one device
+        grads = jax.grad(lambda p: xla_fns.loss(p, xla_fns.model_state, batch, True)[0])(params)
+        return jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
+
+    # The kernel is really in the traced step (it silently falls back to XLA for f32 operands).
+    jaxpr = jax.make_jaxpr(lambda p: pallas_task.fns.loss(p, pallas_task.fns.model_state,
+                                                           pallas_task.train_batch(0), True)[0])
+    assert "pallas_call" in str(jaxpr(pallas_task.fns.params))
+    assert "pallas_call" not in str(jax.make_jaxpr(
+        lambda p: xla_fns.loss(p, xla_fns.model_state, pallas_task.train_batch(0), True)[0])(xla_fns.params))
+    params = xla_fns.params
+    # TODO(models): the bf16 GPT's attention backward mixes an f32 cotangent with bf16
+    # under strict promotion (gpt.py scopes "standard" over the forward only); trace
+    # this bf16 model under standard promotion until that is fixed.
+    with jax.numpy_dtype_promotion("standard"):
+        for step in range(2):
+            batch = pallas_task.train_batch(step)
+            trainer.step(batch)
+            params = reference_step(params, batch)
+    # bf16 operands either way; the kernels accumulate in f32 where XLA:CPU may round differently.
+    _assert_trees_close(trainer.params, params, rtol=2e-2, atol=2e-3)
+    moved = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                for a, b in zip(jax.tree.leaves(trainer.params), jax.tree.leaves(xla_fns.params)))
+    assert moved > 1e-2  # the comparison is not between two untouched inits
+
+
+def test_cnn_small_one_step_matches_full_batch_gradient_with_batchnorm():
+    from jaxopt_train.models import create_vision_model
+    from jaxopt_train.precision import get_policy
+    from jaxopt_train.train.model import vision_loss_fn
+    from jaxopt_train.train.task import build_task
+
+    policy = get_policy("fp32")
+    cfg = TrainConfig(preset="cnn-small", batch_size=16, image_size=8, num_classes=10)
+    task = build_task(cfg, policy)
+    trainer = Trainer.from_model_fns(task.fns, optax.sgd(0.1), policy)  # 8 devices, 2 images each
+    batch = task.train_batch(0)
+    trainer.step(batch)
+
+    # Reference: the same model without axis_name, one device, the whole batch.
+    model = create_vision_model("cnn-small", num_classes=10, rngs=nnx.Rngs(cfg.seed))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    _assert_trees_close(params, task.fns.params, rtol=0, atol=0)
+
+    @jax.jit
+    def reference(params, rest):
+        def loss(p):
+            module = nnx.merge(graphdef, p, jax.tree.map(lambda x: x, rest))
+            value = vision_loss_fn(module, batch, train=True)
+            return value, nnx.split(module, nnx.Param, ...)[2]
+        return jax.grad(loss, has_aux=True)(params)
+
+    grads, new_rest = reference(params, rest)
+    got_grads = jax.tree.map(lambda before, after: (before - after) / 0.1, task.fns.params,
+                             trainer.params)
+    _assert_trees_close(got_grads, grads, rtol=2e-3, atol=2e-5)
+    assert max(float(np.abs(np.asarray(g)).max()) for g in jax.tree.leaves(grads)) > 1e-3
+    # BatchNorm running statistics: full-batch moments, averaged over devices.
+    _assert_trees_close(trainer.state.model_state, new_rest, rtol=1e-4, atol=1e-6)
+    assert any(float(np.abs(np.asarray(a) - np.asarray(b)).max()) > 0
+               for a, b in zip(jax.tree.leaves(new_rest), jax.tree.leaves(rest)))
+
+
+# ---------------------------------------------------------------- small models
 
 class _MLP(nnx.Module):
     def __init__(self, rngs):
@@ -132,9 +381,9 @@ def test_trainer_matches_reference_sgd_step():
     expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
     trainer = Trainer(model, _mse, optimizer=optax.sgd(0.1), devices=jax.devices()[:4])
     trainer.step(batch)
-    got = nnx.split(trainer.model, nnx.Param)[1]
-    for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    _assert_trees_close(expected, nnx.split(trainer.model, nnx.Param)[1], rtol=1e-5, atol=1e-7)
+    # The donated train state never owned the user's arrays: the model is intact.
+    _assert_trees_close(params, nnx.split(model, nnx.Param)[1], rtol=0, atol=0)
 
 
 def test_fp16_nonfinite_step_is_skipped():
@@ -177,34 +426,3 @@ def test_linen_module_trains():
     stats = trainer.state.model_state["batch_stats"]
     assert float(jnp.abs(jax.tree.leaves(stats)[0]).sum()) > 0  # running stats moved
     assert trainer.evaluate(batch) < first
-
-
-def test_nonfinite_run_stops_with_clear_error(tmp_path):
-    cfg = _cfg(tmp_path, model_overrides=TINY, seq_len=16, batch_size=4, lr=1e30, clip_norm=0.0,
-               warmup=0, max_nonfinite_steps=2, log_every=2, steps=8, checkpoint_every=2)
-    with pytest.raises(NonFiniteError, match="consecutive steps had non-finite"):
-        train(cfg, devices=_one_device())
-    steps = sorted(int(s) for s in os.listdir(os.path.join(cfg.run_dir, "checkpoints")))
-    assert steps == [] or steps[-1] <= 2  # nothing saved after the guard tripped
-
-
-def test_sigterm_saves_checkpoint_and_exits_cleanly(tmp_path):
-    class KillAtStep4:
-        def write(self, text):
-            if text.startswith("step 20 "):
-                os.kill(os.getpid(), signal.SIGTERM)
-
-        def flush(self):
-            pass
-
-        def isatty(self):
-            return False
-
-    before = signal.getsignal(signal.SIGTERM)
-    cfg = _cfg(tmp_path)
-    result = train(cfg, devices=_one_device(), stream=KillAtStep4())
-    assert result.interrupted and result.step == 20
-    assert os.listdir(os.path.join(cfg.run_dir, "checkpoints")) == ["20"]
-    assert signal.getsignal(signal.SIGTERM) is before
-    saved = json.load(open(os.path.join(cfg.run_dir, "config.json")))
-    assert saved["config"]["steps"] == 300

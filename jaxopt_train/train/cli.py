@@ -47,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--remat", choices=config_lib.REMATS, default=d.remat,
                    help="per-block rematerialisation policy")
     _bool_flag(m, "scan-layers", "scan over stacked GPT layers (faster compile)")
-    m.add_argument("--matmul", choices=config_lib.MATMULS, default=d.matmul)
+    m.add_argument("--matmul", choices=config_lib.MATMULS, default=d.matmul,
+                   help="dense-layer matmul of GPT presets: xla, or our Pallas (Mosaic GPU; "
+                        "interpret mode on CPU: slow) / Triton kernels (need --precision bf16/fp16)")
     o = p.add_argument_group("optimisation")
     o.add_argument("--steps", type=int, default=d.steps, help="total optimizer steps")
     o.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch size")
@@ -83,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="0: only at the end")
     r.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
     _bool_flag(r, "tensorboard", "also write TensorBoard events to RUN_DIR/tb")
-    r.add_argument("--prometheus-port", type=int, default=None, help="serve metrics on this port")
+    r.add_argument("--prometheus-port", type=int, default=None,
+                   help="serve metrics for Prometheus on this port (0: any free port)")
     r.add_argument("--profile-steps", default=None, metavar="START:STOP",
                    help="trace these steps with jax.profiler into RUN_DIR/profile")
     r.add_argument("--progress", choices=("auto", "bar", "lines"), default=d.progress)

@@ -19,7 +19,9 @@ PRESETS = GPT_PRESETS + VISION_PRESETS
 PRECISIONS = ("fp32", "tf32", "bf16", "bf16-pure", "fp16")
 GRAD_SYNCS = ("psum", "ring", "ring_bidir", "hierarchical")
 GRAD_COMPRESSIONS = ("none", "bf16", "int8")
-MATMULS = ("xla",)
+MATMULS = ("xla", "pallas", "triton")
+# The matmul kernels take bf16/fp16 operands; an f32 compute dtype never reaches them.
+_KERNEL_COMPUTE_DTYPES = ("bfloat16", "float16")
 ATTENTIONS = ("auto", "xla", "cudnn")
 REMATS = ("none", "dots", "full")
 
@@ -60,7 +62,10 @@ class TrainConfig:
       grad_compression: wire format of the gradient reduction.
       steps_per_dispatch: optimizer steps run by one compiled call (lax.scan
         over pre-staged batches): fewer host round trips for small models.
-      matmul: dense-layer matmul implementation (`MATMULS`).
+      matmul: dense-layer matmul of GPT presets (`MATMULS`): "xla" (lax.dot_general),
+        "pallas" (`jaxopt_train.kernels`: Mosaic GPU on Hopper, Mosaic TPU on TPU,
+        interpret mode on CPU - slow, for tests) or "triton" (jax-triton, CUDA).
+        Needs a bf16/fp16 compute dtype; checked for availability here.
       attention: attention implementation for GPT presets (`ATTENTIONS`).
       remat: per-block rematerialisation policy (`REMATS`).
       scan_layers: scan over stacked GPT layers (faster compile).
@@ -71,7 +76,8 @@ class TrainConfig:
       peak_tflops: per-device peak TFLOP/s for MFU; None looks it up.
       max_nonfinite_steps: stop after this many consecutive non-finite steps.
       tensorboard: also write TensorBoard event files to run_dir/tb.
-      prometheus_port: serve metrics for Prometheus on this port.
+      prometheus_port: serve metrics for Prometheus on this port (0: any free
+        port, printed at the start of the run).
       profile_steps: "START:STOP" step range traced with jax.profiler.
       progress: "auto" (a bar on a terminal), "bar" or "lines".
     """
@@ -129,9 +135,10 @@ class TrainConfig:
         if self.seq_len is not None:
             _check_int("seq_len", self.seq_len, minimum=1)
         if self.prometheus_port is not None:
-            _check_int("prometheus_port", self.prometheus_port, minimum=1)
+            _check_int("prometheus_port", self.prometheus_port, minimum=0)
             if self.prometheus_port > 65535:
-                raise ValueError(f"prometheus_port={self.prometheus_port} must be a TCP port in 1..65535")
+                raise ValueError(f"prometheus_port={self.prometheus_port} must be a TCP port in "
+                                 "0..65535 (0 picks a free one)")
         _check_precision(self.precision)
         _check_choice("grad_sync", self.grad_sync, GRAD_SYNCS)
         _check_choice("grad_compression", self.grad_compression, GRAD_COMPRESSIONS)
@@ -161,6 +168,22 @@ class TrainConfig:
             raise ValueError("resume=True needs run_dir: the directory of the run to continue")
         if self.profile_steps is not None:
             parse_profile_steps(self.profile_steps)
+        if self.matmul != "xla":
+            self._check_matmul()
+
+    def _check_matmul(self) -> None:
+        if self.is_vision:
+            raise ValueError(f"matmul={self.matmul!r} applies to GPT presets {GPT_PRESETS}, not "
+                             f"preset={self.preset!r}; use matmul='xla'")
+        from jaxopt_train.precision import get_policy  # noqa: PLC0415
+
+        compute = jnp_dtype_name(get_policy(self.precision).compute_dtype)
+        if compute not in _KERNEL_COMPUTE_DTYPES:
+            raise ValueError(
+                f"matmul={self.matmul!r} needs a bf16 or fp16 compute dtype (the kernels' operand "
+                f"types) but precision={self.precision!r} computes in {compute}; use "
+                "--precision bf16 (or fp16), or matmul='xla'")
+        matmul_dot_general(self.matmul)  # fails now, not at the first step, if unavailable
 
     @property
     def is_vision(self) -> bool:
@@ -183,6 +206,35 @@ class TrainConfig:
             shape.pop("num_classes")
             shape.pop("image_size")
         return shape
+
+
+def jnp_dtype_name(dtype) -> str:
+    import numpy as np  # noqa: PLC0415
+
+    return np.dtype(dtype).name
+
+
+def matmul_dot_general(choice: str):
+    """The `dot_general` of `TrainConfig.matmul`; ValueError naming why if unusable here.
+
+    "xla" is `lax.dot_general`; "pallas"/"triton" come from
+    `jaxopt_train.kernels.dot_general_for`, whose backend is resolved (and so
+    checked against the platform: Hopper for Mosaic GPU, jax_triton for Triton)
+    right away rather than at the first traced matmul.
+    """
+    _check_choice("matmul", choice, MATMULS)
+    from jaxopt_train.kernels import dot_general_for  # noqa: PLC0415
+    from jaxopt_train.kernels.matmul import resolve_backend  # noqa: PLC0415
+
+    fn = dot_general_for(choice)
+    backend = getattr(fn, "backend", None)
+    if backend is not None:
+        try:
+            resolve_backend(backend)
+        except RuntimeError as err:
+            raise ValueError(f"matmul={choice!r} is unavailable here: {err}; use matmul='xla'"
+                             ) from None
+    return fn
 
 
 def parse_profile_steps(spec: str) -> tuple[int, int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import threading
@@ -153,17 +154,18 @@ def train(config: TrainConfig, *, until_step: int | None = None, devices=None,
     k = cfg.steps_per_dispatch
     run_dir = cfg.run_dir or _default_run_dir(cfg)
     prepare_run_dir(run_dir, resume=cfg.resume, overwrite=cfg.overwrite)
-    policy = get_policy(cfg.precision)
-    task = build_task(cfg, policy)
-    optimizer = default_optimizer(lr=cfg.lr, total_steps=cfg.steps, warmup=cfg.warmup,
-                                  weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm)
-    trainer = Trainer.from_model_fns(
-        task.fns, optimizer, policy, microbatches=cfg.microbatches, grad_sync=cfg.grad_sync,
-        grad_compression=cfg.grad_compression, steps_per_dispatch=k, devices=devices)
     ckpt = Checkpointer(run_dir, keep=cfg.keep_checkpoints)
     try:
-        if cfg.resume:
+        if cfg.resume:  # before building anything: a mismatch fails in milliseconds
             _check_resume_shape(run_dir, cfg, ckpt)
+        policy = get_policy(cfg.precision)
+        task = build_task(cfg, policy)
+        optimizer = default_optimizer(lr=cfg.lr, total_steps=cfg.steps, warmup=cfg.warmup,
+                                      weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm)
+        trainer = Trainer.from_model_fns(
+            task.fns, optimizer, policy, microbatches=cfg.microbatches, grad_sync=cfg.grad_sync,
+            grad_compression=cfg.grad_compression, steps_per_dispatch=k, devices=devices)
+        if cfg.resume:
             trainer.state, _ = ckpt.restore(trainer.state)
         _write_config(run_dir, cfg, task)
         return _run(cfg, task, trainer, ckpt, run_dir, target, stream)
@@ -270,13 +272,18 @@ def _log(cfg: TrainConfig, task: Task, trainer: Trainer, logger: MetricsLogger,
 
 
 def _current_lr(cfg: TrainConfig, step: int) -> float:
-    import optax  # noqa: PLC0415
+    """`default_optimizer`'s warmup-cosine schedule at `step`, in plain Python.
 
+    (Evaluating the optax schedule eagerly costs a dozen device dispatches per
+    log line; tests/test_train.py checks this equals it.)
+    """
     warmup = min(cfg.warmup, cfg.steps - 1) if cfg.steps > 1 else 0
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0 if warmup else cfg.lr, peak_value=cfg.lr, warmup_steps=warmup,
-        decay_steps=cfg.steps, end_value=cfg.lr / 10)
-    return float(schedule(step))
+    end = cfg.lr / 10
+    if step < warmup:
+        return cfg.lr * step / warmup
+    decay = max(cfg.steps - warmup, 1)
+    progress = min(step - warmup, decay) / decay
+    return end + (cfg.lr - end) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def _start_monitor():

@@ -88,6 +88,10 @@ class MetricsLogger:
         self.sinks = _optional_sinks(run_dir, tensorboard, prometheus_port) if self.is_main else []
         use_bar = progress == "bar" or (progress == "auto" and _isatty(self.stream))
         self.bar = _make_bar(total_steps, start_step, self.stream) if (use_bar and self.is_main) else None
+        # The bound port (prometheus_port=0 picks a free one), for scrapers and tests.
+        self.prometheus_port = next((sink.port for sink in self.sinks if hasattr(sink, "port")), None)
+        if self.prometheus_port is not None:
+            self.message(f"prometheus metrics at http://127.0.0.1:{self.prometheus_port}/metrics")
 
     def advance(self, steps: int = 1) -> None:
         if self.bar is not None:

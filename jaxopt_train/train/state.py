@@ -22,6 +22,11 @@ class TrainState(NamedTuple):
     opt_state: the optax state.
     loss_scale: a `jaxopt_train.precision` loss scale (NoOp unless fp16).
     nonfinite_streak: int32 consecutive steps whose gradients were not finite.
+    grad_error: the error-feedback state of compressed gradient reduction
+      (`jaxopt_train.collectives.ErrorFeedbackState`, f32 leaves shaped
+      [devices, *param.shape], sharded over the data axis: each device keeps
+      the rounding error of its own contribution), or None without compression.
+      Kept here so the correction persists across steps and checkpoints.
     """
 
     step: jax.Array
@@ -30,13 +35,14 @@ class TrainState(NamedTuple):
     opt_state: Any
     loss_scale: Any
     nonfinite_streak: jax.Array
+    grad_error: Any = None
 
 
 def init_train_state(params, model_state, optimizer: optax.GradientTransformation,
-                     loss_scale) -> TrainState:
+                     loss_scale, grad_error=None) -> TrainState:
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
                       opt_state=optimizer.init(params), loss_scale=loss_scale,
-                      nonfinite_streak=jnp.zeros((), jnp.int32))
+                      nonfinite_streak=jnp.zeros((), jnp.int32), grad_error=grad_error)
 
 
 def _decay_mask(params):

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxopt_train.accumulation import accumulate_gradients
-from jaxopt_train.collectives import all_reduce_tree
+from jaxopt_train.collectives import all_reduce_tree, init_error_feedback
 from jaxopt_train.precision import all_finite, select_tree
 from jaxopt_train.train.state import TrainState
 
@@ -49,11 +49,18 @@ def make_step_body(loss: Callable, optimizer: optax.GradientTransformation, *,
                    grad_compression: str | None = None) -> Callable:
     """Returns `one_step(state, batch) -> (state, metrics)` for use inside shard_map.
 
-    `loss(params, model_state, batch, train)` is a `ModelFns.loss`.
+    `loss(params, model_state, batch, train)` is a `ModelFns.loss`. With
+    compression and `state.grad_error` set, the reduction's error feedback is
+    read from and written back to `state.grad_error` (this device's slice).
     """
     sync_kwargs: dict[str, Any] = {}
     if grad_compression not in (None, "none"):
         sync_kwargs["compression"] = grad_compression
+
+    def reduce_grads(grads, grad_error):
+        if grad_error is None or "compression" not in sync_kwargs:
+            return all_reduce_tree(grads, AXIS, method=grad_sync, **sync_kwargs), grad_error
+        return all_reduce_tree(grads, AXIS, method=grad_sync, error_state=grad_error, **sync_kwargs)
 
     def one_step(state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
         def scaled_loss(params, micro_batch, model_state):
@@ -62,8 +69,10 @@ def make_step_body(loss: Callable, optimizer: optax.GradientTransformation, *,
 
         grad_fn = accumulate_gradients(scaled_loss, microbatches, has_aux=True)
         (_, (value, model_state)), grads = grad_fn(state.params, batch, state.model_state)
-        # The one cross-device reduction of this optimizer step.
-        grads = all_reduce_tree(grads, AXIS, method=grad_sync, **sync_kwargs)
+        # The one cross-device reduction of this optimizer step. (Error feedback
+        # holds loss-scaled units: a changed fp16 scale mis-weights one step's
+        # correction by the same factor, a bounded and transient error.)
+        grads, grad_error = reduce_grads(grads, state.grad_error)
         grads = state.loss_scale.unscale(jax.tree.map(lambda g: g / num_devices, grads))
         finite = all_finite(grads)
         # optax mixes Python floats with int32 counts (Adam's b1**count), which
@@ -78,7 +87,10 @@ def make_step_body(loss: Callable, optimizer: optax.GradientTransformation, *,
             model_state=select_tree(finite, model_state, state.model_state),
             opt_state=select_tree(finite, opt_state, state.opt_state),
             loss_scale=state.loss_scale.adjust(finite),
-            nonfinite_streak=jnp.where(finite, 0, state.nonfinite_streak + 1).astype(jnp.int32))
+            nonfinite_streak=jnp.where(finite, 0, state.nonfinite_streak + 1).astype(jnp.int32),
+            # A non-finite step must not poison the carried error forever.
+            grad_error=(None if grad_error is None
+                        else select_tree(finite, grad_error, state.grad_error)))
         metrics = {"loss": lax.pmean(value, AXIS), "grad_norm": optax.global_norm(grads),
                    "finite": finite, "loss_scale": state.loss_scale.loss_scale}
         return new_state, metrics
@@ -86,13 +98,29 @@ def make_step_body(loss: Callable, optimizer: optax.GradientTransformation, *,
     return one_step
 
 
+def state_specs(error_feedback: bool) -> TrainState:
+    """shard_map specs of a TrainState: all replicated but the per-device error feedback."""
+    return TrainState(step=P(), params=P(), model_state=P(), opt_state=P(), loss_scale=P(),
+                      nonfinite_streak=P(), grad_error=P(AXIS) if error_feedback else None)
+
+
+def init_sharded_error_feedback(params, mesh: jax.sharding.Mesh):
+    """Zero error feedback for `params`: one f32 slice per device, sharded over "data"."""
+    num_devices = mesh.shape[AXIS]
+    make = jax.jit(lambda p: init_error_feedback(p, num_devices),
+                   out_shardings=NamedSharding(mesh, P(AXIS)))
+    return make(params)
+
+
 def build_train_step(loss: Callable, optimizer: optax.GradientTransformation,
                      mesh: jax.sharding.Mesh, *, microbatches: int = 1, grad_sync: str = "psum",
-                     grad_compression: str | None = None, steps_per_dispatch: int = 1) -> Callable:
+                     grad_compression: str | None = None, steps_per_dispatch: int = 1,
+                     error_feedback: bool = False) -> Callable:
     """A jitted `step(state, batches) -> (state, metrics)` with the state donated.
 
     `batches` leaves have shape [steps_per_dispatch, global_batch, ...], sharded
     `P(None, "data")`; metrics leaves have shape [steps_per_dispatch].
+    `error_feedback=True` means `state.grad_error` is set (see `state_specs`).
     """
     num_devices = mesh.shape[AXIS]
     one_step = make_step_body(loss, optimizer, microbatches=microbatches, num_devices=num_devices,
@@ -104,20 +132,21 @@ def build_train_step(loss: Callable, optimizer: optax.GradientTransformation,
             return state, jax.tree.map(lambda m: m[None], metrics)
         return lax.scan(one_step, state, batches)
 
+    specs = state_specs(error_feedback)
     # check_vma=False: ring reductions built from ppermute return values that
     # are equal on every device but typed as varying; P() outputs are correct.
-    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(None, AXIS)),
-                            out_specs=(P(), P()), check_vma=False)
+    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(specs, P(None, AXIS)),
+                            out_specs=(specs, P()), check_vma=False)
     return jax.jit(sharded, donate_argnums=0)
 
 
 def build_eval_step(loss: Callable, mesh: jax.sharding.Mesh) -> Callable:
-    """A jitted `eval_step(state, batch) -> mean loss` (batch leaves [global_batch, ...])."""
-    def per_device(state, batch):
-        value, _ = loss(state.params, state.model_state, batch, False)
+    """A jitted `eval_step(params, model_state, batch) -> mean loss` (batch leaves [global_batch, ...])."""
+    def per_device(params, model_state, batch):
+        value, _ = loss(params, model_state, batch, False)
         return lax.pmean(value, AXIS)
 
-    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(),
+    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(AXIS)), out_specs=P(),
                             check_vma=False)
     return jax.jit(sharded)
 
@@ -131,7 +160,10 @@ def replicate(tree, mesh: jax.sharding.Mesh):
 
 def _global_array(x, sharding):
     if isinstance(x, jax.Array) and jax.process_count() == 1:
-        return jax.device_put(x, sharding)
+        # Copy first: the train step donates the state, which must not delete the
+        # arrays of the user's model (device_put shares the buffer on its own
+        # device even with may_alias=False, jax 0.10).
+        return jax.device_put(x.copy(), sharding)
     return jax.make_array_from_process_local_data(sharding, np.asarray(x))
 
 

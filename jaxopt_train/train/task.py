@@ -15,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from jaxopt_train.precision import Policy
-from jaxopt_train.train.config import TrainConfig
+from jaxopt_train.train.config import TrainConfig, matmul_dot_general
 from jaxopt_train.train.model import ModelFns, gpt_loss_fn, nnx_model_fns, vision_loss_fn
 
 
@@ -46,6 +46,10 @@ def gpt_model_config(cfg: TrainConfig, policy: Policy, vocab_size: int | None = 
         remat=cfg.remat, scan_layers=cfg.scan_layers)
     if cfg.seq_len is not None:
         overrides["seq_len"] = cfg.seq_len
+    if cfg.matmul != "xla":
+        # Inside the trainer's shard_map each device multiplies its local shard,
+        # so a Pallas/Triton call (which XLA cannot partition) is fine there.
+        overrides["dot_general"] = matmul_dot_general(cfg.matmul)
     overrides.update(cfg.model_overrides)
     model_cfg = get_gpt_config(cfg.preset, **overrides)
     if vocab_size is not None and vocab_size > model_cfg.vocab_size:
@@ -96,7 +100,7 @@ def _gpt_task(cfg: TrainConfig, policy: Policy) -> Task:
         unit="tokens", units_per_example=model_cfg.seq_len,
         flops_per_example=float(gpt_flops_per_token(model_cfg)) * model_cfg.seq_len,
         description=(f"{cfg.preset} (d_model={model_cfg.d_model}, layers={model_cfg.n_layers}, "
-                     f"seq_len={model_cfg.seq_len}) on {description}"))
+                     f"seq_len={model_cfg.seq_len}, matmul {cfg.matmul}) on {description}"))
 
 
 def _vision_task(cfg: TrainConfig, policy: Policy) -> Task:

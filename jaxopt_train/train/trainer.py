@@ -35,10 +35,12 @@ from jaxopt_train.accumulation import check_divisible
 from jaxopt_train.precision import Policy, get_policy, loss_scale_for
 from jaxopt_train.train.model import ModelFns, linen_model_fns, nnx_model_fns
 from jaxopt_train.train.state import TrainState, default_optimizer, init_train_state
-from jaxopt_train.train.step import (AXIS, build_eval_step, build_train_step, make_data_mesh,
-                                     memory_summary, place_batch, replicate)
+from jaxopt_train.train.step import (AXIS, build_eval_step, build_train_step,
+                                     init_sharded_error_feedback, make_data_mesh, memory_summary,
+                                     place_batch, replicate)
 
 GRAD_SYNCS = ("psum", "ring", "ring_bidir", "hierarchical")
+GRAD_COMPRESSIONS = (None, "none", "bf16", "int8")
 
 
 class Trainer:
@@ -53,7 +55,8 @@ class Trainer:
       precision: policy name or `Policy` (see `jaxopt_train.precision`).
       microbatches: micro-batches accumulated per device per step.
       grad_sync: "psum", "ring", "ring_bidir" or "hierarchical".
-      grad_compression: None/"none", "bf16" or "int8" (ring methods).
+      grad_compression: None/"none", "bf16" or "int8" on the wire; the error
+        feedback state is then carried in `state.grad_error` across steps.
       steps_per_dispatch: optimizer steps per compiled call; `step()` then
         takes batches with a leading axis of this size.
       devices: devices of the data mesh (default: all).
@@ -98,6 +101,9 @@ class Trainer:
                steps_per_dispatch: int = 1, devices=None, verbose: bool = False) -> None:
         if grad_sync not in GRAD_SYNCS:
             raise ValueError(f"grad_sync={grad_sync!r}; expected one of {list(GRAD_SYNCS)}")
+        if grad_compression not in GRAD_COMPRESSIONS:
+            raise ValueError(f"grad_compression={grad_compression!r}; expected one of "
+                             f"{list(GRAD_COMPRESSIONS)}")
         for name, value in (("microbatches", microbatches), ("steps_per_dispatch", steps_per_dispatch)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
@@ -107,9 +113,15 @@ class Trainer:
         self.num_devices = self.mesh.shape[AXIS]
         state = init_train_state(fns.params, fns.model_state, optimizer, loss_scale_for(policy))
         self.state: TrainState = replicate(state, self.mesh)
+        error_feedback = grad_compression not in (None, "none")
+        if error_feedback:
+            # Compressed reductions carry their rounding error into the next step.
+            self.state = self.state._replace(
+                grad_error=init_sharded_error_feedback(self.state.params, self.mesh))
         self._train_step = build_train_step(
             fns.loss, optimizer, self.mesh, microbatches=microbatches, grad_sync=grad_sync,
-            grad_compression=grad_compression, steps_per_dispatch=steps_per_dispatch)
+            grad_compression=grad_compression, steps_per_dispatch=steps_per_dispatch,
+            error_feedback=error_feedback)
         self._eval_step = build_eval_step(fns.loss, self.mesh)
         self._compiled = None
         self._compiled_shapes = None
@@ -176,7 +188,8 @@ class Trainer:
     def evaluate(self, batch) -> float:
         """Mean loss of the current params on a host global batch [B, ...] (eval mode)."""
         batch = jax.tree.map(np.asarray, batch)
-        return float(self._eval_step(self.state, place_batch(batch, self.mesh, P(AXIS))))
+        return float(self._eval_step(self.state.params, self.state.model_state,
+                                     place_batch(batch, self.mesh, P(AXIS))))
 
     # ------------------------------------------------------------------ results
 
