@@ -35,6 +35,29 @@ def test_round_trip_keeps_types_and_values(tmp_path, scale):
         np.testing.assert_array_equal(a, b)
 
 
+def test_round_trip_keeps_error_feedback_sharded_per_device(tmp_path):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxopt_train.train.step import init_sharded_error_feedback, make_data_mesh, replicate
+
+    mesh = make_data_mesh(jax.devices()[:4])
+    state = replicate(_state(NoOpLossScale()), mesh)
+    error = init_sharded_error_feedback(state.params, mesh)
+    error = jax.tree.map(lambda e: e + jnp.arange(4, dtype=jnp.float32).reshape(4, *[1] * (e.ndim - 1)),
+                         error)  # a different error on every device
+    state = state._replace(grad_error=error)
+    ckpt = Checkpointer(str(tmp_path), keep=1)
+    ckpt.save(1, state, {})
+    ckpt.wait()
+    restored, _ = ckpt.restore(jax.tree.map(jnp.zeros_like, state))
+    ckpt.close()
+    leaf = restored.grad_error.error["w"]
+    assert leaf.shape == (4, 3, 4) and leaf.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 3)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_keep_last_n(tmp_path):
     ckpt = Checkpointer(str(tmp_path), keep=2)
     state = _state(NoOpLossScale())

@@ -1,5 +1,8 @@
-"""`jaxopt-train train` argument handling (no training: parsing and validation only)."""
+"""`jaxopt-train train`: argument handling, and one short end-to-end run of the CLI."""
 
+import os
+
+import jax
 import pytest
 
 from jaxopt_train.train import cli
@@ -35,6 +38,11 @@ def test_help_exits_zero(capsys):
     (["--model", "d_model"], "FIELD=VALUE"),
     (["--profile-steps", "5:2"], "--profile-steps"),
     (["--steps-per-dispatch", "4", "--steps", "10"], "multiple of steps_per_dispatch"),
+    (["--matmul", "cuda-cores"], "--matmul"),
+    (["--matmul", "pallas"], "--matmul: matmul='pallas' needs a bf16 or fp16 compute dtype"),
+    (["--matmul", "triton", "--precision", "bf16"], "'triton' is unavailable: needs a CUDA GPU"),
+    (["--matmul", "pallas", "--precision", "bf16", "--preset", "cnn-small"], "GPT presets"),
+    (["--prometheus-port", "-1"], "--prometheus-port"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(argv, needle, capsys):
     code, err = _exit_code_and_err(argv, capsys)
@@ -61,3 +69,48 @@ def test_defaults_and_overrides_parse():
 def test_config_errors_name_field_and_value(kwargs, needle):
     with pytest.raises((ValueError, TypeError), match=needle.replace("(", r"\(").replace("[", r"\[")):
         TrainConfig(**kwargs)
+
+
+def test_matmul_flag_reaches_the_gpt_config():
+    from jaxopt_train.precision import get_policy
+    from jaxopt_train.train.task import gpt_model_config
+
+    cfg = cli.config_from_args(["--matmul", "pallas", "--precision", "bf16"])
+    model_cfg = gpt_model_config(cfg, get_policy(cfg.precision))
+    assert model_cfg.dot_general.backend == "interpret"  # the Pallas kernel, interpreted on CPU
+    assert gpt_model_config(TrainConfig(), get_policy("fp32")).dot_general in (None, jax.lax.dot_general)
+
+
+@pytest.fixture
+def _compilation_cache(tmp_path_factory):
+    # Shared with tests/test_train.py, whose TINY_RUN this CLI run mirrors.
+    cache = tmp_path_factory.getbasetemp() / "jaxopt_train_jax_cache"
+    cache.mkdir(exist_ok=True)
+    old = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+    jax.config.update("jax_compilation_cache_dir", str(cache))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    yield
+    jax.config.update("jax_compilation_cache_dir", old[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
+
+
+def test_cli_trains_end_to_end_and_leaves_a_run_dir(tmp_path, capsys, _compilation_cache):
+    from jaxopt_train.train.metrics import read_jsonl
+
+    run_dir = str(tmp_path / "run")
+    argv = ["--model", "d_model=32", "--model", "n_layers=1", "--model", "n_heads=2",
+            "--seq-len", "32", "--batch-size", "16", "--microbatches", "2", "--steps", "8",
+            "--warmup", "2", "--lr", "1e-2", "--log-every", "2", "--eval-every", "0",
+            "--eval-batches", "1", "--checkpoint-every", "0", "--progress", "lines",
+            "--run-dir", run_dir]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "compiled train step" in out and f"done: 8 steps in {run_dir}; eval loss" in out
+    records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [2, 4, 6, 8]
+    assert all(r["loss"] > 0 for r in records) and "eval_loss" in records[-1]
+    assert os.listdir(os.path.join(run_dir, "checkpoints")) == ["8"]
+    assert os.path.exists(os.path.join(run_dir, "config.json"))
+    # Running it again without --resume refuses to clobber the run: exit 2, no traceback.
+    assert cli.main(argv) == 2
+    assert "--resume" in capsys.readouterr().err

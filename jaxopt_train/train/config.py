@@ -83,12 +83,12 @@ class TrainConfig:
     """
 
     preset: str = "gpt-tiny"
-    steps: int = 300
+    steps: int = 200
     batch_size: int = 16
     microbatches: int = 1
     precision: str = "fp32"
     lr: float = 3e-3
-    warmup: int = 30
+    warmup: int = 20
     weight_decay: float = 0.1
     clip_norm: float = 1.0
     data: str | None = None
