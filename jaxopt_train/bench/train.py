@@ -83,9 +83,11 @@ def _parser() -> argparse.ArgumentParser:
 def _parse(argv):
     args = _parser().parse_args(argv)
     defaults = QUICK if args.quick else DEFAULTS
+    args.defaulted = set()
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+            args.defaulted.add(name)
     for name in ("global_batch", "microbatches", "steps", "warmup", "bursts", "trace_steps",
                  "steps_per_dispatch"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
@@ -281,6 +283,11 @@ def run_bench(args, xla_report) -> dict:
     from jaxopt_train.train.mfu import matmul_dtype_name, resolve_peak_tflops  # noqa: PLC0415
 
     devices = jax.devices()[: args.devices] if args.devices else jax.devices()
+    if "global_batch" in args.defaulted:
+        # A defaulted batch must still split over every device and micro-batch
+        # (e.g. --quick on 8 emulated devices); an explicit one is validated as given.
+        unit = len(devices) * args.microbatches
+        args.global_batch = -(-args.global_batch // unit) * unit
     workload = train_steps.Workload(args.model, args.global_batch, args.microbatches,
                                     seq_len=args.seq_len if args.model.startswith("gpt") else None,
                                     n_layers=args.layers if args.model.startswith("gpt") else None,

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# One device-machine call that checks and times everything GPU-side at once.
+#   bash tools/gpu_sweep.sh            # on the 2-GPU machine; results under $OUT
+#   SWEEP_DRY=1 bash tools/gpu_sweep.sh  # CPU dry run with tiny models (checks the flags)
+# Single-GPU work runs in two lanes, one per GPU, in parallel; then the 2-GPU runs.
+# Everything lands in $OUT/sweep/ and is packed into $OUT/sweep.tar.gz (the device tool
+# returns at most 8 files).
+set -u
+OUT=${OUT:-/tmp/sweep_out}; R=$OUT/sweep; mkdir -p "$R"
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false JAXOPT_TRAIN_CACHE_DIR=$R
+PY=${PY:-python3}
+if [ "${SWEEP_DRY:-0}" = 1 ]; then
+  BIG=gpt-tiny; MID=gpt-tiny; VIS=cnn-small; Q=--quick; TQ="--model d_model=32 --model n_layers=1"
+  BIGTRAIN="--preset gpt-tiny --steps 6 --batch-size 8"
+else
+  BIG=gpt-1b; MID=gpt-124m; VIS=resnet50; Q=; TQ=
+  BIGTRAIN="--preset gpt-1b --steps 40 --batch-size 8"
+fi
+t0=$(date +%s)
+step() {  # step NAME TIMEOUT CMD...: run, log, record rc and seconds
+  local name=$1 limit=$2; shift 2; local s=$(date +%s)
+  echo "=== [$name] start +$((s - t0))s: $*" | tee -a "$R/steps.log"
+  timeout "$limit" "$@" > "$R/$name.log" 2>&1; local rc=$?
+  echo "=== [$name] rc=$rc in $(( $(date +%s) - s ))s" | tee -a "$R/steps.log"
+  tail -n 40 "$R/$name.log"
+}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv > "$R/nvidia-smi.txt" 2>&1
+nvidia-smi topo -m >> "$R/nvidia-smi.txt" 2>&1
+$PY -c "import jax, flax, optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())" > "$R/versions.txt" 2>&1
+step doctor 60 $PY -m jaxopt_train.runtime.doctor
+$PY -m jaxopt_train.runtime.doctor --json > "$R/doctor.json" 2>/dev/null
+step monitor 40 $PY -m jaxopt_train.runtime.monitor_demo --seconds 8 --interval 0.25 --load --json "$R/monitor.json"
+
+lane_a() {  # GPU 0: the big single-GPU runs
+  export CUDA_VISIBLE_DEVICES=0
+  step bench_gpt1b ${T_BIG:-300} $PY -m jaxopt_train.bench.train --model $BIG --global-batch 8 \
+    --microbatches 1 --steps 30 --warmup 5 --bursts 3 --trace-steps 5 --steps-per-dispatch 1 $Q --out "$R/gpt1b"
+  step train_gpt1b_xla ${T_TRAIN:-150} $PY -m jaxopt_train.train.cli $BIGTRAIN $TQ --precision bf16 \
+    --warmup 10 --lr 3e-4 --log-every 10 --eval-every 0 --checkpoint-every 0 --attention auto \
+    --progress lines --matmul xla --run-dir /tmp/run_xla --overwrite
+  step train_gpt1b_pallas ${T_TRAIN:-150} $PY -m jaxopt_train.train.cli $BIGTRAIN $TQ --precision bf16 \
+    --warmup 10 --lr 3e-4 --log-every 10 --eval-every 0 --checkpoint-every 0 --attention auto \
+    --progress lines --matmul pallas --run-dir /tmp/run_pallas --overwrite
+}
+lane_b() {  # GPU 1: the smaller single-GPU runs
+  export CUDA_VISIBLE_DEVICES=${LANE_B_GPU:-1}
+  step bench_resnet50 ${T_VIS:-150} $PY -m jaxopt_train.bench.train --model $VIS --global-batch 256 \
+    --steps 30 --bursts 3 --trace-steps 5 --steps-per-dispatch 1 --dataset-tokens 1281167 $Q --out "$R/resnet50"
+  step bench_tiny_k 90 $PY -m jaxopt_train.bench.train --model gpt-tiny --global-batch 8 --steps 320 \
+    --bursts 5 --compare-dispatch 1,16 --xla-preset none $Q --out "$R/tiny_k"
+  step bench_accum 150 $PY -m jaxopt_train.bench.accumulation --model $MID --batch 32 --microbatches 4 \
+    $Q --json "$R/accumulation.json"
+  step gpu_tests 120 $PY -m pytest -q -m gpu tests/test_models.py tests/test_bench_train.py \
+    tests/test_doctor.py tests/test_monitor.py tests/test_runtime_memory.py
+}
+if [ "${SWEEP_DRY:-0}" = 1 ]; then LANE_B_GPU=0; fi
+if [ "${PHASE:-all}" != 2 ]; then
+  lane_a & A=$!; lane_b & B=$!; wait $A $B
+fi
+if [ "${PHASE:-all}" != 1 ]; then
+  step bench_gpt1b_x2 ${T_X2:-240} $PY -m jaxopt_train.bench.train --model $BIG --global-batch 16 \
+    --steps 30 --bursts 3 --trace-steps 5 --steps-per-dispatch 1 $Q --out "$R/gpt1b_x2"
+fi
+echo "total $(( $(date +%s) - t0 ))s" | tee -a "$R/steps.log"
+tar czf "$OUT/sweep.tar.gz" -C "$OUT" sweep && cp "$R/steps.log" "$OUT/steps.log"
