@@ -99,7 +99,7 @@ def test_cli_trains_end_to_end_and_leaves_a_run_dir(tmp_path, capsys, _compilati
 
     run_dir = str(tmp_path / "run")
     argv = ["--model", "d_model=32", "--model", "n_layers=1", "--model", "n_heads=2",
-            "--seq-len", "32", "--batch-size", "16", "--microbatches", "2", "--steps", "8",
+            "--seq-len", "32", "--batch-size", "8", "--microbatches", "1", "--steps", "8",
             "--warmup", "2", "--lr", "1e-2", "--log-every", "2", "--eval-every", "0",
             "--eval-batches", "1", "--checkpoint-every", "0", "--progress", "lines",
             "--run-dir", run_dir]
