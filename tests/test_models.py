@@ -468,3 +468,23 @@ def test_vision_errors():
         model(jnp.zeros((2, 3, 8, 8)), train=False)
     with pytest.raises(ValueError, match="legal values"):
         resnet_flops_per_image("resnet34")
+
+
+def test_resnet_stem_max_pool_is_differentiable_and_matches_reference():
+    """The stem's 3x3/2 max-pool must have a gradient (a generic reduce_window has none).
+
+    Regression: a traced -inf init made ResNet training fail with "Linearization failed".
+    """
+    from jaxopt_train.models.resnet import _max_pool_3x3_s2
+
+    x = jax.random.normal(jax.random.key(0), (2, 7, 7, 3), jnp.float32)
+
+    def reference(x):  # the same pool, written as max over the 9 shifted windows
+        padded = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)), constant_values=-jnp.inf)
+        windows = [padded[:, i:i + 7:2, j:j + 7:2, :] for i in range(3) for j in range(3)]
+        return jnp.max(jnp.stack(windows), axis=0)
+
+    np.testing.assert_array_equal(jax.jit(_max_pool_3x3_s2)(x), reference(x))
+    g = jax.jit(jax.grad(lambda x: jnp.sum(_max_pool_3x3_s2(x) ** 2)))(x)
+    g_ref = jax.grad(lambda x: jnp.sum(reference(x) ** 2))(x)
+    np.testing.assert_allclose(g, g_ref, rtol=1e-6, atol=1e-6)

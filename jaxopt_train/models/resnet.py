@@ -129,9 +129,11 @@ class ResidualBlock(nnx.Module):
 
 
 def _max_pool_3x3_s2(x: jax.Array) -> jax.Array:
-    neg_inf = jnp.array(-jnp.inf, x.dtype)
+    # The init value must be the Python scalar -inf: JAX recognises (lax.max, -inf)
+    # as a max-pool it can differentiate; a traced array init is a generic
+    # reduce_window, which has no reverse-mode rule.
     padding = ((0, 0), (1, 1), (1, 1), (0, 0))
-    return jax.lax.reduce_window(x, neg_inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), padding)
+    return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), padding)
 
 
 class ResNet(nnx.Module):

@@ -51,11 +51,28 @@ def gpt_model_config(cfg: TrainConfig, policy: Policy, vocab_size: int | None = 
         # so a Pallas/Triton call (which XLA cannot partition) is fine there.
         overrides["dot_general"] = matmul_dot_general(cfg.matmul)
     overrides.update(cfg.model_overrides)
-    model_cfg = get_gpt_config(cfg.preset, **overrides)
+    model_cfg = _prefer_cudnn_attention(get_gpt_config(cfg.preset, **overrides))
     if vocab_size is not None and vocab_size > model_cfg.vocab_size:
         raise ValueError(f"the data has token ids up to {vocab_size - 1} but preset={cfg.preset!r} "
                          f"has vocab_size={model_cfg.vocab_size}; use a preset with a larger "
                          "vocabulary or override vocab_size")
+    return model_cfg
+
+
+def _prefer_cudnn_attention(model_cfg):
+    """attention="auto" means cuDNN flash attention wherever it can run.
+
+    Left to itself JAX's "auto" picks XLA's attention on GPU, which materialises
+    the [T, T] scores; cuDNN's fused kernel is the fast path on NVIDIA GPUs
+    (bf16/f16 compute, head_dim % 8 == 0 and <= 128).
+    """
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    if (model_cfg.attention == "auto" and jax.default_backend() == "gpu"
+            and jnp.dtype(model_cfg.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and model_cfg.head_dim % 8 == 0 and model_cfg.head_dim <= 128):
+        return dataclasses.replace(model_cfg, attention="cudnn")
     return model_cfg
 
 
