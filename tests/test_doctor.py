@@ -95,6 +95,13 @@ def test_healthy_gpus_pass(monkeypatch):
     assert "350 W of 700 W" in checks["gpu0 power"].detail
 
 
+def test_nvswitch_board_reports_nvlink(monkeypatch):
+    # Seen on the H200 machine: links end at NVSwitches, nvidia-smi topo says NV18.
+    install_fake_nvml(monkeypatch, make_fake_nvml(two_gpus(), nvswitch_links=18, topology_level=10))
+    topo = _by_name(doctor.check_gpus(CUDA13))["topology gpu0-gpu1"]
+    assert topo.status == "pass" and "NVSwitch (18 active links" in topo.detail
+
+
 def test_old_driver_fails(monkeypatch):
     install_fake_nvml(monkeypatch, make_fake_nvml([FakeGPU()], driver="550.54.14", cuda=12040))
     checks = _by_name(doctor.check_gpus(CUDA13))

@@ -42,12 +42,14 @@ class FakeGPU:
 
 def make_fake_nvml(gpus: list[FakeGPU], *, driver: str = "580.95.05", cuda: int = 13000,
                    nvlinks: dict[tuple[int, int], int] | None = None, topology_level: int = 30,
-                   init_error: bool = False) -> types.ModuleType:
+                   init_error: bool = False, nvswitch_links: int = 0) -> types.ModuleType:
     """A module object standing in for pynvml, describing `gpus`.
 
     Args:
       nvlinks: `{(i, j): number of links}` from GPU i to GPU j (both directions).
       topology_level: nvmlDeviceGetTopologyCommonAncestor's answer for pairs without NVLink.
+      nvswitch_links: links from every GPU to an NVSwitch (HGX boards): the remote PCI id
+        of each link is the switch's, and NVLink P2P between all GPUs reports OK.
     """
     import pynvml as real
 
@@ -99,10 +101,18 @@ def make_fake_nvml(gpus: list[FakeGPU], *, driver: str = "580.95.05", cuda: int 
     def nvlink_state(h, link):
         if link >= real.NVML_NVLINK_MAX_LINKS:
             raise NVMLError("Invalid Argument")
-        return 1 if link < len(links[h[1]]) else 0
+        return 1 if link < len(links[h[1]]) + nvswitch_links else 0
 
     def nvlink_remote(h, link):
+        if link >= len(links[h[1]]):
+            return types.SimpleNamespace(busId=b"00000000:A1:00.0")  # an NVSwitch
         return types.SimpleNamespace(busId=gpus[links[h[1]][link]].bus_id.encode())
+
+    def p2p_status(a, b, index):
+        nvlink_p2p = nvswitch_links or any(b[1] == j for j in links[a[1]])
+        if index == real.NVML_P2P_CAPS_INDEX_NVLINK and nvlink_p2p:
+            return real.NVML_P2P_STATUS_OK
+        return real.NVML_P2P_STATUS_NOT_SUPPORTED
 
     functions = {
         "nvmlInit": nvmlInit,
@@ -132,6 +142,7 @@ def make_fake_nvml(gpus: list[FakeGPU], *, driver: str = "580.95.05", cuda: int 
         "nvmlDeviceGetNvLinkState": nvlink_state,
         "nvmlDeviceGetNvLinkRemotePciInfo": nvlink_remote,
         "nvmlDeviceGetTopologyCommonAncestor": lambda a, b: topology_level,
+        "nvmlDeviceGetP2PStatus": p2p_status,
     }
     for name, fn in functions.items():
         setattr(fake, name, fn)

@@ -275,6 +275,14 @@ def _bus_id(text) -> tuple[int, str]:
     return int(domain, 16), rest
 
 
+def _nvlink_p2p(nvml: ModuleType, handle_a, handle_b) -> bool:
+    get = getattr(nvml, "nvmlDeviceGetP2PStatus", None)
+    index = getattr(nvml, "NVML_P2P_CAPS_INDEX_NVLINK", None)
+    if get is None or index is None:
+        return False
+    return nvml_lib.try_call(get, handle_a, handle_b, index) == getattr(nvml, "NVML_P2P_STATUS_OK", 0)
+
+
 def _check_topology(nvml: ModuleType, handles: list) -> list[Check]:
     if len(handles) < 2:
         return []
@@ -284,9 +292,11 @@ def _check_topology(nvml: ModuleType, handles: list) -> list[Check]:
     checks = []
     for a, (i, handle_i) in enumerate(handles):
         links_to: dict[int, int] = {}
+        active = 0
         for link in range(max_links):
             if call(nvml.nvmlDeviceGetNvLinkState, handle_i, link) != 1:
                 continue
+            active += 1
             remote = call(nvml.nvmlDeviceGetNvLinkRemotePciInfo, handle_i, link)
             if remote is None:
                 continue
@@ -297,6 +307,12 @@ def _check_topology(nvml: ModuleType, handles: list) -> list[Check]:
             pair = f"gpu{i}-gpu{j}"
             if links_to.get(j):
                 checks.append(Check(f"topology {pair}", PASS, f"NVLink x{links_to[j]} (NV{links_to[j]})"))
+                continue
+            if active and _nvlink_p2p(nvml, handle_i, handle_j):
+                # HGX boards: every link ends at an NVSwitch, so no link names the
+                # peer GPU's PCI id, yet the pair talks over all of them.
+                checks.append(Check(f"topology {pair}", PASS,
+                                    f"NVLink through NVSwitch ({active} active links on gpu{i})"))
                 continue
             level = call(nvml.nvmlDeviceGetTopologyCommonAncestor, handle_i, handle_j)
             where = _TOPOLOGY.get(level, f"level {level}")
