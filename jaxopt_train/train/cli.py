@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--grad-sync", choices=config_lib.GRAD_SYNCS, default=d.grad_sync)
     x.add_argument("--grad-compression", choices=config_lib.GRAD_COMPRESSIONS,
                    default=d.grad_compression)
+    x.add_argument("--zero", type=int, default=d.zero,
+                   help="ZeRO stage: 0 replicated, 1 optimizer state sharded, 3 parameters too")
     x.add_argument("--steps-per-dispatch", type=int, default=d.steps_per_dispatch,
                    help="optimizer steps per compiled call")
     x.add_argument("--peak-tflops", type=float, default=None,

@@ -60,6 +60,9 @@ class TrainConfig:
       seed: seed of parameter init and of per-step RNG keys.
       grad_sync: cross-device gradient reduction (`GRAD_SYNCS`).
       grad_compression: wire format of the gradient reduction.
+      zero: ZeRO stage over the data axis (`ZERO_STAGES`): 0 replicated, 1
+        optimizer state sharded, 3 parameters sharded too. Needs grad_sync
+        "psum" or "ring" and no grad_compression.
       steps_per_dispatch: optimizer steps run by one compiled call (lax.scan
         over pre-staged batches): fewer host round trips for small models.
       matmul: dense-layer matmul of GPT presets (`MATMULS`): "xla" (lax.dot_general),
@@ -104,6 +107,7 @@ class TrainConfig:
     grad_sync: str = "psum"
     grad_compression: str = "none"
     steps_per_dispatch: int = 1
+    zero: int = 0
     matmul: str = "xla"
     attention: str = "auto"
     remat: str = "none"
@@ -142,6 +146,9 @@ class TrainConfig:
         _check_precision(self.precision)
         _check_choice("grad_sync", self.grad_sync, GRAD_SYNCS)
         _check_choice("grad_compression", self.grad_compression, GRAD_COMPRESSIONS)
+        from jaxopt_train.train.zero_step import check_zero  # noqa: PLC0415
+
+        check_zero(self.zero, self.grad_sync, self.grad_compression)
         _check_choice("matmul", self.matmul, MATMULS)
         _check_choice("attention", self.attention, ATTENTIONS)
         _check_choice("remat", self.remat, REMATS)
@@ -199,6 +206,8 @@ class TrainConfig:
         """The fields that determine parameter shapes (compared on resume)."""
         shape = {name: getattr(self, name) for name in MODEL_SHAPE_FIELDS}
         shape["seq_len"] = self.seq_len
+        if self.zero:  # the optimizer state's layout differs (absent at 0: older runs match)
+            shape["zero"] = self.zero
         if self.is_vision:
             shape.pop("model_overrides")
             shape.pop("seq_len")

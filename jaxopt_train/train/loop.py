@@ -160,11 +160,14 @@ def train(config: TrainConfig, *, until_step: int | None = None, devices=None,
             _check_resume_shape(run_dir, cfg, ckpt)
         policy = get_policy(cfg.precision)
         task = build_task(cfg, policy)
+        # With ZeRO the step clips over the whole gradient, not the optimizer over a slice.
         optimizer = default_optimizer(lr=cfg.lr, total_steps=cfg.steps, warmup=cfg.warmup,
-                                      weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm)
+                                      weight_decay=cfg.weight_decay,
+                                      clip_norm=0.0 if cfg.zero else cfg.clip_norm)
         trainer = Trainer.from_model_fns(
             task.fns, optimizer, policy, microbatches=cfg.microbatches, grad_sync=cfg.grad_sync,
-            grad_compression=cfg.grad_compression, steps_per_dispatch=k, devices=devices)
+            grad_compression=cfg.grad_compression, steps_per_dispatch=k, zero=cfg.zero,
+            zero_clip_norm=cfg.clip_norm if cfg.zero else 0.0, devices=devices)
         if cfg.resume:
             trainer.state, _ = ckpt.restore(trainer.state)
         _write_config(run_dir, cfg, task)

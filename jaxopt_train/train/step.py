@@ -125,14 +125,18 @@ def build_train_step(loss: Callable, optimizer: optax.GradientTransformation,
     num_devices = mesh.shape[AXIS]
     one_step = make_step_body(loss, optimizer, microbatches=microbatches, num_devices=num_devices,
                               grad_sync=grad_sync, grad_compression=grad_compression)
+    return jit_steps(one_step, state_specs(error_feedback), mesh, steps_per_dispatch)
 
+
+def jit_steps(one_step: Callable, specs: TrainState, mesh: jax.sharding.Mesh,
+              steps_per_dispatch: int) -> Callable:
+    """`one_step` under shard_map, `steps_per_dispatch` of them per call, jitted with the state donated."""
     def per_device(state, batches):
         if steps_per_dispatch == 1:
             state, metrics = one_step(state, jax.tree.map(lambda x: x[0], batches))
             return state, jax.tree.map(lambda m: m[None], metrics)
         return lax.scan(one_step, state, batches)
 
-    specs = state_specs(error_feedback)
     # check_vma=False: ring reductions built from ppermute return values that
     # are equal on every device but typed as varying; P() outputs are correct.
     sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(specs, P(None, AXIS)),

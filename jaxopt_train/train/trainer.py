@@ -36,8 +36,11 @@ from jaxopt_train.precision import Policy, get_policy, loss_scale_for
 from jaxopt_train.train.model import ModelFns, linen_model_fns, nnx_model_fns
 from jaxopt_train.train.state import TrainState, default_optimizer, init_train_state
 from jaxopt_train.train.step import (AXIS, build_eval_step, build_train_step,
-                                     init_sharded_error_feedback, make_data_mesh, memory_summary,
-                                     place_batch, replicate)
+                                     init_sharded_error_feedback, jit_steps, make_data_mesh,
+                                     memory_summary, place_batch, replicate)
+from jaxopt_train.train.zero_step import (check_zero, gather_full_params, init_zero_state,
+                                          make_chunked_layout, make_zero_step_body,
+                                          opt_state_specs, zero_state_specs)
 
 GRAD_SYNCS = ("psum", "ring", "ring_bidir", "hierarchical")
 GRAD_COMPRESSIONS = (None, "none", "bf16", "int8")
@@ -59,6 +62,13 @@ class Trainer:
         feedback state is then carried in `state.grad_error` across steps.
       steps_per_dispatch: optimizer steps per compiled call; `step()` then
         takes batches with a leading axis of this size.
+      zero: ZeRO stage: 0 (replicated), 1 (optimizer state sharded over the
+        data axis) or 3 (parameters too, gathered for forward/backward). At
+        stages 1 and 3 the optimizer updates pytrees of per-device chunks of
+        each leaf (rank kept), so it must be elementwise apart from per-leaf
+        masks; global-norm clipping is done by the step over the whole
+        gradient (`clip_norm`, default optimizer only: a user optimizer must
+        not clip by global norm itself).
       devices: devices of the data mesh (default: all).
       init_args: example inputs for a Linen module's `init`.
       seed: PRNG seed for Linen init.
@@ -68,8 +78,8 @@ class Trainer:
 
     def __init__(self, model, loss_fn: Callable, *, optimizer: optax.GradientTransformation | None = None,
                  precision: str | Policy = "fp32", microbatches: int = 1, grad_sync: str = "psum",
-                 grad_compression: str | None = None, steps_per_dispatch: int = 1, devices=None,
-                 init_args: tuple | None = None, seed: int = 0, lr: float = 1e-3,
+                 grad_compression: str | None = None, steps_per_dispatch: int = 1, zero: int = 0,
+                 devices=None, init_args: tuple | None = None, seed: int = 0, lr: float = 1e-3,
                  total_steps: int = 1000, warmup: int = 0, weight_decay: float = 0.0,
                  clip_norm: float = 1.0, verbose: bool = False):
         import flax.linen as nn  # noqa: PLC0415
@@ -81,12 +91,17 @@ class Trainer:
             fns = linen_model_fns(model, loss_fn, policy, init_args, jax.random.key(seed))
         else:
             fns = nnx_model_fns(model, loss_fn, policy)
+        check_zero(zero, grad_sync, grad_compression)
+        zero_clip_norm = 0.0
         if optimizer is None:
+            # At stages 1 and 3 the step clips with the norm of the whole gradient.
+            zero_clip_norm = clip_norm if zero else 0.0
             optimizer = default_optimizer(lr=lr, total_steps=total_steps, warmup=warmup,
-                                          weight_decay=weight_decay, clip_norm=clip_norm)
+                                          weight_decay=weight_decay,
+                                          clip_norm=0.0 if zero else clip_norm)
         self._setup(fns, optimizer, policy, microbatches=microbatches, grad_sync=grad_sync,
                     grad_compression=grad_compression, steps_per_dispatch=steps_per_dispatch,
-                    devices=devices, verbose=verbose)
+                    zero=zero, zero_clip_norm=zero_clip_norm, devices=devices, verbose=verbose)
 
     @classmethod
     def from_model_fns(cls, fns: ModelFns, optimizer: optax.GradientTransformation, policy: Policy,
@@ -98,12 +113,18 @@ class Trainer:
 
     def _setup(self, fns: ModelFns, optimizer, policy: Policy, *, microbatches: int = 1,
                grad_sync: str = "psum", grad_compression: str | None = None,
-               steps_per_dispatch: int = 1, devices=None, verbose: bool = False) -> None:
+               steps_per_dispatch: int = 1, zero: int = 0, zero_clip_norm: float = 0.0,
+               devices=None, verbose: bool = False) -> None:
+        """`zero_clip_norm`: global-norm clip applied by the ZeRO step (zero > 0; the
+        optimizer must then not clip by global norm itself)."""
         if grad_sync not in GRAD_SYNCS:
             raise ValueError(f"grad_sync={grad_sync!r}; expected one of {list(GRAD_SYNCS)}")
         if grad_compression not in GRAD_COMPRESSIONS:
             raise ValueError(f"grad_compression={grad_compression!r}; expected one of "
                              f"{list(GRAD_COMPRESSIONS)}")
+        check_zero(zero, grad_sync, grad_compression)
+        if zero_clip_norm and not zero:
+            raise ValueError(f"{zero_clip_norm=} applies to zero=1|3 only; at zero=0 clip in the optimizer")
         for name, value in (("microbatches", microbatches), ("steps_per_dispatch", steps_per_dispatch)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
@@ -111,8 +132,14 @@ class Trainer:
         self.microbatches, self.steps_per_dispatch, self.verbose = microbatches, steps_per_dispatch, verbose
         self.mesh = make_data_mesh(devices)
         self.num_devices = self.mesh.shape[AXIS]
-        state = init_train_state(fns.params, fns.model_state, optimizer, loss_scale_for(policy))
+        # At zero > 0 the optimizer state is built sharded below, never in full.
+        state = init_train_state(fns.params, fns.model_state, optax.identity() if zero else optimizer,
+                                 loss_scale_for(policy))
         self.state: TrainState = replicate(state, self.mesh)
+        self.zero = zero
+        if zero:
+            self._setup_zero(fns, optimizer, zero, grad_sync, zero_clip_norm)
+            return
         error_feedback = grad_compression not in (None, "none")
         if error_feedback:
             # Compressed reductions carry their rounding error into the next step.
@@ -122,7 +149,23 @@ class Trainer:
             fns.loss, optimizer, self.mesh, microbatches=microbatches, grad_sync=grad_sync,
             grad_compression=grad_compression, steps_per_dispatch=steps_per_dispatch,
             error_feedback=error_feedback)
-        self._eval_step = build_eval_step(fns.loss, self.mesh)
+        self._finish_setup()
+
+    def _setup_zero(self, fns: ModelFns, optimizer, zero: int, grad_sync: str,
+                    clip_norm: float) -> None:
+        self.layout = make_chunked_layout(fns.params, self.num_devices)
+        opt_specs = opt_state_specs(optimizer, self.layout)
+        self.state = init_zero_state(self.state, optimizer, self.layout, self.mesh, zero, opt_specs)
+        one_step = make_zero_step_body(fns.loss, optimizer, self.layout, stage=zero,
+                                       microbatches=self.microbatches,
+                                       num_devices=self.num_devices, grad_sync=grad_sync,
+                                       clip_norm=clip_norm)
+        self._train_step = jit_steps(one_step, zero_state_specs(zero, opt_specs), self.mesh,
+                                     self.steps_per_dispatch)
+        self._finish_setup()
+
+    def _finish_setup(self) -> None:
+        self._eval_step = build_eval_step(self.fns.loss, self.mesh)
         self._compiled = None
         self._compiled_shapes = None
         self.compile_seconds: float | None = None
@@ -188,16 +231,19 @@ class Trainer:
     def evaluate(self, batch) -> float:
         """Mean loss of the current params on a host global batch [B, ...] (eval mode)."""
         batch = jax.tree.map(np.asarray, batch)
-        return float(self._eval_step(self.state.params, self.state.model_state,
+        return float(self._eval_step(self.params, self.state.model_state,
                                      place_batch(batch, self.mesh, P(AXIS))))
 
     # ------------------------------------------------------------------ results
 
     @property
     def params(self):
+        """The parameter tree (at zero=3 gathered from the shards into a replicated copy)."""
+        if self.zero == 3:
+            return gather_full_params(self.state.params, self.layout, self.mesh)
         return self.state.params
 
     @property
     def model(self):
         """The user's model with the current weights (an nnx.Module, or Linen variables)."""
-        return self.fns.merge(self.state.params, self.state.model_state)
+        return self.fns.merge(self.params, self.state.model_state)
