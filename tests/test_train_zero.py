@@ -122,3 +122,28 @@ def test_chunked_layout_round_trip_and_slices():
     np.testing.assert_array_equal(piece["b"], [1.0])
     with pytest.raises(ValueError, match="one floating dtype"):
         make_chunked_layout({"a": jnp.zeros(3), "b": jnp.zeros(3, jnp.int32)}, 2)
+
+
+def _primitives(jaxpr, in_scan=False, out=None):
+    """(primitive name, inside a scan?) of every equation, nested jaxprs included."""
+    out = [] if out is None else out
+    for eqn in jaxpr.eqns:
+        out.append((eqn.primitive.name, in_scan))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
+                if inner is not None and hasattr(inner, "eqns"):
+                    _primitives(inner, in_scan or eqn.primitive.name == "scan", out)
+    return out
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_one_reduce_scatter_per_optimizer_step_after_the_accumulation_scan(zero):
+    trainer = _trainer(zero, grad_sync="psum")  # microbatches=2: a scan over micro-batches
+    jaxpr = jax.make_jaxpr(trainer._train_step)(trainer.state, trainer._stage(_batches(1)[0]))
+    prims = _primitives(jaxpr.jaxpr)
+    assert ("scan", False) in prims
+    assert [p for p in prims if p[0] == "reduce_scatter"] == [("reduce_scatter", False)]
+    # Stage 1 gathers the updated params once; stage 3 gathers them once for the forward.
+    assert [p for p in prims if p[0] == "all_gather"] == [("all_gather", False)]
+    assert not any(name in ("psum", "all_gather") and inside for name, inside in prims)
