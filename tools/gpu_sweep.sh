@@ -15,7 +15,7 @@ if [ "${SWEEP_DRY:-0}" = 1 ]; then
   BIGTRAIN="--preset gpt-tiny --steps 6 --batch-size 8"
 else
   BIG=gpt-1b; MID=gpt-124m; VIS=resnet50; Q=; TQ=
-  BIGTRAIN="--preset gpt-1b --steps 40 --batch-size 8"
+  BIGTRAIN="--preset gpt-1b --steps ${TRAIN_STEPS:-40} --batch-size 8"
 fi
 t0=$(date +%s)
 step() {  # step NAME TIMEOUT CMD...: run, log, record rc and seconds
@@ -57,6 +57,22 @@ lane_b() {  # GPU 1: the smaller single-GPU runs
 if [ "${SWEEP_DRY:-0}" = 1 ]; then LANE_B_GPU=0; fi
 if [ "${PHASE:-all}" != 2 ]; then
   lane_a & A=$!; lane_b & B=$!; wait $A $B
+fi
+lane_a2() {  # GPU 0: the trainer's own gpt-1b step: scanned vs unrolled layers, xla vs pallas
+  export CUDA_VISIBLE_DEVICES=0
+  local common="$BIGTRAIN $TQ --precision bf16 --warmup 10 --lr 3e-4 --log-every 10 --eval-every 0 \
+    --checkpoint-every 0 --progress lines --overwrite"
+  step train2_scan 110 $PY -m jaxopt_train.train.cli $common --run-dir /tmp/r1
+  step train2_unrolled 110 $PY -m jaxopt_train.train.cli $common --no-scan-layers --run-dir /tmp/r2
+  step train2_unrolled_pallas 120 $PY -m jaxopt_train.train.cli $common --no-scan-layers --matmul pallas --run-dir /tmp/r3
+}
+lane_b2() {
+  export CUDA_VISIBLE_DEVICES=${LANE_B_GPU:-1}
+  step bench_resnet50 ${T_VIS:-150} $PY -m jaxopt_train.bench.train --model $VIS --global-batch 256 \
+    --steps 30 --bursts 3 --trace-steps 5 --steps-per-dispatch 1 --dataset-tokens 1281167 $Q --out "$R/resnet50"
+}
+if [ "${PHASE:-all}" = 2 ]; then
+  lane_a2 & A=$!; lane_b2 & B=$!; wait $A $B
 fi
 if [ "${PHASE:-all}" != 1 ]; then
   step bench_gpt1b_x2 ${T_X2:-240} $PY -m jaxopt_train.bench.train --model $BIG --global-batch 16 \
