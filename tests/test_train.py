@@ -42,21 +42,8 @@ LEARN_RUN = dict(model_overrides=dict(d_model=64, n_layers=1, n_heads=4), seq_le
                  eval_batches=4, checkpoint_every=100, progress="lines")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _compilation_cache(tmp_path_factory):
-    # One directory per pytest session, shared with tests/test_train_cli.py.
-    cache = tmp_path_factory.getbasetemp() / "jaxopt_train_jax_cache"
-    cache.mkdir(exist_ok=True)
-    old = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs,
-           jax.config.jax_exec_time_optimization_effort)
-    jax.config.update("jax_compilation_cache_dir", str(cache))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    # Tiny programs: XLA's cheapest optimisation effort compiles ~10% faster.
-    jax.config.update("jax_exec_time_optimization_effort", -1.0)
-    yield
-    jax.config.update("jax_compilation_cache_dir", old[0])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
-    jax.config.update("jax_exec_time_optimization_effort", old[2])
+# One compilation cache for the module (and tests/test_train_cli.py, tests/test_train_zero.py).
+pytestmark = pytest.mark.usefixtures("jax_compile_cache")
 
 
 def _tiny(tmp_path, name="run", **kw):

@@ -81,24 +81,8 @@ def test_matmul_flag_reaches_the_gpt_config():
     assert gpt_model_config(TrainConfig(), get_policy("fp32")).dot_general in (None, jax.lax.dot_general)
 
 
-@pytest.fixture
-def _compilation_cache(tmp_path_factory):
-    # Shared with tests/test_train.py, whose TINY_RUN this CLI run mirrors.
-    cache = tmp_path_factory.getbasetemp() / "jaxopt_train_jax_cache"
-    cache.mkdir(exist_ok=True)
-    old = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs,
-           jax.config.jax_exec_time_optimization_effort)
-    jax.config.update("jax_compilation_cache_dir", str(cache))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    # Tiny programs: XLA's cheapest optimisation effort compiles ~10% faster.
-    jax.config.update("jax_exec_time_optimization_effort", -1.0)
-    yield
-    jax.config.update("jax_compilation_cache_dir", old[0])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
-    jax.config.update("jax_exec_time_optimization_effort", old[2])
-
-
-def test_cli_trains_end_to_end_and_leaves_a_run_dir(tmp_path, capsys, _compilation_cache):
+def test_cli_trains_end_to_end_and_leaves_a_run_dir(tmp_path, capsys, jax_compile_cache):
+    # jax_compile_cache: shared with tests/test_train.py, whose TINY_RUN this CLI run mirrors.
     from jaxopt_train.train.metrics import read_jsonl
 
     run_dir = str(tmp_path / "run")

@@ -17,7 +17,9 @@ from jaxopt_train.train import TrainConfig, Trainer, train
 from jaxopt_train.train.cli import config_from_args
 from jaxopt_train.train.zero_step import make_chunked_layout
 
-from test_train import TINY_RUN, _assert_trees_close, _compilation_cache  # noqa: F401
+from test_train import TINY_RUN, _assert_trees_close
+
+pytestmark = pytest.mark.usefixtures("jax_compile_cache")
 
 
 class _MLP(nnx.Module):
