@@ -23,16 +23,18 @@ import numpy as np
 
 from jaxopt_train.kernels import available_backends, matmul, matmul_reference
 from jaxopt_train.kernels.matmul import resolve_config
+from jaxopt_train.train.mfu import peak_tflops
 
-DENSE_BF16_PEAK = {"NVIDIA H100": 989e12, "NVIDIA H200": 989e12}
 LARGE_SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 8192, 2048), (16384, 2048, 8192)]
 SMALL_SHAPES = [(1024, 1024, 1024), (2048, 512, 2048), (1000, 777, 513), (3000, 5000, 1000)]
 FUSED_SHAPES = [(8192, 8192, 8192), (16384, 8192, 2048)]
 QUICK_SHAPES = [(64, 64, 64), (127, 129, 65)]
 
 
-def _peak(device_kind: str) -> float | None:
-    return next((v for k, v in DENSE_BF16_PEAK.items() if device_kind.startswith(k)), None)
+def _peak(device_kind: str, dtype) -> float | None:
+    """Dense peak FLOP/s from the one table MFU also uses (`train.mfu.PEAK_TFLOPS`)."""
+    tflops = peak_tflops(device_kind, "bf16" if dtype == jnp.bfloat16 else "fp16")
+    return None if tflops is None else tflops * 1e12
 
 
 def _input_sets(m, n, k, dtype, count, seed=0):
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.calls, args.bursts, args.input_sets, args.warmup_s = 2, 2, 2, 0.0
     dtype = jnp.dtype(args.dtype)
-    peak = _peak(device.device_kind)
+    peak = _peak(device.device_kind, dtype)
     header = {"device_kind": device.device_kind, "platform": device.platform,
               "jax": jax.__version__, "dtype": args.dtype, "backends": backends,
               "calls": args.calls, "bursts": args.bursts, "input_sets": args.input_sets,
