@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from jaxopt_train.runtime.nvml import as_text, nvml_session
+
 
 def _snake_key(device: Any) -> tuple:
     """TPU coords (x, y, z) walked as a snake: x reverses on odd rows so each step is one hop."""
@@ -26,42 +28,32 @@ def _snake_key(device: Any) -> tuple:
 def nvlink_counts(devices: Sequence[Any]) -> list[list[int]] | None:
     """NVLink counts between GPU `devices` (by CUDA ordinal), or None where NVML cannot say.
 
-    Reads NVML lazily (pynvml from nvidia-ml-py); any failure (no driver, no
-    NVLink, CPU devices) returns None so callers fall back to id order.
+    Reads NVML lazily (`runtime.nvml`); any failure (no driver, no NVLink, CPU
+    devices) returns None so callers fall back to id order.
     """
     if not devices or any(getattr(d, "platform", "") != "gpu" for d in devices):
         return None
-    try:
-        import pynvml  # noqa: PLC0415 (GPU-only dependency, imported lazily)
-
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 (no NVML here: no link information)
-        return None
-    try:
-        handles = [pynvml.nvmlDeviceGetHandleByIndex(d.local_hardware_id) for d in devices]
-        bus = [pynvml.nvmlDeviceGetPciInfo(h).busId for h in handles]
-        bus = [b.decode() if isinstance(b, bytes) else b for b in bus]
-        counts = [[0] * len(devices) for _ in devices]
-        for i, handle in enumerate(handles):
-            for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
-                try:
-                    if not pynvml.nvmlDeviceGetNvLinkState(handle, link):
-                        continue
-                    remote = pynvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId
-                except pynvml.NVMLError:
-                    continue
-                remote = remote.decode() if isinstance(remote, bytes) else remote
-                for j, other in enumerate(bus):
-                    if j != i and other.lower() == remote.lower():
-                        counts[i][j] += 1
-        return counts
-    except Exception:  # noqa: BLE001 (partial NVML support: treat as no information)
-        return None
-    finally:
+    with nvml_session() as (nvml, _):
+        if nvml is None:
+            return None
         try:
-            pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
-            pass
+            handles = [nvml.nvmlDeviceGetHandleByIndex(d.local_hardware_id) for d in devices]
+            bus = [as_text(nvml.nvmlDeviceGetPciInfo(h).busId).lower() for h in handles]
+            counts = [[0] * len(devices) for _ in devices]
+            for i, handle in enumerate(handles):
+                for link in range(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18)):
+                    try:
+                        if not nvml.nvmlDeviceGetNvLinkState(handle, link):
+                            continue
+                        remote = as_text(nvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId).lower()
+                    except nvml.NVMLError:
+                        continue
+                    for j, other in enumerate(bus):
+                        if j != i and other == remote:
+                            counts[i][j] += 1
+            return counts
+        except Exception:  # noqa: BLE001 (partial NVML support: treat as no information)
+            return None
 
 
 def _greedy_by_links(indices: list[int], counts: list[list[int]]) -> list[int]:
