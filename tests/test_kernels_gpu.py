@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,3 +118,44 @@ def test_mosaic_wgmma_in_flight_odd_shapes_and_grad(shape):
     want = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2)))(a, b, bias)
     for g, w in zip(got, want):
         _close(g, w, 2e-2)
+
+
+# Every Mosaic GPU layout/compiler option of MatmulConfig (the A/B variants of
+# tools/probe_matmul.py), each on its own and in the combinations the probe times.
+_HOPPER = MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=4, group_m=16)
+MOSAIC_OPTIONS = {
+    "wg_n": dict(wg_split="n"),
+    "wg_n_wglower": dict(wg_split="n", warpgroup_lowering=True),
+    "wglower": dict(warpgroup_lowering=True),
+    "noautobar": dict(no_auto_barriers=True),
+    "wg_n_cluster_m": dict(wg_split="n", cluster="m"),
+    "cluster_n": dict(cluster="n"),
+    "cluster_m_inflight": dict(cluster="m", wgmma_in_flight=1),
+    "wg_n_inflight": dict(wg_split="n", wgmma_in_flight=1),
+    "epi128": dict(epilogue_tile=128),
+    "wg_n_64x256": dict(wg_split="n", block_m=64, block_n=128, num_stages=3),
+}
+
+
+@pytest.mark.parametrize("option", MOSAIC_OPTIONS)
+@pytest.mark.parametrize("shape", [(512, 1024, 384), (1000, 777, 513), (2, 129, 300, 72)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_mosaic_options_match_reference(option, shape):
+    _backend_or_skip("mosaic_gpu")
+    config = dataclasses.replace(_HOPPER, **MOSAIC_OPTIONS[option])
+    a, b, _ = _operands(shape, jnp.bfloat16, seed=5)
+    out = jax.jit(lambda a, b: matmul(a, b, backend="mosaic_gpu", config=config,
+                                      out_dtype=jnp.float32))(a, b)
+    _close(out, matmul_reference(a, b, out_dtype=jnp.float32), 1e-4)
+
+
+@pytest.mark.parametrize("option", MOSAIC_OPTIONS)
+@pytest.mark.parametrize("activation", [None, "gelu", "relu"])
+def test_mosaic_options_fused_epilogue(option, activation):
+    _backend_or_skip("mosaic_gpu")
+    config = dataclasses.replace(_HOPPER, **MOSAIC_OPTIONS[option])
+    a, b, bias = _operands((1000, 777, 513), jnp.bfloat16, seed=6)
+    out = jax.jit(lambda a, b, bias: matmul(a, b, bias=bias, activation=activation,
+                                            backend="mosaic_gpu", config=config))(a, b, bias)
+    assert out.dtype == jnp.bfloat16
+    _close(out, matmul_reference(a, b, bias=bias, activation=activation), 1e-2)

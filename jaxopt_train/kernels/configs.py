@@ -14,6 +14,8 @@ from typing import Any
 BACKENDS = ("auto", "mosaic_gpu", "triton", "pallas_tpu", "interpret", "xla")
 ACTIVATIONS = (None, "gelu", "relu", "silu")
 GRID_MINOR = ("m", "n")
+WG_SPLITS = ("m", "n")
+CLUSTERS = ("none", "m", "n")
 
 
 def _is_pow2(x: int) -> bool:
@@ -37,6 +39,20 @@ class MatmulConfig:
         wgmma_in_flight: Mosaic GPU only: wgmma groups left running while the
             next K step is issued (0 or 1); 1 delays releasing each SMEM stage
             by one step so the tensor cores never wait on the issuing warps.
+        wg_split: Mosaic GPU only: the axis along which the two consumer
+            warpgroups split the CTA tile: "m" stacks them (CTA tile
+            2*block_m x block_n, each reads its own A rows), "n" puts them side
+            by side (block_m x 2*block_n, both read one shared A tile).
+        cluster: Mosaic GPU only: "none", or pair CTAs in a 2-CTA cluster along
+            "m" (the pair shares, and TMA-multicasts, the B tile) or "n"
+            (shares the A tile): halves the L2->SMEM traffic of that operand.
+        epilogue_tile: Mosaic GPU only: edge of the square output sub-tile
+            staged in SMEM and TMA-stored (clamped to the block).
+        warpgroup_lowering: Mosaic GPU only: lower with warpgroup semantics
+            (the Mosaic GPU dialect with layout inference) instead of lanes.
+        no_auto_barriers: Mosaic GPU only: ask Pallas not to insert its
+            conservative SMEM barriers (`unsafe_no_auto_barriers`); safe here
+            because no thread both reads and writes one SMEM region.
     """
 
     block_m: int = 128
@@ -47,6 +63,11 @@ class MatmulConfig:
     group_m: int = 8
     grid_minor: str = "n"
     wgmma_in_flight: int = 0
+    wg_split: str = "m"
+    cluster: str = "none"
+    epilogue_tile: int = 64
+    warpgroup_lowering: bool = False
+    no_auto_barriers: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -66,6 +87,17 @@ class MatmulConfig:
                              f"num_stages > it; got num_stages={self.num_stages}")
         if self.grid_minor not in GRID_MINOR:
             raise ValueError(f"MatmulConfig.grid_minor={self.grid_minor!r} must be one of {GRID_MINOR}")
+        if self.wg_split not in WG_SPLITS:
+            raise ValueError(f"MatmulConfig.wg_split={self.wg_split!r} must be one of {WG_SPLITS}")
+        if self.cluster not in CLUSTERS:
+            raise ValueError(f"MatmulConfig.cluster={self.cluster!r} must be one of {CLUSTERS}")
+        if not isinstance(self.epilogue_tile, int) or not _is_pow2(self.epilogue_tile) \
+                or self.epilogue_tile < 16:
+            raise ValueError(f"MatmulConfig.epilogue_tile={self.epilogue_tile!r} must be a "
+                             f"power of two >= 16")
+        for name in ("warpgroup_lowering", "no_auto_barriers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MatmulConfig.{name}={getattr(self, name)!r} must be a bool")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

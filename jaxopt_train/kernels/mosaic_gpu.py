@@ -12,8 +12,15 @@ Layout of one CTA (persistent: one CTA per SM loops over output tiles):
 Tiles are visited in a planar snake of width `group_m` so consecutive tiles on
 neighbouring SMs share A rows or B columns in L2.
 
-Shapes are zero-padded by the wrapper to multiples of (2*bm, bn, bk): exact,
-and it keeps the kernel free of masks. All Mosaic GPU imports are lazy.
+Options of `MatmulConfig` (defaults give the layout above): `wg_split="n"`
+puts the consumers side by side (CTA tile block_m x 2*block_n, one shared A
+tile); `cluster="m"|"n"` pairs CTAs in a 2-CTA cluster that TMA-multicasts the
+shared B (resp. A) tile; `epilogue_tile` sets the output sub-tile edge;
+`warpgroup_lowering` and `no_auto_barriers` are Mosaic GPU compiler switches.
+
+Shapes are zero-padded by the wrapper to multiples of the cluster tile (by
+default (2*bm, bn)) and of bk: exact, and it keeps the kernel free of masks.
+All Mosaic GPU imports are lazy.
 """
 
 from __future__ import annotations
@@ -29,8 +36,7 @@ from jax import lax
 from jaxopt_train.kernels.configs import MatmulConfig
 from jaxopt_train.kernels.epilogue import apply_epilogue
 
-_EPILOGUE_TILE = 64  # rows/cols of one TMA-stored output sub-tile
-_NUM_CONSUMERS = 2  # compute warpgroups per CTA, stacked along M
+_NUM_CONSUMERS = 2  # compute warpgroups per CTA, stacked along M (or N: wg_split)
 _PRODUCER_REGISTERS = 40  # the TMA-issuing warpgroup needs few registers
 _SMEM_BYTES = 232448  # Hopper's per-block shared memory limit (227 KiB)
 _SMEM_SLACK = 2048  # barriers and Pallas bookkeeping
@@ -51,11 +57,32 @@ def _num_sms() -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
+def cta_tile(config: MatmulConfig) -> tuple[int, int]:
+    """(rows, cols) of C computed by one CTA (both consumer warpgroups)."""
+    split_m = config.wg_split == "m"
+    return (config.block_m * (_NUM_CONSUMERS if split_m else 1),
+            config.block_n * (1 if split_m else _NUM_CONSUMERS))
+
+
+def cluster_tile(config: MatmulConfig) -> tuple[int, int]:
+    """(rows, cols) of C computed by one cluster (1 or 2 CTAs); the padding unit."""
+    rows, cols = cta_tile(config)
+    return (rows * (2 if config.cluster == "m" else 1),
+            cols * (2 if config.cluster == "n" else 1))
+
+
+def _epilogue_tile(config: MatmulConfig) -> tuple[int, int]:
+    edge = config.epilogue_tile
+    return min(edge, config.block_m), min(edge, config.block_n)
+
+
 def fit_stages(config: MatmulConfig, in_dtype, out_dtype, has_bias: bool) -> int:
     """The deepest pipeline <= config.num_stages whose buffers fit in shared memory."""
-    bm, bn, bk = config.block_m, config.block_n, config.block_k
-    per_stage = (_NUM_CONSUMERS * bm * bk + bk * bn) * jnp.dtype(in_dtype).itemsize
-    epi_m, epi_n = min(_EPILOGUE_TILE, bm), min(_EPILOGUE_TILE, bn)
+    bk = config.block_k
+    bm, bn = config.block_m, config.block_n
+    rows, cols = cta_tile(config)
+    per_stage = (rows * bk + bk * cols) * jnp.dtype(in_dtype).itemsize
+    epi_m, epi_n = _epilogue_tile(config)
     slots = min(2, (bm * bn) // (epi_m * epi_n))
     fixed = _NUM_CONSUMERS * slots * epi_m * epi_n * jnp.dtype(out_dtype).itemsize + _SMEM_SLACK
     fixed += _NUM_CONSUMERS * bn * 4 if has_bias else 0
@@ -75,12 +102,21 @@ def _matmul_kernel(a_gmem, b_gmem, bias_gmem, out_gmem, out_smem, bias_smem, bia
 
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     in_transforms = _swizzled(plgpu, bk, a_gmem.dtype)
-    epi_m, epi_n = min(_EPILOGUE_TILE, bm), min(_EPILOGUE_TILE, bn)
+    epi_m, epi_n = _epilogue_tile(config)
+    split_m = config.wg_split == "m"
+    cta_m, cta_n = cta_tile(config)
 
     spec_kwargs = dict(transforms=in_transforms, memory_space=plgpu.SMEM)
     if config.wgmma_in_flight:
         # A stage is still being read by the in-flight wgmma: release it one step late.
         spec_kwargs["delay_release"] = config.wgmma_in_flight
+    # In a cluster the two CTAs share one operand tile: its TMA load is split
+    # between them and multicast to both SMEMs.
+    a_kwargs, b_kwargs = dict(spec_kwargs), dict(spec_kwargs)
+    if config.cluster == "n":
+        a_kwargs["collective_axes"] = ("cluster",)
+    elif config.cluster == "m":
+        b_kwargs["collective_axes"] = ("cluster",)
 
     def make_pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -88,8 +124,8 @@ def _matmul_kernel(a_gmem, b_gmem, bias_gmem, out_gmem, out_smem, bias_smem, bia
             grid=(k_iters,),
             memory_registers=_PRODUCER_REGISTERS,
             in_specs=[
-                plgpu.BlockSpec((_NUM_CONSUMERS * bm, bk), lambda k: (0, k), **spec_kwargs),
-                plgpu.BlockSpec((bk, bn), lambda k: (k, 0), **spec_kwargs),
+                plgpu.BlockSpec((cta_m, bk), lambda k: (0, k), **a_kwargs),
+                plgpu.BlockSpec((bk, cta_n), lambda k: (k, 0), **b_kwargs),
             ],
             wg_axis="wg",
             num_compute_wgs=_NUM_CONSUMERS,
@@ -113,13 +149,24 @@ def _matmul_kernel(a_gmem, b_gmem, bias_gmem, out_gmem, out_smem, bias_smem, bia
         def _tile_loop(loop_info):
             (linear,) = getattr(loop_info, "index", loop_info)
             m_idx, n_idx = plgpu.planar_snake(linear, (m_iters, n_iters), minor, config.group_m)
-            cta_rows = pl.ds(m_idx * (_NUM_CONSUMERS * bm), _NUM_CONSUMERS * bm)
-            cols = pl.ds(n_idx * bn, bn)
-            wg_rows = pl.ds(wg * bm, bm)
+            if config.cluster == "m":  # (m_iters, n_iters) count cluster tiles
+                m_idx = m_idx * 2 + lax.axis_index("cluster")
+            elif config.cluster == "n":
+                n_idx = n_idx * 2 + lax.axis_index("cluster")
+            cta_rows = pl.ds(m_idx * cta_m, cta_m)
+            cta_cols = pl.ds(n_idx * cta_n, cta_n)
+            if split_m:  # this warpgroup's rows / columns of the CTA tile
+                wg_rows, wg_cols = pl.ds(wg * bm, bm), slice(None)
+                bias_cols = cta_cols
+                out_tile = lambda: out_gmem.at[cta_rows, cta_cols].at[wg_rows]  # noqa: E731
+            else:
+                wg_rows, wg_cols = slice(None), pl.ds(wg * bn, bn)
+                bias_cols = pl.ds(n_idx * cta_n + wg * bn, bn)
+                out_tile = lambda: out_gmem.at[cta_rows, cta_cols].at[:, wg_cols]  # noqa: E731
 
             def compute_context(run_pipeline):
                 if bias_gmem is not None:  # fetch the bias while the main loop runs
-                    plgpu.copy_gmem_to_smem(bias_gmem.at[cols], bias_smem.at[wg],
+                    plgpu.copy_gmem_to_smem(bias_gmem.at[bias_cols], bias_smem.at[wg],
                                             bias_barrier.at[wg])
 
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
@@ -129,19 +176,25 @@ def _matmul_kernel(a_gmem, b_gmem, bias_gmem, out_gmem, out_smem, bias_smem, bia
                     bias = None
                     if bias_gmem is not None:
                         plgpu.barrier_wait(bias_barrier.at[wg])
-                        row = plgpu.load(bias_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(0))
+                        if config.warpgroup_lowering:  # layouts are inferred there
+                            row = bias_smem.at[wg][...]
+                        else:
+                            row = plgpu.load(bias_smem.at[wg], (),
+                                             layout=plgpu.Layout.WGMMA.reduce(0))
                         bias = lax.broadcast_in_dim(row, (bm, bn), [1])
                     out = apply_epilogue(acc, bias, activation).astype(out_gmem.dtype)
-                    _store_epilogue(out, out_smem.at[wg], out_gmem.at[cta_rows, cols].at[wg_rows],
-                                    epi_m, epi_n)
+                    _store_epilogue(out, out_smem.at[wg], out_tile(), epi_m, epi_n)
 
             def mma_body(_, a_smem, b_smem, acc_ref):
-                plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem)
+                if split_m:
+                    plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem)
+                else:
+                    plgpu.wgmma(acc_ref, a_smem, b_smem.at[:, wg_cols])
                 plgpu.wgmma_wait(config.wgmma_in_flight)  # reading acc_ref waits for all
                 return acc_ref
 
             make_pipeline(mma_body, compute_context)(
-                a_gmem.at[cta_rows, :], b_gmem.at[:, cols], allocations=pipeline_allocs)
+                a_gmem.at[cta_rows, :], b_gmem.at[:, cta_cols], allocations=pipeline_allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -164,7 +217,7 @@ def _store_epilogue(out, slots, out_gmem, epi_m: int, epi_n: int):
             plgpu.copy_smem_to_gmem(slots.at[slot], out_gmem.at[rows, cols])
 
 
-def _kernel_fn(plgpu, body, out_shape, scratch, grid, compiler_params):
+def _kernel_fn(plgpu, body, out_shape, scratch, grid, compiler_params, cluster: int = 1):
     """`plgpu.kernel` across spellings: out_shape/out_type, scratch_shapes/scratch_types."""
     params = inspect.signature(plgpu.kernel).parameters
     out_kw = "out_type" if "out_type" in params else "out_shape"
@@ -172,8 +225,30 @@ def _kernel_fn(plgpu, body, out_shape, scratch, grid, compiler_params):
     kwargs = {out_kw: out_shape, scratch_kw: scratch}
     if compiler_params is not None:
         kwargs["compiler_params"] = compiler_params
+    if cluster > 1:
+        kwargs.update(cluster=(cluster,), cluster_names=("cluster",))
     return plgpu.kernel(body, grid=grid, grid_names=("sm",), num_threads=_NUM_CONSUMERS + 1,
                         thread_name="wg", **kwargs)
+
+
+def _compiler_params(plgpu, config: MatmulConfig, activation: str | None):
+    """CompilerParams for the config's switches, or None when all are defaults."""
+    wanted = {}
+    if activation in ("gelu", "silu"):
+        # tanh.approx / ex2.approx in the epilogue: well inside bf16 output precision.
+        wanted["approx_math"] = True
+    if config.warpgroup_lowering:
+        wanted["lowering_semantics"] = plgpu.LoweringSemantics.Warpgroup
+    if config.no_auto_barriers:
+        wanted["unsafe_no_auto_barriers"] = True
+    if not wanted:
+        return None
+    known = {f.name for f in dataclasses.fields(plgpu.CompilerParams)}
+    missing = sorted(set(wanted) - known)
+    if missing:
+        raise ValueError(f"this jax {jax.__version__} has no Mosaic GPU CompilerParams "
+                         f"{missing} needed by {config}; it has {sorted(known)}")
+    return plgpu.CompilerParams(**wanted)
 
 
 def mosaic_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
@@ -186,10 +261,11 @@ def mosaic_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
     if bm % 64 or bn % 8 or bn > 256 or bk * jnp.dtype(a.dtype).itemsize % 32:
         raise ValueError(f"mosaic_gpu needs block_m % 64 == 0, block_n % 8 == 0 and <= 256, "
                          f"block_k * itemsize % 32 == 0; got {config}")
-    mp, np_, kp = _round_up(m, _NUM_CONSUMERS * bm), _round_up(n, bn), _round_up(k, bk)
+    unit_m, unit_n = cluster_tile(config)
+    mp, np_, kp = _round_up(m, unit_m), _round_up(n, unit_n), _round_up(k, bk)
     a_p = a if (mp, kp) == a.shape else jnp.pad(a, ((0, mp - m), (0, kp - k)))
     b_p = b if (kp, np_) == b.shape else jnp.pad(b, ((0, kp - k), (0, np_ - n)))
-    epi_m, epi_n = min(_EPILOGUE_TILE, bm), min(_EPILOGUE_TILE, bn)
+    epi_m, epi_n = _epilogue_tile(config)
     slots = min(2, (bm * bn) // (epi_m * epi_n))
     scratch = [
         plgpu.SMEM((_NUM_CONSUMERS, slots, epi_m, epi_n), out_dtype,
@@ -201,7 +277,7 @@ def mosaic_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
         operands.append(bias_p)
         scratch += [plgpu.SMEM((_NUM_CONSUMERS, bn), jnp.float32),
                     plgpu.Barrier(num_barriers=_NUM_CONSUMERS)]
-    m_iters, n_iters, k_iters = mp // (_NUM_CONSUMERS * bm), np_ // bn, kp // bk
+    m_iters, n_iters, k_iters = mp // unit_m, np_ // unit_n, kp // bk
     if k_iters == 1 and config.wgmma_in_flight:
         # One K step has nothing to overlap; keep the simplest barrier schedule.
         config = dataclasses.replace(config, wgmma_in_flight=0)
@@ -213,11 +289,11 @@ def mosaic_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
                              m_iters=m_iters, n_iters=n_iters, k_iters=k_iters)
     if bias is None:
         body = functools.partial(_without_bias, body)
-    # tanh.approx / ex2.approx in the epilogue: well inside bf16 output precision.
-    params = plgpu.CompilerParams(approx_math=True) if activation in ("gelu", "silu") else None
-    grid = (min(_num_sms(), m_iters * n_iters),)
+    params = _compiler_params(plgpu, config, activation)
+    cluster = 1 if config.cluster == "none" else 2
+    grid = (min(_num_sms() // cluster, m_iters * n_iters),)
     out = _kernel_fn(plgpu, body, jax.ShapeDtypeStruct((mp, np_), out_dtype), scratch, grid,
-                     params)(*operands)
+                     params, cluster)(*operands)
     return out[:m, :n] if (mp, np_) != (m, n) else out
 
 

@@ -1,0 +1,271 @@
+"""A/B probe of our Mosaic GPU matmul variants against XLA on one Hopper GPU.
+
+    python tools/probe_matmul.py                  # ~3-4 min on one H200, JSON in $OUT
+    python tools/probe_matmul.py --list           # the variants, no GPU needed
+    python tools/probe_matmul.py --trace-only     # trace every variant's kernel (CPU is fine)
+    python tools/probe_matmul.py --variants default,wg_n --shapes 8192x8192x8192
+
+Shapes are M x N x K (A is M x K, B is K x N), as in `jaxopt-train bench matmul`.
+For each shape: XLA's plain bf16 `jnp.dot` ("xla_dot", the ratio baseline, as in
+`bench matmul`), XLA with f32 output cast to bf16 ("xla_f32acc"), each variant
+of our `mosaic_gpu` backend (a `MatmulConfig` built from the shipped H200
+default with a few fields changed), and JAX's example kernel
+`jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu` if it imports. Every
+result is checked against XLA's f32 output before timing (max |err| / max |ref|
+<= --tol); a failing or crashing variant is reported and the probe goes on.
+Timing reuses `bench.matmul.time_fn` (bursts of back-to-back calls, one sync per
+burst, median) over rotating random inputs larger than L2. The probe stops
+starting new measurements after --budget-s seconds and prints what it has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 8192, 2048), (16384, 2048, 8192)]
+BASELINE = "xla_dot"
+
+# Most promising first: the probe may run out of budget before the tail.
+# Each entry: name -> fields replaced in the shipped H200 default config.
+VARIANTS: dict[str, dict] = {
+    "default": {},
+    # JAX's example layout: consumers side by side, CTA tile 128 x 256, shared A.
+    "wg_n": {"wg_split": "n"},
+    # ... plus its warpgroup lowering semantics.
+    "wg_n_wglower": {"wg_split": "n", "warpgroup_lowering": True},
+    "wglower": {"warpgroup_lowering": True},
+    "noautobar": {"no_auto_barriers": True},
+    "wg_n_noautobar": {"wg_split": "n", "no_auto_barriers": True},
+    # 2-CTA clusters: the shared operand tile is TMA-multicast to both CTAs.
+    "wg_n_cluster_m": {"wg_split": "n", "cluster": "m"},
+    "cluster_n": {"cluster": "n"},
+    "wg_n_inflight": {"wg_split": "n", "wgmma_in_flight": 1},
+    "wg_n_g8m": {"wg_split": "n", "group_m": 8, "grid_minor": "m"},
+    "epi128": {"epilogue_tile": 128},
+}
+# The default run (fits the 220 s budget with compile times of a few seconds).
+DEFAULT_VARIANTS = ["default", "wg_n", "wg_n_wglower", "wglower", "noautobar",
+                    "wg_n_cluster_m", "cluster_n", "wg_n_inflight"]
+
+
+def _parse_shape(text: str) -> tuple[int, int, int]:
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"shape={text!r} must be MxNxK, e.g. 8192x8192x8192")
+    return tuple(int(p) for p in parts)
+
+
+def _base_config():
+    from jaxopt_train.kernels.configs import SHIPPED_DEFAULTS
+
+    return SHIPPED_DEFAULTS[("mosaic_gpu", "NVIDIA H200")]
+
+
+def variant_configs(names: list[str]) -> dict:
+    """name -> MatmulConfig for each requested variant (ValueError on unknown names)."""
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variants {unknown}; expected some of {list(VARIANTS)}")
+    base = _base_config()
+    return {n: dataclasses.replace(base, **VARIANTS[n]) for n in names}
+
+
+def _example_fn(jnp):
+    """jit-able (a, b) -> a @ b with JAX's example Hopper kernel, 128x128x64 tiles."""
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as ex
+
+    fields = {f.name for f in dataclasses.fields(ex.TuningConfig)}
+    wanted = dict(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
+                  epi_tile_m=64, epi_tile_n=64, grid_minor_dim=ex.MatmulDimension.N,
+                  grid_tile_width=16)
+    config = ex.TuningConfig(**{k: v for k, v in wanted.items() if k in fields})
+    if hasattr(ex, "matmul"):  # jax >= 0.10: matmul(a, b, c, config)
+        return lambda a, b, bias: ex.matmul(a, b, None, config), config
+    return lambda a, b, bias: ex.matmul_kernel(a, b, config), config
+
+
+def trace_only(configs: dict) -> int:
+    """Traces each variant on an even and an odd (bias + gelu) shape; 1 if any fails."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxopt_train.kernels.mosaic_gpu import mosaic_matmul
+
+    failures = 0
+    for name, config in configs.items():
+        for m, n, k, act in [(1024, 1024, 512, None), (1000, 777, 513, "gelu")]:
+            a = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+            b = jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
+            bias = None if act is None else jax.ShapeDtypeStruct((n,), jnp.float32)
+            try:
+                jax.make_jaxpr(lambda a, b, bias, act=act, config=config: mosaic_matmul(
+                    a, b, bias, activation=act, out_dtype=jnp.bfloat16, config=config))(a, b, bias)
+                print(f"traced {name:<16} {m}x{n}x{k} activation={act}")
+            except Exception as err:  # noqa: BLE001 - report every variant
+                failures += 1
+                print(f"FAILED {name:<16} {m}x{n}x{k} activation={act}: {_first_lines(err)}")
+    return 1 if failures else 0
+
+
+def _first_lines(err: BaseException, n: int = 3) -> str:
+    text = f"{type(err).__name__}: {err}"
+    return " | ".join(line.strip() for line in text.splitlines()[:n] if line.strip())[:400]
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="probe_matmul", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help=f"comma list, in order, or 'all' (default {','.join(DEFAULT_VARIANTS)}); "
+                             f"known: {','.join(VARIANTS)}")
+    parser.add_argument("--shapes", type=_parse_shape, nargs="+", default=SHAPES,
+                        help="MxNxK shapes (default: the 4 issue shapes)")
+    parser.add_argument("--no-example", action="store_true", help="skip JAX's example kernel")
+    parser.add_argument("--budget-s", type=float, default=220.0,
+                        help="start no new measurement after this many seconds")
+    parser.add_argument("--calls", type=int, default=20, help="calls per burst")
+    parser.add_argument("--bursts", type=int, default=5)
+    parser.add_argument("--input-sets", type=int, default=4, help="rotating input sets (> L2)")
+    parser.add_argument("--warmup-s", type=float, default=0.3,
+                        help="warm-up per measurement (plus 2 s of XLA per shape)")
+    parser.add_argument("--tol", type=float, default=1e-2, help="max |err| / max |ref|")
+    parser.add_argument("--list", action="store_true", help="print the variant configs and exit")
+    parser.add_argument("--trace-only", action="store_true",
+                        help="only trace each variant's kernel body to a jaxpr (works on CPU): "
+                             "catches shape/indexing mistakes before spending GPU time")
+    parser.add_argument("--json", default=None,
+                        help="output path (default $OUT/matmul_probe.json, OUT default /tmp)")
+    args = parser.parse_args(argv)
+    names = list(VARIANTS) if args.variants == "all" else [
+        n for n in args.variants.split(",") if n]
+    try:
+        configs = variant_configs(names)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.list:
+        for name, config in configs.items():
+            print(f"{name:<16} {config.to_dict()}")
+        return 0
+    if args.trace_only:
+        return trace_only(configs)
+
+    start = time.perf_counter()
+    import jax
+    import jax.numpy as jnp
+
+    from jaxopt_train.bench.matmul import _input_sets, time_fn
+    from jaxopt_train.kernels import matmul
+
+    device = jax.devices()[0]
+    header = {"device_kind": device.device_kind, "jax": jax.__version__,
+              "calls": args.calls, "bursts": args.bursts, "input_sets": args.input_sets,
+              "variants": {n: c.to_dict() for n, c in configs.items()}}
+    print(json.dumps(header), file=sys.stderr, flush=True)
+
+    fns = {BASELINE: jax.jit(lambda a, b, bias: jnp.dot(a, b)),
+           "xla_f32acc": jax.jit(lambda a, b, bias: jnp.dot(
+               a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))}
+    for name, config in configs.items():
+        fns[name] = jax.jit(lambda a, b, bias, config=config: matmul(
+            a, b, backend="mosaic_gpu", config=config))
+    example_error = None
+    if not args.no_example:
+        try:
+            example, example_config = _example_fn(jnp)
+            fns["jax_example"] = jax.jit(example)
+            header["jax_example_config"] = repr(example_config)
+        except Exception as err:  # noqa: BLE001 - report why, keep probing ours
+            example_error = _first_lines(err)
+            print(f"jax_example unavailable: {example_error}", file=sys.stderr, flush=True)
+
+    rows, stopped = [], None
+    for shape in args.shapes:
+        m, n, k = shape
+        sets = _input_sets(m, n, k, jnp.bfloat16, args.input_sets)
+        a, b, bias = sets[0]
+        ref = jnp.dot(a, b, preferred_element_type=jnp.float32)
+        scale = float(jnp.max(jnp.abs(ref))) or 1.0
+        time_fn(fns[BASELINE], sets, calls=1, bursts=1, warmup_s=2.0)  # clocks up
+        for name, fn in fns.items():
+            elapsed = time.perf_counter() - start
+            if elapsed > args.budget_s:
+                stopped = f"budget {args.budget_s:.0f}s reached at {elapsed:.0f}s"
+                break
+            row = {"shape": list(shape), "variant": name}
+            try:
+                err = float(jnp.max(jnp.abs(fn(a, b, bias).astype(jnp.float32) - ref))) / scale
+                row["max_rel_error"] = err
+                if not err <= args.tol:  # also catches NaN
+                    raise ValueError(f"max |err| / max |ref| = {err:.3g} > tol {args.tol}")
+                seconds = time_fn(fn, sets, calls=args.calls, bursts=args.bursts,
+                                  warmup_s=args.warmup_s)
+                row["ms"] = seconds * 1e3
+                row["tflops"] = 2 * m * n * k / seconds / 1e12
+            except Exception as err:  # noqa: BLE001 - one broken variant must not stop the rest
+                row["error"] = _first_lines(err)
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+        del sets, a, b, bias, ref
+        if stopped:
+            break
+
+    for shape in args.shapes:
+        base = next((r for r in rows if r["shape"] == list(shape) and r["variant"] == BASELINE
+                     and "tflops" in r), None)
+        for r in rows:
+            if base is not None and r["shape"] == list(shape) and "tflops" in r:
+                r["vs_xla"] = r["tflops"] / base["tflops"]
+    summary = {}
+    for name in fns:
+        ratios = [r["vs_xla"] for r in rows if r["variant"] == name and "vs_xla" in r]
+        summary[name] = {"geomean_vs_xla": _geomean(ratios) if ratios else None,
+                         "shapes_measured": len(ratios)}
+
+    out_path = args.json or os.path.join(os.environ.get("OUT") or "/tmp", "matmul_probe.json")
+    with open(out_path, "w") as f:
+        json.dump({**header, "rows": rows, "summary": summary, "stopped": stopped,
+                   "jax_example_error": example_error,
+                   "wall_s": time.perf_counter() - start}, f, indent=1)
+
+    print(f"\n{device.device_kind}  jax {jax.__version__}  median of {args.bursts} bursts x "
+          f"{args.calls} calls, {args.input_sets} rotating inputs; ratio = vs {BASELINE}")
+    cells = ["x".join(map(str, s)) for s in args.shapes]
+    print(f"{'variant':<16}" + "".join(f"{c:>22}" for c in cells) + f"{'geomean':>9}")
+    for name in fns:
+        line = f"{name:<16}"
+        for shape in args.shapes:
+            r = next((r for r in rows if r["variant"] == name and r["shape"] == list(shape)), None)
+            if r is None:
+                cell = "-"
+            elif "error" in r:
+                cell = "ERROR"
+            else:
+                cell = f"{r['tflops']:.0f} {r.get('vs_xla', float('nan')):.3f}x"
+            line += f"{cell:>22}"
+        g = summary[name]["geomean_vs_xla"]
+        line += f"{'-' if g is None else f'{g:.3f}':>9}"
+        print(line)
+    for r in rows:
+        if "error" in r:
+            print(f"ERROR {r['variant']} {'x'.join(map(str, r['shape']))}: {r['error']}")
+    if example_error:
+        print(f"jax_example not run: {example_error}")
+    if stopped:
+        print(f"STOPPED EARLY: {stopped}")
+    print(f"wall {time.perf_counter() - start:.0f}s; JSON: {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    raise SystemExit(main())
