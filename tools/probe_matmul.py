@@ -1,6 +1,6 @@
 """A/B probe of our Mosaic GPU matmul variants against XLA on one Hopper GPU.
 
-    python tools/probe_matmul.py                  # ~3-4 min on one H200, JSON in $OUT
+    python tools/probe_matmul.py                  # <= ~3.7 min on one H200, JSON in $OUT
     python tools/probe_matmul.py --list           # the variants, no GPU needed
     python tools/probe_matmul.py --trace-only     # trace every variant's kernel (CPU is fine)
     python tools/probe_matmul.py --variants default,wg_n --shapes 8192x8192x8192
@@ -15,7 +15,9 @@ result is checked against XLA's f32 output before timing (max |err| / max |ref|
 <= --tol); a failing or crashing variant is reported and the probe goes on.
 Timing reuses `bench.matmul.time_fn` (bursts of back-to-back calls, one sync per
 burst, median) over rotating random inputs larger than L2. The probe stops
-starting new measurements after --budget-s seconds and prints what it has.
+starting new measurements after --budget-s (200) seconds and prints what it
+has; a watchdog prints the table and exits (rc 3) at budget + --grace-s (220 s)
+in case a measurement hangs. The JSON is rewritten after every measurement.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 
 SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 8192, 2048), (16384, 2048, 8192)]
@@ -50,8 +53,9 @@ VARIANTS: dict[str, dict] = {
     "epi128": {"epilogue_tile": 128},
 }
 # The default run (fits the 220 s budget with compile times of a few seconds).
+# Cluster variants go last: a cluster synchronisation bug would hang, not fail.
 DEFAULT_VARIANTS = ["default", "wg_n", "wg_n_wglower", "wglower", "noautobar",
-                    "wg_n_cluster_m", "cluster_n", "wg_n_inflight"]
+                    "wg_n_inflight", "wg_n_cluster_m", "cluster_n"]
 
 
 def _parse_shape(text: str) -> tuple[int, int, int]:
@@ -76,8 +80,10 @@ def variant_configs(names: list[str]) -> dict:
     return {n: dataclasses.replace(base, **VARIANTS[n]) for n in names}
 
 
-def _example_fn(jnp):
-    """jit-able (a, b) -> a @ b with JAX's example Hopper kernel, 128x128x64 tiles."""
+def _example_fn():
+    """jit-able (a, b, bias) -> a @ b with JAX's example Hopper kernel, 128x128x64 tiles."""
+    import inspect
+
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as ex
 
     fields = {f.name for f in dataclasses.fields(ex.TuningConfig)}
@@ -85,9 +91,11 @@ def _example_fn(jnp):
                   epi_tile_m=64, epi_tile_n=64, grid_minor_dim=ex.MatmulDimension.N,
                   grid_tile_width=16)
     config = ex.TuningConfig(**{k: v for k, v in wanted.items() if k in fields})
-    if hasattr(ex, "matmul"):  # jax >= 0.10: matmul(a, b, c, config)
-        return lambda a, b, bias: ex.matmul(a, b, None, config), config
-    return lambda a, b, bias: ex.matmul_kernel(a, b, config), config
+    if hasattr(ex, "matmul"):  # jax 0.10: matmul(a, b, c, config); c=None: plain a @ b
+        if "c" in inspect.signature(ex.matmul).parameters:
+            return lambda a, b, bias: ex.matmul(a, b, None, config=config), config
+        return lambda a, b, bias: ex.matmul(a, b, config=config), config
+    return lambda a, b, bias: ex.matmul_kernel(a, b, config), config  # older spelling
 
 
 def trace_only(configs: dict) -> int:
@@ -114,8 +122,8 @@ def trace_only(configs: dict) -> int:
 
 
 def _first_lines(err: BaseException, n: int = 3) -> str:
-    text = f"{type(err).__name__}: {err}"
-    return " | ".join(line.strip() for line in text.splitlines()[:n] if line.strip())[:400]
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: " + " | ".join(lines[:n])[:400]
 
 
 def _geomean(values: list[float]) -> float:
@@ -131,8 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", type=_parse_shape, nargs="+", default=SHAPES,
                         help="MxNxK shapes (default: the 4 issue shapes)")
     parser.add_argument("--no-example", action="store_true", help="skip JAX's example kernel")
-    parser.add_argument("--budget-s", type=float, default=220.0,
+    parser.add_argument("--budget-s", type=float, default=200.0,
                         help="start no new measurement after this many seconds")
+    parser.add_argument("--grace-s", type=float, default=20.0,
+                        help="watchdog: exit with what we have at budget + grace seconds")
     parser.add_argument("--calls", type=int, default=20, help="calls per burst")
     parser.add_argument("--bursts", type=int, default=5)
     parser.add_argument("--input-sets", type=int, default=4, help="rotating input sets (> L2)")
@@ -159,36 +169,118 @@ def main(argv: list[str] | None = None) -> int:
     if args.trace_only:
         return trace_only(configs)
 
-    start = time.perf_counter()
+    return run(args, configs)
+
+
+def _make_fns(configs: dict, with_example: bool, header: dict):
+    """name -> jitted (a, b, bias) -> bf16 (M, N): baselines, JAX's example, our variants."""
     import jax
     import jax.numpy as jnp
 
-    from jaxopt_train.bench.matmul import _input_sets, time_fn
     from jaxopt_train.kernels import matmul
-
-    device = jax.devices()[0]
-    header = {"device_kind": device.device_kind, "jax": jax.__version__,
-              "calls": args.calls, "bursts": args.bursts, "input_sets": args.input_sets,
-              "variants": {n: c.to_dict() for n, c in configs.items()}}
-    print(json.dumps(header), file=sys.stderr, flush=True)
 
     fns = {BASELINE: jax.jit(lambda a, b, bias: jnp.dot(a, b)),
            "xla_f32acc": jax.jit(lambda a, b, bias: jnp.dot(
                a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))}
-    for name, config in configs.items():
-        fns[name] = jax.jit(lambda a, b, bias, config=config: matmul(
-            a, b, backend="mosaic_gpu", config=config))
     example_error = None
-    if not args.no_example:
+    if with_example:
         try:
-            example, example_config = _example_fn(jnp)
+            example, example_config = _example_fn()
             fns["jax_example"] = jax.jit(example)
             header["jax_example_config"] = repr(example_config)
         except Exception as err:  # noqa: BLE001 - report why, keep probing ours
             example_error = _first_lines(err)
             print(f"jax_example unavailable: {example_error}", file=sys.stderr, flush=True)
+    for name, config in configs.items():
+        fns[name] = jax.jit(lambda a, b, bias, config=config: matmul(
+            a, b, backend="mosaic_gpu", config=config))
+    return fns, example_error
 
-    rows, stopped = [], None
+
+def _report(state: dict, final: bool) -> None:
+    """Ratios, geomeans, JSON (always) and the table (when `final`) from `state`."""
+    rows, shapes, names = state["rows"], state["shapes"], state["names"]
+    for shape in shapes:
+        base = next((r for r in rows if r["shape"] == list(shape) and r["variant"] == BASELINE
+                     and "tflops" in r), None)
+        for r in rows:
+            if base is not None and r["shape"] == list(shape) and "tflops" in r:
+                r["vs_xla"] = r["tflops"] / base["tflops"]
+    summary = {}
+    for name in names:
+        ratios = [r["vs_xla"] for r in rows if r["variant"] == name and "vs_xla" in r]
+        summary[name] = {"geomean_vs_xla": _geomean(ratios) if ratios else None,
+                         "shapes_measured": len(ratios)}
+    wall = time.perf_counter() - state["start"]
+    with open(state["out_path"], "w") as f:
+        json.dump({**state["header"], "rows": rows, "summary": summary,
+                   "stopped": state["stopped"], "jax_example_error": state["example_error"],
+                   "wall_s": wall}, f, indent=1)
+    if not final:
+        return
+    h = state["header"]
+    print(f"\n{h['device_kind']}  jax {h['jax']}  median of {h['bursts']} bursts x "
+          f"{h['calls']} calls, {h['input_sets']} rotating inputs; TFLOP/s and ratio vs {BASELINE}")
+    cells = ["x".join(map(str, s)) for s in shapes]
+    print(f"{'variant':<16}" + "".join(f"{c:>20}" for c in cells) + f"{'geomean':>9}")
+    for name in names:
+        line = f"{name:<16}"
+        for shape in shapes:
+            r = next((r for r in rows if r["variant"] == name and r["shape"] == list(shape)), None)
+            if r is None:
+                cell = "-"
+            elif "error" in r:
+                cell = "ERROR"
+            else:
+                cell = f"{r['tflops']:.0f} {r.get('vs_xla', float('nan')):.3f}x"
+            line += f"{cell:>20}"
+        g = summary[name]["geomean_vs_xla"]
+        line += f"{'-' if g is None else f'{g:.3f}':>9}"
+        print(line)
+    for r in rows:
+        if "error" in r:
+            print(f"ERROR {r['variant']} {'x'.join(map(str, r['shape']))}: {r['error']}")
+    if state["example_error"]:
+        print(f"jax_example not run: {state['example_error']}")
+    if state["stopped"]:
+        print(f"STOPPED EARLY: {state['stopped']}")
+    print(f"wall {wall:.0f}s; JSON: {state['out_path']}", flush=True)
+
+
+def _watchdog(state: dict, after_s: float) -> threading.Timer:
+    """A hung kernel (e.g. a cluster deadlock) must not eat the device call: after
+    `after_s` print what we have and exit the process."""
+    def fire():
+        state["stopped"] = f"watchdog: still running after {after_s:.0f}s (a hung measurement?)"
+        try:
+            _report(state, final=True)
+        finally:
+            os._exit(3)
+
+    timer = threading.Timer(after_s, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def run(args, configs: dict) -> int:
+    start = time.perf_counter()
+    import jax
+    import jax.numpy as jnp
+
+    from jaxopt_train.bench.matmul import _input_sets, time_fn
+
+    device = jax.devices()[0]
+    header = {"device_kind": device.device_kind, "jax": jax.__version__,
+              "calls": args.calls, "bursts": args.bursts, "input_sets": args.input_sets,
+              "tol": args.tol, "variants": {n: c.to_dict() for n, c in configs.items()}}
+    fns, example_error = _make_fns(configs, not args.no_example, header)
+    print(json.dumps(header), file=sys.stderr, flush=True)
+    state = {"rows": [], "shapes": args.shapes, "names": list(fns), "header": header,
+             "start": start, "stopped": None, "example_error": example_error,
+             "out_path": args.json or os.path.join(os.environ.get("OUT") or "/tmp",
+                                                   "matmul_probe.json")}
+    timer = _watchdog(state, args.budget_s + args.grace_s)
     for shape in args.shapes:
         m, n, k = shape
         sets = _input_sets(m, n, k, jnp.bfloat16, args.input_sets)
@@ -199,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, fn in fns.items():
             elapsed = time.perf_counter() - start
             if elapsed > args.budget_s:
-                stopped = f"budget {args.budget_s:.0f}s reached at {elapsed:.0f}s"
+                state["stopped"] = f"budget {args.budget_s:.0f}s reached at {elapsed:.0f}s"
                 break
             row = {"shape": list(shape), "variant": name}
             try:
@@ -213,56 +305,15 @@ def main(argv: list[str] | None = None) -> int:
                 row["tflops"] = 2 * m * n * k / seconds / 1e12
             except Exception as err:  # noqa: BLE001 - one broken variant must not stop the rest
                 row["error"] = _first_lines(err)
-            rows.append(row)
+            row["t_s"] = round(time.perf_counter() - start, 1)
+            state["rows"].append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
+            _report(state, final=False)  # JSON so far, in case the process is killed
         del sets, a, b, bias, ref
-        if stopped:
+        if state["stopped"]:
             break
-
-    for shape in args.shapes:
-        base = next((r for r in rows if r["shape"] == list(shape) and r["variant"] == BASELINE
-                     and "tflops" in r), None)
-        for r in rows:
-            if base is not None and r["shape"] == list(shape) and "tflops" in r:
-                r["vs_xla"] = r["tflops"] / base["tflops"]
-    summary = {}
-    for name in fns:
-        ratios = [r["vs_xla"] for r in rows if r["variant"] == name and "vs_xla" in r]
-        summary[name] = {"geomean_vs_xla": _geomean(ratios) if ratios else None,
-                         "shapes_measured": len(ratios)}
-
-    out_path = args.json or os.path.join(os.environ.get("OUT") or "/tmp", "matmul_probe.json")
-    with open(out_path, "w") as f:
-        json.dump({**header, "rows": rows, "summary": summary, "stopped": stopped,
-                   "jax_example_error": example_error,
-                   "wall_s": time.perf_counter() - start}, f, indent=1)
-
-    print(f"\n{device.device_kind}  jax {jax.__version__}  median of {args.bursts} bursts x "
-          f"{args.calls} calls, {args.input_sets} rotating inputs; ratio = vs {BASELINE}")
-    cells = ["x".join(map(str, s)) for s in args.shapes]
-    print(f"{'variant':<16}" + "".join(f"{c:>22}" for c in cells) + f"{'geomean':>9}")
-    for name in fns:
-        line = f"{name:<16}"
-        for shape in args.shapes:
-            r = next((r for r in rows if r["variant"] == name and r["shape"] == list(shape)), None)
-            if r is None:
-                cell = "-"
-            elif "error" in r:
-                cell = "ERROR"
-            else:
-                cell = f"{r['tflops']:.0f} {r.get('vs_xla', float('nan')):.3f}x"
-            line += f"{cell:>22}"
-        g = summary[name]["geomean_vs_xla"]
-        line += f"{'-' if g is None else f'{g:.3f}':>9}"
-        print(line)
-    for r in rows:
-        if "error" in r:
-            print(f"ERROR {r['variant']} {'x'.join(map(str, r['shape']))}: {r['error']}")
-    if example_error:
-        print(f"jax_example not run: {example_error}")
-    if stopped:
-        print(f"STOPPED EARLY: {stopped}")
-    print(f"wall {time.perf_counter() - start:.0f}s; JSON: {out_path}")
+    timer.cancel()
+    _report(state, final=True)
     return 0
 
 
