@@ -123,6 +123,11 @@ def trace_only(configs: dict) -> int:
 
 def _first_lines(err: BaseException, n: int = 3) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if not lines and err.__traceback__ is not None:  # e.g. a bare AttributeError: say where
+        import traceback
+
+        frame = traceback.extract_tb(err.__traceback__)[-1]
+        lines = [f"at {os.path.basename(frame.filename)}:{frame.lineno} {frame.line}"]
     return f"{type(err).__name__}: " + " | ".join(lines[:n])[:400]
 
 
