@@ -80,8 +80,12 @@ def variant_configs(names: list[str]) -> dict:
     return {n: dataclasses.replace(base, **VARIANTS[n]) for n in names}
 
 
-def _example_fn():
-    """jit-able (a, b, bias) -> a @ b with JAX's example Hopper kernel, 128x128x64 tiles."""
+def _example_fn(**overrides):
+    """jit-able (a, b, bias) -> a @ b with JAX's example Hopper kernel, 128x128x64 tiles.
+
+    `overrides` name enum members of the example's MatmulDimension for its
+    TuningConfig fields (e.g. wg_dimension="M"); KeyError if it has no such field.
+    """
     import inspect
 
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as ex
@@ -90,6 +94,10 @@ def _example_fn():
     wanted = dict(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
                   epi_tile_m=64, epi_tile_n=64, grid_minor_dim=ex.MatmulDimension.N,
                   grid_tile_width=16)
+    for key, dim in overrides.items():
+        if key not in fields:
+            raise KeyError(f"this jax's TuningConfig has no {key!r}; it has {sorted(fields)}")
+        wanted[key] = ex.MatmulDimension[dim]
     config = ex.TuningConfig(**{k: v for k, v in wanted.items() if k in fields})
     if hasattr(ex, "matmul"):  # jax 0.10: matmul(a, b, c, config); c=None: plain a @ b
         if "c" in inspect.signature(ex.matmul).parameters:
@@ -199,6 +207,15 @@ def _make_fns(configs: dict, with_example: bool, header: dict):
     for name, config in configs.items():
         fns[name] = jax.jit(lambda a, b, bias, config=config: matmul(
             a, b, backend="mosaic_gpu", config=config))
+    if with_example and example_error is None:
+        # The example with its consumers stacked along M like our default: tells
+        # the layout's share of its lead from the rest (lowering semantics...).
+        try:
+            example, example_config = _example_fn(wg_dimension="M")
+            fns["jax_example_wg_m"] = jax.jit(example)
+            header["jax_example_wg_m_config"] = repr(example_config)
+        except Exception as err:  # noqa: BLE001 - older example: no wg_dimension
+            print(f"jax_example_wg_m unavailable: {_first_lines(err)}", file=sys.stderr)
     return fns, example_error
 
 
