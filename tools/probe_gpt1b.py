@@ -106,13 +106,9 @@ def run_variant(name, spec, args, out_dir):
     workload = train_steps.Workload(args.model, args.batch, micro, seq_len=args.seq_len,
                                     n_layers=args.layers)
     run = train_steps.RunConfig(name, policy=policy, attention=args.attention,
-                                accumulation="scan", donate=True, remat=remat)
-    original = train_steps.default_optimizer
-    train_steps.default_optimizer = lambda: _wrapped(original, state_dtype)
-    try:
-        runner = train_steps.build_runner(workload, run, train_steps.data_mesh(jax.devices()[:1]))
-    finally:
-        train_steps.default_optimizer = original
+                                accumulation="scan", donate=True, remat=remat,
+                                opt_state=state_dtype)
+    runner = train_steps.build_runner(workload, run, train_steps.data_mesh(jax.devices()[:1]))
     mem = fits(runner.compiled[0], budget=2**60)
     state, runner.state = runner.state, None
     state = _timing.warm_up(runner.step, state, args.warmup)
@@ -136,12 +132,6 @@ def run_variant(name, spec, args, out_dir):
         row["profile"] = summarise_trace(logdir, args.profile_steps)
     del state
     return row
-
-
-def _wrapped(original, state_dtype):
-    from jaxopt_train.train.optim import low_precision_state
-
-    return low_precision_state(original(), state_dtype)
 
 
 def main(argv=None) -> int:

@@ -43,6 +43,7 @@ from jaxopt_train.models import (GPT, GPT_PRESETS, VISION_PRESETS, classificatio
 from jaxopt_train.models.flops import gpt_flops_per_token
 from jaxopt_train.models.gpt import warn_if_cudnn_unavailable
 from jaxopt_train.precision import get_policy
+from jaxopt_train.train.optim import low_precision_state, state_dtype
 
 AXIS = "data"
 ACCUMULATIONS = ("host", "scan")
@@ -112,12 +113,14 @@ class RunConfig:
     remat: str = "none"
     grad_sync: str = "psum"
     steps_per_dispatch: int = 1
+    opt_state: str = "f32"  # AdamW moments' storage dtype (jaxopt_train.train.optim)
 
     def __post_init__(self):
         if self.accumulation not in ACCUMULATIONS:
             raise ValueError(f"accumulation={self.accumulation!r}; legal values: {ACCUMULATIONS}")
         if self.steps_per_dispatch < 1:
             raise ValueError(f"steps_per_dispatch={self.steps_per_dispatch} must be >= 1")
+        state_dtype(self.opt_state)  # validates: "f32" or "bf16"
         if self.accumulation == "host" and self.steps_per_dispatch > 1:
             raise ValueError("steps_per_dispatch > 1 runs the step in-graph: it needs "
                              "accumulation='scan', got accumulation='host'")
@@ -126,9 +129,10 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-def default_optimizer() -> optax.GradientTransformation:
-    """AdamW (GPT-2 betas), identical for every config so only the techniques differ."""
-    return optax.adamw(1e-4, b1=0.9, b2=0.95, weight_decay=0.1)
+def default_optimizer(opt_state: str = "f32") -> optax.GradientTransformation:
+    """AdamW (GPT-2 betas), identical for every config so only the techniques differ;
+    `opt_state="bf16"` stores its moments in bf16 (`low_precision_state`)."""
+    return low_precision_state(optax.adamw(1e-4, b1=0.9, b2=0.95, weight_decay=0.1), opt_state)
 
 
 def data_mesh(devices) -> jax.sharding.Mesh:
@@ -291,7 +295,7 @@ def build_runner(workload: Workload, run: RunConfig, mesh, *, seed: int = 0) -> 
     num_devices = mesh.devices.size
     check_divisible(workload.global_batch, workload.microbatches, num_devices)
     host_accumulation = run.accumulation == "host" and workload.microbatches > 1
-    optimizer = default_optimizer()
+    optimizer = default_optimizer(run.opt_state)
     if host_accumulation:
         optimizer = multi_steps(optimizer, workload.microbatches)
     graphdef, state = init_state(workload, run, mesh, optimizer, seed)
