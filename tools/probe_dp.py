@@ -9,10 +9,21 @@ NCCL settings are process-wide and read once), each with its own env, in
 priority order, each capped by what is left of the wall budget; a child writes
 its JSON after every variant, so a phase cut short still reports what it had.
 
-Phases (in this order; A keeps 40 s back for B):
+Phases (run in the order A, B, A-lhs, B-p2p; A keeps 40 s back for B):
   B      ring vs psum, f32 messages of 256 MiB and 1 GiB per device, flags of the
-         "gpu-throughput" preset (what the train bench runs under).
-  B-p2p  the same for a few variants with NCCL p2p channel env settings.
+         "gpu-throughput" preset (what the train bench runs under):
+           psum_f32 (the baseline), psum_bf16wire, rs_ag_nccl (NCCL reduce-scatter +
+           all-gather), ring / ring_bidir / ring_c4 / ring_bf16 / ring_bidir_bf16 (the
+           library's ring), and two 2-device candidates built here:
+           xchg   reduce-scatter + all-gather with minimal copies (2 ppermutes);
+           swap   x + ppermute(x): ONE exchange moving the same bytes per link direction as
+                  RS + AG at n = 2, no dependent second phase (_c4: 4 pipelined chunks,
+                  _bf16: bf16 wire, f32 add of the two rounded copies, bit-identical).
+         At n = 2 one ring already uses both link directions (0->1 and 1->0 at once), so
+         ring_bidir can only add calls; it is measured to show that.
+  B-p2p  a few B variants at 1 GiB with NCCL_{MIN,MAX}_P2P_NCHANNELS=32 and
+         NCCL_P2P_NVL_CHUNKSIZE=1 MiB (XLA lowers ppermute to grouped ncclSend/ncclRecv,
+         whose channel count and chunk size these set; psum's ring is unaffected).
   A      gpt-1b DP step (bf16 compute, f32 master weights, AdamW, cudnn attention,
          donation, `--k` optimizer steps per dispatch as the bench does), 1 GPU vs 2:
            1gpu         the reference (per-device batch --per-device-batch)
@@ -26,6 +37,11 @@ Phases (in this order; A keeps 40 s back for B):
                         psums that block's grads, so each reduction is issued inside the
                         backward as soon as the block is done; step does no other reduce
            overlap_bf16 the same with a bf16 wire
+         optional (--a-variants): swap_f32 / swap_bf16 (the B "swap" exchange after the
+         backward), overlap_swap_f32 / overlap_swap_bf16 (swap inside the backward hooks).
+         Compiles run in parallel threads (one gpt-1b compile is ~15 s); each variant is
+         timed from a fresh copy of the same initial state. --dry also checks that every
+         variant's synced grads equal psum(grads)/n (exactly one reduction of each grad).
   A-lhs  overlap/psum under the latency-hiding scheduler with XLA's default combine
          threshold instead of the preset's 256 MiB (if time is left).
 
@@ -38,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -96,6 +111,8 @@ def drive(args) -> int:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", name.split("-")[0],
                "--json", path, "--deadline", str(deadline - reserve - 3), "--k", str(args.k),
                "--per-device-batch", str(args.per_device_batch)]
+        if name == "A" and args.a_variants:
+            variants = args.a_variants
         if variants:
             cmd += ["--variants", variants]
         if one_gpu_ms:
@@ -144,15 +161,42 @@ def render(results) -> str:
             if "error" in row:
                 lines.append(f"  {row['name']:<24} ERROR {row['error'][:150]}")
             elif name.startswith("A"):
-                lines.append(f"  {row['name']:<14} {row['step_ms']:8.2f} ms/step  scaling "
-                             f"{_fmt(row.get('scaling'))}  loss {row['loss']:.4f}  compile {row['compile_s']:.1f} s")
+                over = row.get("over_1gpu_ms")
+                lines.append(f"  {row['name']:<17} {row['step_ms']:8.2f} ms/step  scaling "
+                             f"{_fmt(row.get('scaling'))}  +{'-' if over is None else f'{over:.2f}'} ms vs 1 GPU"
+                             f"  loss {row['loss']:.4f}")
             else:
                 lines.append(f"  {row['name']:<18} {row['size_mib']:6.0f} MiB {row['ms']:8.3f} ms "
                              f"{row['bus_gbps']:7.1f} GB/s  vs_psum {_fmt(row.get('vs_psum'))}  "
                              f"max_err {row['max_err']:.2e}")
+        for key in ("lower_s", "parallel_compile_s"):
+            if key in phase:
+                lines.append(f"  {key}: {phase[key]:.1f}")
         for note in phase.get("notes", []):
             lines.append(f"  note: {note}")
+    lines += summary(results)
     return "\n".join(lines)
+
+
+def summary(results) -> list[str]:
+    """One line per question: best DP scaling, best f32 and bf16-wire all-reduce vs psum f32."""
+    out = []
+    a_rows = [(phase, r) for phase, p in results["phases"].items() if phase.startswith("A")
+              for r in p.get("rows", []) if r.get("scaling") is not None]
+    if a_rows:
+        phase, best = max(a_rows, key=lambda pr: pr[1]["scaling"])
+        out.append(f"BEST DP step: {phase}/{best['name']} scaling {best['scaling']:.3f} (target 0.95)")
+    b_rows = [(phase, r) for phase, p in results["phases"].items() if phase.startswith("B")
+              for r in p.get("rows", []) if r.get("vs_psum") is not None]
+    for label, is_bf16 in (("f32 wire", False), ("bf16 wire", True)):
+        for size in sorted({r["size_mib"] for _, r in b_rows}):
+            pick = [(ph, r) for ph, r in b_rows if r["size_mib"] == size and ("bf16" in r["name"]) == is_bf16
+                    and not r["name"].startswith("psum")]
+            if pick:
+                ph, r = max(pick, key=lambda pr: pr[1]["vs_psum"])
+                out.append(f"BEST {label} non-psum @ {size:.0f} MiB: {ph}/{r['name']} {r['vs_psum']:.3f}x psum f32 "
+                           f"({r['bus_gbps']:.0f} GB/s; target {'1.6' if is_bf16 else '0.95'})")
+    return out
 
 
 def _fmt(x) -> str:
@@ -328,6 +372,10 @@ def phase_b(args, rec: Recorder) -> None:
 
 # ------------------------------------------------------------------ phase A: the DP step
 
+A_DEFAULT = ("1gpu", "psum_tree", "overlap_bf16", "overlap_f32", "psum_bf16", "psum_leaf")
+A_VARIANTS = A_DEFAULT + ("swap_f32", "swap_bf16", "overlap_swap_f32", "overlap_swap_bf16")
+
+
 def reducing_identity(reduce_fn):
     """Identity on a pytree whose VJP applies `reduce_fn` to the cotangents (a DDP hook)."""
     import jax  # noqa: PLC0415
@@ -358,6 +406,15 @@ def _block_groups(params):
     return list(groups.values())
 
 
+def _reduce_tree(tree, wire, swap: bool = False):
+    """Sum over AXIS of every leaf: lax.psum, or the 2-device one-exchange `swap_all_reduce`."""
+    import jax  # noqa: PLC0415
+
+    if swap:
+        return jax.tree.map(lambda g: swap_all_reduce(g, AXIS, wire=wire), tree)
+    return _psum_tree(tree, wire)
+
+
 def _psum_tree(tree, wire):
     import jax  # noqa: PLC0415
     from jax import lax  # noqa: PLC0415
@@ -385,12 +442,13 @@ def build_step(workload, run, mesh, variant: str, k: int, state, *, check_grads:
     base_loss = ts.make_loss(graphdef, workload, run)
     wire = jnp.bfloat16 if variant.endswith("bf16") else None
     overlap = variant.startswith("overlap") and n > 1
+    swap = "swap" in variant
 
     def loss(params, batch, model_state):
         if overlap:
             leaves, treedef = jax.tree.flatten(params)
             for group in _block_groups(params):
-                hooked = reducing_identity(lambda ct: _psum_tree(ct, wire))([leaves[i] for i in group])
+                hooked = reducing_identity(lambda ct: _reduce_tree(ct, wire, swap))([leaves[i] for i in group])
                 for i, leaf in zip(group, hooked):
                     leaves[i] = leaf
             params = jax.tree.unflatten(treedef, leaves)
@@ -401,8 +459,8 @@ def build_step(workload, run, mesh, variant: str, k: int, state, *, check_grads:
             return grads if n == 1 else jax.tree.map(lambda g: g / n, grads)
         if variant == "psum_tree":
             summed = all_reduce_tree(grads, AXIS, method="psum")
-        else:  # psum_leaf, psum_bf16
-            summed = _psum_tree(grads, wire)
+        else:  # psum_leaf, psum_bf16, swap_f32, swap_bf16
+            summed = _reduce_tree(grads, wire, swap)
         return jax.tree.map(lambda g: g / n, summed)
 
     grad_fn = jax.value_and_grad(loss, has_aux=True)
@@ -475,8 +533,10 @@ def phase_a(args, rec: Recorder) -> None:
     gpu = jax.default_backend() == "gpu"
     rec.data.update(device_kind=devices[0].device_kind, jax=jax.__version__, k=args.k,
                     per_device_batch=args.per_device_batch)
-    chosen = (args.variants.split(",") if args.variants else
-              ["1gpu", "psum_tree", "overlap_bf16", "overlap_f32", "psum_bf16", "psum_leaf"])
+    chosen = (args.variants.split(",") if args.variants else list(A_DEFAULT))
+    unknown = [v for v in chosen if v not in A_VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown phase-A variants {unknown}; legal values: {A_VARIANTS}")
     model, extra = ("gpt-tiny", dict(seq_len=32, n_layers=2)) if args.dry else ("gpt-1b", {})
     run = ts.RunConfig("optimised", policy="bf16", attention="cudnn" if gpu else "xla",
                        accumulation="scan", donate=True)
@@ -527,6 +587,7 @@ def phase_a(args, rec: Recorder) -> None:
             if name == "1gpu":
                 one_gpu_s = sec
             row["scaling"] = None if one_gpu_s is None or n == 1 else one_gpu_s / sec
+            row["over_1gpu_ms"] = None if one_gpu_s is None or n == 1 else (sec - one_gpu_s) * 1e3
             del state, losses, compiled
         except Exception as err:  # noqa: BLE001
             row["error"] = f"{type(err).__name__}: {err}"
@@ -555,6 +616,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--phases", help="comma list of phases to run (default all: A,B,A-lhs,B-p2p)")
     p.add_argument("--k", type=int, default=4, help="optimizer steps per dispatch (bench default 4)")
     p.add_argument("--per-device-batch", type=int, default=8)
+    p.add_argument("--a-variants", help="phase A variants, comma list (default: 1gpu,psum_tree,"
+                   "overlap_bf16,overlap_f32,psum_bf16,psum_leaf; also swap_f32, swap_bf16, "
+                   "overlap_swap_f32, overlap_swap_bf16: the one-exchange 2-GPU reduce)")
     p.add_argument("--child", choices=("A", "B"), help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
