@@ -71,7 +71,7 @@ PHASES = (
     ("A", "gpu-throughput", "", {}, None, 40, 40),
     ("B", "gpu-throughput", "", {}, None, 20, 0),
     ("A-lhs", "none", "--xla_gpu_enable_latency_hiding_scheduler=true", {},
-     "psum_tree,overlap_f32,overlap_bf16", 30, 0),
+     "psum_tree,overlap_f32,overlap_bf16", 45, 0),
     ("B-p2p", "gpu-throughput", "", {"NCCL_MIN_P2P_NCHANNELS": "32", "NCCL_MAX_P2P_NCHANNELS": "32",
                                      "NCCL_P2P_NVL_CHUNKSIZE": "1048576"},
      "psum_f32,ring,swap,swap_bf16,xchg", 15, 0),
@@ -103,6 +103,8 @@ def drive(args) -> int:
             results["phases"][name] = {"skipped": f"only {left:.0f} s left (needs >= {min_s} s)"}
             print(f"[probe] skip {name}: {left:.0f} s left", flush=True)
             continue
+        if args.phases and "B" not in args.phases.split(","):
+            reserve = 0  # nothing of B's to keep time for
         fd, path = tempfile.mkstemp(suffix=f"_{name}.json")
         os.close(fd)
         env = dict(os.environ, XLA_FLAGS=_flags_for(preset, extra, args.dry),
@@ -156,7 +158,7 @@ def render(results) -> str:
             lines.append(f"[{name}] skipped: {phase['skipped']}")
             continue
         lines.append(f"[{name}] rc={phase.get('rc')} {phase.get('wall_s')} s env={phase.get('env')} "
-                     f"devices={phase.get('device_kind')}")
+                     f"devices={phase.get('device_kind')} reached={phase.get('stage')}")
         for row in phase.get("rows", []):
             if "error" in row:
                 lines.append(f"  {row['name']:<24} ERROR {row['error'][:150]}")
@@ -220,6 +222,11 @@ class Recorder:
     def flush(self) -> None:
         with open(self.path, "w") as f:
             json.dump(self.data, f, default=str)
+
+    def stage(self, what: str) -> None:
+        """Records how far the phase got (shown when the driver has to kill it)."""
+        self.data["stage"] = what
+        self.flush()
 
     def left(self) -> float:
         return self.deadline - time.time()
@@ -326,6 +333,7 @@ def phase_b(args, rec: Recorder) -> None:
 
     devices = jax.devices()[:2]
     rec.data.update(device_kind=devices[0].device_kind, jax=jax.__version__, num_devices=2)
+    rec.stage("started")
     mesh = jax.sharding.Mesh(np.asarray(devices), (AXIS,))
     sizes = [1 * MIB, 4 * MIB] if args.dry else [256 * MIB, 1024 * MIB]
     timing = dict(warmup=2, bursts=3, calls=3) if args.dry else dict(warmup=3, bursts=5, calls=8)
@@ -533,6 +541,7 @@ def phase_a(args, rec: Recorder) -> None:
     gpu = jax.default_backend() == "gpu"
     rec.data.update(device_kind=devices[0].device_kind, jax=jax.__version__, k=args.k,
                     per_device_batch=args.per_device_batch)
+    rec.stage("started")
     chosen = (args.variants.split(",") if args.variants else list(A_DEFAULT))
     unknown = [v for v in chosen if v not in A_VARIANTS]
     if unknown:
@@ -555,6 +564,7 @@ def phase_a(args, rec: Recorder) -> None:
         except Exception as err:  # noqa: BLE001
             rec.add({"name": name, "error": f"lower: {type(err).__name__}: {err}"})
     rec.data["lower_s"] = time.perf_counter() - t0
+    rec.stage("lowered")
     if args.dry:
         _check_variant_grads(chosen, model, extra, args, run, meshes[2], states.get(2), rec)
     print(f"[probe] lowered {list(lowered)} in {rec.data['lower_s']:.1f} s; compiling in parallel", flush=True)
@@ -562,6 +572,7 @@ def phase_a(args, rec: Recorder) -> None:
     with cf.ThreadPoolExecutor(max_workers=max(1, len(lowered))) as pool:
         futures = {name: pool.submit(low.compile) for name, (_, low, _) in lowered.items()}
     rec.data["parallel_compile_s"] = time.perf_counter() - t0
+    rec.stage("compiled")
     one_gpu_s = args.one_gpu_ms / 1e3 if args.one_gpu_ms else None
     for name, (n, _, batches) in lowered.items():
         row = {"name": name, "devices": n, "compile_s": rec.data["parallel_compile_s"]}
