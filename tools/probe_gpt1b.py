@@ -67,7 +67,7 @@ def summarise_trace(logdir: str, steps: int) -> dict:
     streams = {key for key, n in tnames.items() if key[0] in gpu_pids and "stream" in n.lower()}
     ops_threads = {key for key, n in tnames.items() if key[0] in gpu_pids and "xla ops" in n.lower()}
     by_name, by_kind, by_op = collections.Counter(), collections.Counter(), collections.Counter()
-    first, last = None, None
+    first, last, samples = None, None, []
     for e in events:
         if e.get("ph") != "X" or e.get("pid") not in gpu_pids:
             continue
@@ -81,12 +81,15 @@ def summarise_trace(logdir: str, steps: int) -> dict:
             continue
         by_name[name[:90]] += dur
         by_kind[_kind(name)] += dur
+        if len(samples) < 5 and e.get("args"):
+            samples.append({"name": name[:60], "args": e["args"]})
         ts = float(e.get("ts", 0.0))
         first = ts if first is None else min(first, ts)
         last = ts + dur if last is None else max(last, ts + dur)
     busy = sum(by_kind.values())
     return {
         "trace": paths[0], "gpu_processes": [pnames[p] for p in gpu_pids], "steps": steps,
+        "sample_args": samples,
         "threads": sorted({n for (p, _), n in tnames.items() if p in gpu_pids})[:30],
         "busy_ms_per_step": busy / 1e3 / steps,
         "span_ms_per_step": ((last or 0) - (first or 0)) / 1e3 / steps,
@@ -130,6 +133,8 @@ def run_variant(name, spec, args, out_dir):
                 state, loss = runner.step(state)
             jax.block_until_ready((state, loss))
         row["profile"] = summarise_trace(logdir, args.profile_steps)
+        with open(os.path.join(out_dir, f"hlo_{name}{args.tag}.txt"), "w") as f:
+            f.write(runner.compiled[0].as_text())
     del state
     return row
 
