@@ -1,6 +1,7 @@
 """Ring collectives against their lax references on 8 emulated devices (shard_map and pmap)."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -202,3 +203,82 @@ def test_bad_types_and_axis_pairs():
         _trace(lambda x: all_reduce_tree(x, ("a", "b"), method="ring"), X, (2, 4), ("a", "b"))
     with pytest.raises(ValueError, match="error_state= is only used with compression"):
         _trace(lambda x: all_reduce_tree(x, "data", error_state=object()), X)
+
+
+# Two devices: ring_all_reduce is one exchange (x + ppermute(x)), on a sub-mesh of the 8 devices.
+def _mesh2():
+    return jax.make_mesh((2,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:2])
+
+
+@functools.cache
+def _suite_2(dtype_name):
+    mesh = _mesh2()
+    dtype = jnp.dtype(dtype_name)
+
+    def body(x, y):
+        out = {"ar": ring_all_reduce(x, "data"), "ar_ref": lax.psum(x, "data"),
+               "ar_odd": ring_all_reduce(y, "data", num_chunks=3), "ar_odd_ref": lax.psum(y, "data"),
+               "ar_bidir": ring_all_reduce(y, "data", bidirectional=True, ring_order=(1, 0)),
+               "ar_scalar": ring_all_reduce(y[0, 0], "data")[None],
+               "ar_scalar_ref": lax.psum(y[0, 0], "data")[None],
+               "ar_wire32": ring_all_reduce(y, "data", wire_dtype=jnp.float32),
+               "tree": all_reduce_tree({"x": x, "y": y}, "data", method="ring", bucket_mb=0),
+               "tree_bidir": all_reduce_tree({"x": x, "y": y}, "data", method="ring_bidir", num_chunks=2),
+               "tree_hier": all_reduce_tree(y, "data", method="hierarchical", group_size=2)}
+        if jnp.issubdtype(dtype, jnp.floating):
+            # bf16 wire: both devices add the two bf16-rounded contributions in f32.
+            out["ar_wire16"] = ring_all_reduce(y, "data", wire_dtype=jnp.bfloat16)
+            out["ar_wire16_ref"] = lax.psum(y.astype(jnp.bfloat16).astype(jnp.float32), "data").astype(dtype)
+            out["abs"] = lax.psum(jnp.abs(y).astype(jnp.float32), "data")
+        return out
+
+    return mesh, _smap(body, mesh, (P("data"), P("data")), P("data"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int32"])
+def test_ring_all_reduce_on_2_devices_is_psum_and_identical_on_both(dtype):
+    mesh, fn = _suite_2(dtype)
+    integer = dtype == "int32"
+    x = _inputs(mesh, "data", 4, 3, dtype, integer_valued=integer)
+    y = _inputs(mesh, "data", 7, 3, dtype, integer_valued=integer, seed=1)  # 21 per device: odd
+    out = fn(x, y)
+    ref = {"ar": out["ar_ref"], "ar_odd": out["ar_odd_ref"], "ar_bidir": out["ar_odd_ref"],
+           "ar_scalar": out["ar_scalar_ref"], "ar_wire32": out["ar_odd_ref"], "tree_hier": out["ar_odd_ref"]}
+    if not integer:
+        ref["ar_wire16"] = out["ar_wire16_ref"]
+    got = dict(ref)
+    got.update({k: out[k] for k in ref})
+    got["tree_x"], got["tree_y"] = out["tree"]["x"], out["tree"]["y"]
+    got["tree_bidir_x"], got["tree_bidir_y"] = out["tree_bidir"]["x"], out["tree_bidir"]["y"]
+    ref.update(tree_x=out["ar_ref"], tree_y=out["ar_odd_ref"], tree_bidir_x=out["ar_ref"],
+               tree_bidir_y=out["ar_odd_ref"])
+    for key, value in got.items():
+        assert value.dtype == jnp.dtype(dtype) and value.shape == ref[key].shape, key
+        # One addition of two values rounded once to x.dtype: bit-equal to psum.
+        np.testing.assert_array_equal(_f32(value), _f32(ref[key]), err_msg=key)
+        halves = np.split(_f32(value), 2)
+        np.testing.assert_array_equal(halves[0], halves[1], err_msg=f"{key}: devices differ")
+    if not integer:  # the bf16 wire stays within bf16 rounding of the exact sum
+        _assert_sum_close(out["ar_wire16"], out["ar_odd_ref"], out["abs"], 1, jnp.bfloat16)
+
+
+def _permutes(fn, mesh, x, compiled):
+    jitted = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False))
+    lowered = jitted.lower(x)
+    if compiled:
+        return len(re.findall(r"collective-permute(?:-start)?\(", lowered.compile().as_text()))
+    return lowered.as_text().count("stablehlo.collective_permute")
+
+
+def test_ring_all_reduce_lowers_to_one_collective_permute_on_2_devices():
+    mesh = _mesh2()
+    x = jnp.zeros((2 * 7, 3), jnp.float32)
+    for fn in (lambda x: ring_all_reduce(x, "data"),
+               lambda x: ring_all_reduce(x, "data", bidirectional=True, wire_dtype=jnp.bfloat16),
+               lambda x: all_reduce_tree({"a": x, "b": x[0]}, "data", method="ring_bidir")):
+        assert _permutes(fn, mesh, x, compiled=True) == 1
+    assert _permutes(lambda x: ring_all_reduce(x, "data", num_chunks=3), mesh, x, compiled=False) == 3
+    mesh8 = _mesh((8,), ("data",))
+    x8 = jnp.zeros((8 * 7, 3), jnp.float32)
+    assert _permutes(lambda x: ring_all_reduce(x, "data"), mesh8, x8, compiled=False) == 2 * 7
+    assert _permutes(lambda x: ring_all_reduce(x, "data", bidirectional=True), mesh8, x8, compiled=False) == 4 * 7
