@@ -149,7 +149,8 @@ def test_ablations_switch_one_technique_each():
     baseline = train_steps.RunConfig("baseline")
     optimised = train_steps.RunConfig("optimised", policy="bf16", attention="cudnn",
                                       accumulation="scan", donate=True, remat="dots",
-                                      grad_sync="ring", steps_per_dispatch=4)
+                                      grad_sync="ring", steps_per_dispatch=4, opt_state="bf16",
+                                      grad_dtype="compute")
     runs, skipped = train._ablation_runs(baseline, optimised, workload, num_devices=2)
     changed = {r.name: {k for k, v in r.describe().items() if k != "name" and v != getattr(baseline, k)}
                for r in runs}
@@ -158,7 +159,13 @@ def test_ablations_switch_one_technique_each():
     assert changed["+remat=dots"] == {"remat"}
     assert changed["+scan accumulation"] == {"accumulation"}
     assert changed["+bf16+cudnn attention"] == {"policy", "attention"}
+    assert changed["+bf16 optimizer state"] == {"opt_state"}
+    assert changed["+bf16 gradients (+scan accumulation)"] == {"policy", "grad_dtype", "accumulation"}
     assert [s["name"] for s in skipped] == ["+xla flags"]
+    with pytest.raises(ValueError, match="accumulation='scan'"):
+        train_steps.RunConfig("bad", policy="bf16", grad_dtype="compute")
+    with pytest.raises(ValueError, match="legal values"):
+        train_steps.RunConfig("bad", opt_state="fp8")
 
 
 @pytest.mark.parametrize("argv", [["--quick", "--steps", "0"], ["--model", "gpt-huge"],

@@ -5,7 +5,9 @@ Configs run one after the other on the same model and global batch:
 - baseline: f32 params and compute, XLA attention, no remat, micro-batches fed
   from a host loop (one jit call each, optax.MultiSteps), psum every call, no
   donation, one optimizer step per dispatch;
-- optimised: bf16 compute with f32 master weights, cuDNN attention on GPU,
+- optimised: bf16 compute with f32 master weights (gradients kept in bf16 and
+  widened after the all-reduce, AdamW moments stored in bf16: `--grad-dtype`,
+  `--opt-state-dtype`), cuDNN attention on GPU,
   `lax.scan` accumulation with one all-reduce after it, donated state, the
   first remat policy ("none", "dots", "full") whose compiled step fits
   `--memory-budget`, the fastest grad-sync method, `--steps-per-dispatch` steps
@@ -65,6 +67,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-sync", choices=("auto",) + METHODS, default="auto")
     p.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
                    help="optimised attention; auto = cudnn on GPU, else xla")
+    p.add_argument("--opt-state-dtype", choices=("f32", "bf16"), default="bf16",
+                   help="optimised config: storage dtype of AdamW's moments")
+    p.add_argument("--grad-dtype", choices=("param", "compute"), default="compute",
+                   help="optimised config: gradients in the f32 params' dtype or the bf16 "
+                   "compute dtype (widened after the all-reduce)")
     p.add_argument("--xla-preset", choices=sorted(PRESETS), default="gpu-throughput")
     p.add_argument("--xla-extra", default=None, help="more XLA flags, '--name=value ...'")
     p.add_argument("--devices", type=int, help="use the first N devices (default: all)")
@@ -264,6 +271,11 @@ def _ablation_runs(baseline, optimised, workload, num_devices):
     add("+donate", donate=True)
     add(f"+remat={optimised.remat}", None if optimised.remat != "none" else "chosen remat is none",
         remat=optimised.remat)
+    add("+bf16 optimizer state", None if optimised.opt_state != "f32" else "--opt-state-dtype f32",
+        opt_state=optimised.opt_state)
+    add("+bf16 gradients (+scan accumulation)",
+        None if optimised.grad_dtype == "compute" else "--grad-dtype param",
+        policy=optimised.policy, grad_dtype="compute", accumulation="scan")
     add(f"+grad_sync={optimised.grad_sync}",
         None if num_devices > 1 and optimised.grad_sync != "psum" else "psum chosen (or 1 device)",
         grad_sync=optimised.grad_sync, accumulation="scan")
@@ -297,7 +309,8 @@ def run_bench(args, xla_report) -> dict:
         "cudnn" if jax.default_backend() == "gpu" else "xla")
     optimised = train_steps.RunConfig("optimised", policy="bf16", attention=attention,
                                       accumulation="scan", donate=True,
-                                      steps_per_dispatch=args.steps_per_dispatch)
+                                      steps_per_dispatch=args.steps_per_dispatch,
+                                      opt_state=args.opt_state_dtype, grad_dtype=args.grad_dtype)
     baseline = train_steps.RunConfig("baseline")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "MFU omitted" is said in the table's header instead
@@ -367,7 +380,9 @@ def render(result) -> str:
              f"+ temps; the process-wide mark was not raised); swing source: {result['rows'][0]['memory_source']}"]
     opt = next(r for r in result["rows"] if r["name"] == "optimised")
     lines.append(f"optimised: remat={opt['config']['remat']}, grad_sync={opt['config']['grad_sync']}, "
-                 f"attention={opt['attention_resolved']}, steps_per_dispatch={opt['steps_per_dispatch']}")
+                 f"attention={opt['attention_resolved']}, steps_per_dispatch={opt['steps_per_dispatch']}, "
+                 f"optimizer state {opt['config']['opt_state']}, gradients in the "
+                 f"{opt['config']['grad_dtype']} dtype")
     for skip in result["ablations_skipped"]:
         lines.append(f"ablation {skip['name']} skipped: {skip['reason']}")
     if "scaling" in result:

@@ -114,6 +114,7 @@ class RunConfig:
     grad_sync: str = "psum"
     steps_per_dispatch: int = 1
     opt_state: str = "f32"  # AdamW moments' storage dtype (jaxopt_train.train.optim)
+    grad_dtype: str = "param"  # "compute": differentiate w.r.t. the compute-dtype params
 
     def __post_init__(self):
         if self.accumulation not in ACCUMULATIONS:
@@ -121,6 +122,11 @@ class RunConfig:
         if self.steps_per_dispatch < 1:
             raise ValueError(f"steps_per_dispatch={self.steps_per_dispatch} must be >= 1")
         state_dtype(self.opt_state)  # validates: "f32" or "bf16"
+        if self.grad_dtype not in ("param", "compute"):
+            raise ValueError(f"grad_dtype={self.grad_dtype!r}; legal values: ('param', 'compute')")
+        if self.grad_dtype == "compute" and self.accumulation == "host":
+            raise ValueError("grad_dtype='compute' is implemented by the in-graph step: it needs "
+                             "accumulation='scan', got accumulation='host'")
         if self.accumulation == "host" and self.steps_per_dispatch > 1:
             raise ValueError("steps_per_dispatch > 1 runs the step in-graph: it needs "
                              "accumulation='scan', got accumulation='host'")
@@ -215,11 +221,11 @@ def host_batches(workload: Workload, count: int, run: RunConfig, seed: int = 0):
     return {k: v.reshape((count, workload.global_batch) + v.shape[1:]) for k, v in batch.items()}
 
 
-def _sync_grads(grads, run: RunConfig, num_devices: int):
-    if num_devices == 1:
-        return grads  # nothing to reduce: skip even the no-op collective
-    grads = all_reduce_tree(grads, AXIS, method=run.grad_sync)
-    return jax.tree.map(lambda g: g / num_devices, grads)
+def _sync_grads(grads, params, run: RunConfig, num_devices: int):
+    """One all-reduce (skipped on one device), then widened to the params' dtype and averaged."""
+    if num_devices > 1:
+        grads = all_reduce_tree(grads, AXIS, method=run.grad_sync)
+    return jax.tree.map(lambda g, p: g.astype(p.dtype) / num_devices, grads, params)
 
 
 def _pmean_floating(tree, num_devices: int):
@@ -231,11 +237,15 @@ def _pmean_floating(tree, num_devices: int):
 
 def _in_graph_step(loss, optimizer, workload: Workload, run: RunConfig, num_devices: int):
     grad_fn = accumulate_gradients(loss, workload.microbatches, has_aux=True)
+    policy = get_policy(run.policy)
 
     def one_step(state, batch):
         params, model_state, opt_state = state
-        (value, new_model_state), grads = grad_fn(params, batch, model_state)
-        grads = _sync_grads(grads, run, num_devices)
+        # grad_dtype="compute": gradients w.r.t. the bf16 copy stay bf16 (half the
+        # bytes to write, reduce and read); the loss's own cast is then a no-op.
+        grad_params = policy.cast_to_compute(params) if run.grad_dtype == "compute" else params
+        (value, new_model_state), grads = grad_fn(grad_params, batch, model_state)
+        grads = _sync_grads(grads, params, run, num_devices)
         # optax mixes Python floats with int32 counts, which strict promotion rejects.
         with jax.numpy_dtype_promotion("standard"):
             updates, opt_state = optimizer.update(grads, opt_state, params)

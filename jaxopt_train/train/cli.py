@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--grad-sync", choices=config_lib.GRAD_SYNCS, default=d.grad_sync)
     x.add_argument("--grad-compression", choices=config_lib.GRAD_COMPRESSIONS,
                    default=d.grad_compression)
+    x.add_argument("--grad-dtype", choices=config_lib.GRAD_DTYPES, default=d.grad_dtype,
+                   help="gradients in the params' dtype, or in the compute dtype (bf16: half "
+                   "the gradient memory and all-reduce bytes)")
+    x.add_argument("--opt-state-dtype", choices=config_lib.OPT_STATE_DTYPES,
+                   default=d.opt_state_dtype, help="storage dtype of AdamW's moments")
     x.add_argument("--zero", type=int, default=d.zero,
                    help="ZeRO stage: 0 replicated, 1 optimizer state sharded, 3 parameters too")
     x.add_argument("--steps-per-dispatch", type=int, default=d.steps_per_dispatch,

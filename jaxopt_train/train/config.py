@@ -19,6 +19,8 @@ PRESETS = GPT_PRESETS + VISION_PRESETS
 PRECISIONS = ("fp32", "tf32", "bf16", "bf16-pure", "fp16")
 GRAD_SYNCS = ("psum", "ring", "ring_bidir", "hierarchical")
 GRAD_COMPRESSIONS = ("none", "bf16", "int8")
+GRAD_DTYPES = ("param", "compute")
+OPT_STATE_DTYPES = ("f32", "bf16")
 MATMULS = ("xla", "pallas", "triton")
 # The matmul kernels take bf16/fp16 operands; an f32 compute dtype never reaches them.
 _KERNEL_COMPUTE_DTYPES = ("bfloat16", "float16")
@@ -63,6 +65,12 @@ class TrainConfig:
       zero: ZeRO stage over the data axis (`ZERO_STAGES`): 0 replicated, 1
         optimizer state sharded, 3 parameters sharded too. Needs grad_sync
         "psum" or "ring" and no grad_compression.
+      grad_dtype: "param" (gradients in the params' dtype) or "compute" (in the
+        compute dtype, e.g. bf16 under --precision bf16, widened after the one
+        cross-device reduction: half the gradient memory and reduction bytes).
+        Needs zero=0 and no grad_compression.
+      opt_state_dtype: storage dtype of AdamW's moments, "f32" or "bf16" (half
+        their memory and traffic; the update math stays f32).
       steps_per_dispatch: optimizer steps run by one compiled call (lax.scan
         over pre-staged batches): fewer host round trips for small models.
       matmul: dense-layer matmul of GPT presets (`MATMULS`): "xla" (lax.dot_general),
@@ -107,6 +115,8 @@ class TrainConfig:
     seed: int = 0
     grad_sync: str = "psum"
     grad_compression: str = "none"
+    grad_dtype: str = "param"
+    opt_state_dtype: str = "f32"
     steps_per_dispatch: int = 1
     zero: int = 0
     matmul: str = "xla"
@@ -150,6 +160,12 @@ class TrainConfig:
         from jaxopt_train.train.zero_step import check_zero  # noqa: PLC0415
 
         check_zero(self.zero, self.grad_sync, self.grad_compression)
+        _check_choice("grad_dtype", self.grad_dtype, GRAD_DTYPES)
+        _check_choice("opt_state_dtype", self.opt_state_dtype, OPT_STATE_DTYPES)
+        if self.grad_dtype == "compute" and (self.zero or self.grad_compression != "none"):
+            raise ValueError(f"grad_dtype='compute' needs zero=0 and grad_compression='none' "
+                             f"(the gradients are already narrow), got zero={self.zero}, "
+                             f"grad_compression={self.grad_compression!r}")
         _check_choice("matmul", self.matmul, MATMULS)
         _check_choice("attention", self.attention, ATTENTIONS)
         _check_choice("remat", self.remat, REMATS)
@@ -209,6 +225,8 @@ class TrainConfig:
         shape["seq_len"] = self.seq_len
         if self.zero:  # the optimizer state's layout differs (absent at 0: older runs match)
             shape["zero"] = self.zero
+        if self.opt_state_dtype != "f32":  # so do its dtypes
+            shape["opt_state_dtype"] = self.opt_state_dtype
         if self.is_vision:
             shape.pop("model_overrides")
             shape.pop("seq_len")

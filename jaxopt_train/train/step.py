@@ -46,12 +46,21 @@ def _pmean_floating(tree):
 
 def make_step_body(loss: Callable, optimizer: optax.GradientTransformation, *,
                    microbatches: int, num_devices: int, grad_sync: str = "psum",
-                   grad_compression: str | None = None) -> Callable:
+                   grad_compression: str | None = None,
+                   grad_cast: Callable | None = None) -> Callable:
     """Returns `one_step(state, batch) -> (state, metrics)` for use inside shard_map.
 
     `loss(params, model_state, batch, train)` is a `ModelFns.loss`. With
     compression and `state.grad_error` set, the reduction's error feedback is
     read from and written back to `state.grad_error` (this device's slice).
+
+    `grad_cast` (e.g. `Policy.cast_to_compute`) differentiates with respect to
+    `grad_cast(params)` instead of the stored params: with bf16 compute and f32
+    master weights the gradients then stay bf16 (they carry no more than bf16
+    information anyway: every matmul that makes them runs in bf16), which
+    halves their memory, the optimizer's read of them and the bytes of the
+    cross-device reduction. They are widened to the params' dtype right after
+    the reduction, before averaging, unscaling and the optimizer.
     """
     sync_kwargs: dict[str, Any] = {}
     if grad_compression not in (None, "none"):
@@ -68,11 +77,14 @@ def make_step_body(loss: Callable, optimizer: optax.GradientTransformation, *,
             return state.loss_scale.scale(value), (value, new_model_state)
 
         grad_fn = accumulate_gradients(scaled_loss, microbatches, has_aux=True)
-        (_, (value, model_state)), grads = grad_fn(state.params, batch, state.model_state)
+        params = state.params if grad_cast is None else grad_cast(state.params)
+        (_, (value, model_state)), grads = grad_fn(params, batch, state.model_state)
         # The one cross-device reduction of this optimizer step. (Error feedback
         # holds loss-scaled units: a changed fp16 scale mis-weights one step's
         # correction by the same factor, a bounded and transient error.)
         grads, grad_error = reduce_grads(grads, state.grad_error)
+        if grad_cast is not None:  # widen before averaging/unscaling: no fp16 underflow
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
         grads = state.loss_scale.unscale(jax.tree.map(lambda g: g / num_devices, grads))
         finite = all_finite(grads)
         # optax mixes Python floats with int32 counts (Adam's b1**count), which
@@ -115,16 +127,18 @@ def init_sharded_error_feedback(params, mesh: jax.sharding.Mesh):
 def build_train_step(loss: Callable, optimizer: optax.GradientTransformation,
                      mesh: jax.sharding.Mesh, *, microbatches: int = 1, grad_sync: str = "psum",
                      grad_compression: str | None = None, steps_per_dispatch: int = 1,
-                     error_feedback: bool = False) -> Callable:
+                     error_feedback: bool = False, grad_cast: Callable | None = None) -> Callable:
     """A jitted `step(state, batches) -> (state, metrics)` with the state donated.
 
     `batches` leaves have shape [steps_per_dispatch, global_batch, ...], sharded
     `P(None, "data")`; metrics leaves have shape [steps_per_dispatch].
-    `error_feedback=True` means `state.grad_error` is set (see `state_specs`).
+    `error_feedback=True` means `state.grad_error` is set (see `state_specs`);
+    `grad_cast`: see `make_step_body`.
     """
     num_devices = mesh.shape[AXIS]
     one_step = make_step_body(loss, optimizer, microbatches=microbatches, num_devices=num_devices,
-                              grad_sync=grad_sync, grad_compression=grad_compression)
+                              grad_sync=grad_sync, grad_compression=grad_compression,
+                              grad_cast=grad_cast)
     return jit_steps(one_step, state_specs(error_feedback), mesh, steps_per_dispatch)
 
 

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from jaxopt_train.accumulation import check_divisible
 from jaxopt_train.precision import Policy, get_policy, loss_scale_for
 from jaxopt_train.train.model import ModelFns, linen_model_fns, nnx_model_fns
+from jaxopt_train.train.optim import low_precision_state
 from jaxopt_train.train.state import TrainState, default_optimizer, init_train_state
 from jaxopt_train.train.step import (AXIS, build_eval_step, build_train_step,
                                      init_sharded_error_feedback, jit_steps, make_data_mesh,
@@ -44,6 +45,16 @@ from jaxopt_train.train.zero_step import (check_zero, gather_full_params, init_z
 
 GRAD_SYNCS = ("psum", "ring", "ring_bidir", "hierarchical")
 GRAD_COMPRESSIONS = (None, "none", "bf16", "int8")
+GRAD_DTYPES = ("param", "compute")
+
+
+def check_grad_dtype(grad_dtype: str, zero: int, grad_compression: str | None) -> None:
+    """Raises ValueError for an unknown `grad_dtype` or one the other options exclude."""
+    if grad_dtype not in GRAD_DTYPES:
+        raise ValueError(f"grad_dtype={grad_dtype!r}; expected one of {list(GRAD_DTYPES)}")
+    if grad_dtype == "compute" and (zero or grad_compression not in (None, "none")):
+        raise ValueError(f"grad_dtype='compute' needs zero=0 and no grad compression (the "
+                         f"gradients are already narrow), got {zero=}, {grad_compression=}")
 
 
 class Trainer:
@@ -69,6 +80,12 @@ class Trainer:
         masks; global-norm clipping is done by the step over the whole
         gradient (`clip_norm`, default optimizer only: a user optimizer must
         not clip by global norm itself).
+      grad_dtype: "param" (gradients in the params' dtype, e.g. f32 master
+        weights) or "compute" (gradients in the policy's compute dtype, e.g.
+        bf16, widened after the cross-device reduction: half the gradient
+        memory and reduction bytes; zero=0 without compression only).
+      opt_state_dtype: "f32" or "bf16": storage dtype of the optimizer's
+        floating state (`jaxopt_train.train.optim.low_precision_state`).
       devices: devices of the data mesh (default: all).
       init_args: example inputs for a Linen module's `init`.
       seed: PRNG seed for Linen init.
@@ -79,6 +96,7 @@ class Trainer:
     def __init__(self, model, loss_fn: Callable, *, optimizer: optax.GradientTransformation | None = None,
                  precision: str | Policy = "fp32", microbatches: int = 1, grad_sync: str = "psum",
                  grad_compression: str | None = None, steps_per_dispatch: int = 1, zero: int = 0,
+                 grad_dtype: str = "param", opt_state_dtype: str = "f32",
                  devices=None, init_args: tuple | None = None, seed: int = 0, lr: float = 1e-3,
                  total_steps: int = 1000, warmup: int = 0, weight_decay: float = 0.0,
                  clip_norm: float = 1.0, verbose: bool = False):
@@ -99,9 +117,11 @@ class Trainer:
             optimizer = default_optimizer(lr=lr, total_steps=total_steps, warmup=warmup,
                                           weight_decay=weight_decay,
                                           clip_norm=0.0 if zero else clip_norm)
+        optimizer = low_precision_state(optimizer, opt_state_dtype)
         self._setup(fns, optimizer, policy, microbatches=microbatches, grad_sync=grad_sync,
                     grad_compression=grad_compression, steps_per_dispatch=steps_per_dispatch,
-                    zero=zero, zero_clip_norm=zero_clip_norm, devices=devices, verbose=verbose)
+                    zero=zero, zero_clip_norm=zero_clip_norm, grad_dtype=grad_dtype,
+                    devices=devices, verbose=verbose)
 
     @classmethod
     def from_model_fns(cls, fns: ModelFns, optimizer: optax.GradientTransformation, policy: Policy,
@@ -114,7 +134,7 @@ class Trainer:
     def _setup(self, fns: ModelFns, optimizer, policy: Policy, *, microbatches: int = 1,
                grad_sync: str = "psum", grad_compression: str | None = None,
                steps_per_dispatch: int = 1, zero: int = 0, zero_clip_norm: float = 0.0,
-               devices=None, verbose: bool = False) -> None:
+               grad_dtype: str = "param", devices=None, verbose: bool = False) -> None:
         """`zero_clip_norm`: global-norm clip applied by the ZeRO step (zero > 0; the
         optimizer must then not clip by global norm itself)."""
         if grad_sync not in GRAD_SYNCS:
@@ -123,6 +143,7 @@ class Trainer:
             raise ValueError(f"grad_compression={grad_compression!r}; expected one of "
                              f"{list(GRAD_COMPRESSIONS)}")
         check_zero(zero, grad_sync, grad_compression)
+        check_grad_dtype(grad_dtype, zero, grad_compression)
         if zero_clip_norm and not zero:
             raise ValueError(f"{zero_clip_norm=} applies to zero=1|3 only; at zero=0 clip in the optimizer")
         for name, value in (("microbatches", microbatches), ("steps_per_dispatch", steps_per_dispatch)):
@@ -148,7 +169,8 @@ class Trainer:
         self._train_step = build_train_step(
             fns.loss, optimizer, self.mesh, microbatches=microbatches, grad_sync=grad_sync,
             grad_compression=grad_compression, steps_per_dispatch=steps_per_dispatch,
-            error_feedback=error_feedback)
+            error_feedback=error_feedback,
+            grad_cast=policy.cast_to_compute if grad_dtype == "compute" else None)
         self._finish_setup()
 
     def _setup_zero(self, fns: ModelFns, optimizer, zero: int, grad_sync: str,
