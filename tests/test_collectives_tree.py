@@ -1,6 +1,7 @@
 """all_reduce_tree: methods, bucketing, compression with error feedback, ring topology."""
 
 import math
+import re
 from types import SimpleNamespace
 
 import jax
@@ -18,7 +19,7 @@ from jaxopt_train.collectives import (
     plan_buckets,
     ring_order,
 )
-from jaxopt_train.collectives.compression import INT8_BLOCK
+from jaxopt_train.collectives.compression import INT8_BLOCK, ErrorFeedbackState, decode, encode
 
 N = 8
 
@@ -200,3 +201,37 @@ def test_init_error_feedback_shapes():
     assert state.error["w"].shape == (3, 4) and state.error["w"].dtype == jnp.float32
     stacked = init_error_feedback(params, num_replicas=N)  # sharded P("data"): (1, 3, 4) per device
     assert stacked.error["w"].shape == (N, 3, 4) and stacked.error["b"].shape == (N, 4)
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8"])
+def test_compression_on_2_devices_is_one_exchange_with_local_error_feedback(codec):
+    """On 2 devices both add the same two decoded vectors; each keeps only its own encoding error."""
+    mesh2 = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    size = 2 * INT8_BLOCK + 17  # a padded int8 block too
+    k1, k2 = jax.random.split(jax.random.key(8))
+    g = jax.random.normal(k1, (2, size), jnp.float32) * jnp.linspace(0.01, 3.0, size)
+    err0 = 0.01 * jax.random.normal(k2, (2, size), jnp.float32)
+
+    def body(g, err):
+        summed, new = all_reduce_tree([g], "data", method="ring", compression=codec,
+                                      error_state=ErrorFeedbackState([err]))
+        return summed[0], new.error[0]
+
+    fn = _smap(body, mesh2, (P("data"), P("data")), (P("data"), P("data")))
+    hlo = fn.lower(g, err0).compile().as_text()
+    assert len(re.findall(r"collective-permute(?:-start)?\(", hlo)) == (1 if codec == "bf16" else 2)  # q + scales
+    got, err1 = (np.asarray(a) for a in fn(g, err0))
+    np.testing.assert_array_equal(got[0], got[1])  # bit-identical on both devices
+    v = np.asarray(g + err0)
+    padded = jnp.pad(v, ((0, 0), (0, -size % INT8_BLOCK)))
+    sent = np.asarray(decode(encode(padded, codec), codec))[:, :size]
+    ulps = lambda a: 4 * np.finfo(np.float32).eps * np.abs(a) + 1e-30  # noqa: E731 (FMA contraction)
+    assert np.all(np.abs(err1 - (v - sent)) <= ulps(v))  # what this device's encoding lost, nothing else
+    assert np.all(np.abs(got[0] - (sent[0] + sent[1])) <= ulps(np.abs(sent).sum(0)))
+    true = v.astype(np.float64).sum(0)
+    if codec == "int8":  # sum_j s_j / 2: one encoding per device, the sum is not re-encoded
+        blocks = np.abs(np.asarray(padded, np.float64)).reshape(2, -1, INT8_BLOCK).max(-1)
+        bound = np.repeat(blocks, INT8_BLOCK, -1)[:, :size].sum(0) / 254 * (1 + 1e-5) + 1e-6
+    else:
+        bound = 2.0**-8 * np.abs(v.astype(np.float64)).sum(0) * (1 + 1e-5) + 1e-6
+    assert np.all(np.abs(got[0] - true) <= bound) and np.abs(got[0] - true).max() > 0

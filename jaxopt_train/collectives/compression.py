@@ -10,9 +10,15 @@ Scheme (per flat bucket of N elements on n devices, as in ZeRO++'s qgZ):
 4. the sum is encoded once more and all-gathered, and every device decodes
    the same bytes, so all replicas stay bit-identical.
 
+On 2 devices with a ring (every method but "psum") it is one exchange
+instead, as `ring_all_reduce` does there: each device encodes its whole
+`v`, sends it to the other, and both add the same two decoded copies in f32
+(bit-identical, one encoding per device, no re-encoding of the sum).
+
 Error feedback: the encoding error of step 2 stays on its device, and the
 error of step 4 is added to the owner's error at that chunk, so the next step
-re-sends exactly what was lost. Summed over T steps the delivered reductions
+re-sends exactly what was lost (on the 2-device exchange the error is only
+what this device's encoding lost). Summed over T steps the delivered reductions
 equal the true sums minus the errors still held after the last step.
 
 Error bound, per element of one result (before feedback), with block scale
@@ -22,7 +28,8 @@ Error bound, per element of one result (before feedback), with block scale
 
 where s_j is the scale of device j's block holding the element and s_sum that
 of the summed block; i.e. at most (n + 1)/2 quantisation steps of the largest
-block. For bf16 (8 significant bits, unit roundoff 2**-8) the bound is
+block (the 2-device exchange drops the s_sum / 2 term). For bf16 (8
+significant bits, unit roundoff 2**-8) the bound is
 `2**-8 * (sum_j |v_j| + |sum_j v_j|)`. With feedback the accumulated error over
 any number of steps stays within one step's bound.
 """
@@ -119,6 +126,24 @@ def _gather(payload, ring: _Ring | None, axis_name, n: int):
     return tuple(all_gather_chunks(a[None], ring, wire_dtype=a.dtype, out_dtype=a.dtype)[:, 0] for a in payload)
 
 
+def _pair_exchange(v, codec: str, ring: _Ring):
+    """Sum of f32 `v` over a 2-device ring as one exchange; returns (sum, this device's encoding error)."""
+    size = v.size
+    padded = jnp.pad(v, (0, -size % INT8_BLOCK)) if codec == "int8" else v
+    sent = encode(padded, codec)
+    received = tuple(lax.ppermute(a, ring.axis_name, ring.perm()) for a in sent)
+    mine = decode(sent, codec)
+    if codec == "bf16":  # a + b == b + a: both devices get the same bits
+        return (mine + decode(received, codec))[:size], (padded - mine)[:size]
+    # int8 decodes with a multiply, which the compiler may contract with the
+    # addition into an FMA (q_a * s_a + d_b != q_b * s_b + d_a on CPU): put the
+    # two payloads in ring-position order so both devices run the same arithmetic.
+    first = ring.position() == 0
+    lo = tuple(jnp.where(first, m, r) for m, r in zip(sent, received))
+    hi = tuple(jnp.where(first, r, m) for m, r in zip(sent, received))
+    return (decode(lo, codec) + decode(hi, codec))[:size], (padded - mine)[:size]
+
+
 def compressed_all_reduce(flat, axis_name, n: int, *, codec: str, ring: _Ring | None, error=None):
     """Sums the 1-D `flat` over `axis_name` through `codec`; returns (sum f32, new error or None).
 
@@ -127,13 +152,17 @@ def compressed_all_reduce(flat, axis_name, n: int, *, codec: str, ring: _Ring | 
       axis_name: the mapped axis, of size `n`.
       codec: "bf16" or "int8".
       ring: ring whose order the ppermute exchange follows, or None for
-        `lax.all_to_all` / `lax.all_gather`.
+        `lax.all_to_all` / `lax.all_gather`. A ring of 2 devices makes the
+        reduction one exchange of the whole encoded vector.
       error: this device's carried error, f32, `flat`'s shape (or None: no feedback).
     """
     size = flat.size
     v = flat.astype(jnp.float32)
     if error is not None:
         v = v + error.reshape(-1)
+    if ring is not None and ring.size == 2:
+        result, local_error = _pair_exchange(v, codec, ring)
+        return result, None if error is None else local_error.reshape(error.shape)
     per = n * (INT8_BLOCK if codec == "int8" else 1)
     chunks = jnp.pad(v, (0, -size % per)).reshape(n, -1)
     me = lax.axis_index(axis_name) if ring is None else ring.position()
