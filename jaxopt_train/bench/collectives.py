@@ -108,7 +108,7 @@ def variants(n: int, dtype: str, chunks: list[int]) -> dict[str, Callable]:
     out: dict[str, Callable] = {"psum": lambda x: lax.psum(x, "data")}
     for c in chunks:
         out[f"ring/c{c}"] = lambda x, c=c: ring_all_reduce(x, "data", num_chunks=c)
-        # On 2 devices the reverse ring is the same ring: bidir is then 2x the pieces.
+        # On 2 devices both are one exchange (x + ppermute(x)), which already uses both link directions.
         out[f"ring_bidir/c{c}"] = lambda x, c=c: ring_all_reduce(x, "data", bidirectional=True, num_chunks=c)
         if dtype == "f32":
             out[f"ring_wire_bf16/c{c}"] = lambda x, c=c: ring_all_reduce(x, "data", wire_dtype=jnp.bfloat16,
