@@ -55,9 +55,9 @@ lane_b() {  # GPU 1: the smaller single-GPU runs
     tests/test_doctor.py tests/test_monitor.py tests/test_runtime_memory.py
 }
 if [ "${SWEEP_DRY:-0}" = 1 ]; then LANE_B_GPU=0; fi
-if [ "${PHASE:-all}" != 2 ]; then
+case ${PHASE:-all} in all|1)
   lane_a & A=$!; lane_b & B=$!; wait $A $B
-fi
+esac
 lane_a2() {  # GPU 0: the trainer's own gpt-1b step: scanned vs unrolled layers, xla vs pallas
   export CUDA_VISIBLE_DEVICES=0
   local common="$BIGTRAIN $TQ --precision bf16 --warmup 10 --lr 3e-4 --log-every 10 --eval-every 0 \
@@ -73,6 +73,28 @@ lane_b2() {
 }
 if [ "${PHASE:-all}" = 2 ]; then
   lane_a2 & A=$!; lane_b2 & B=$!; wait $A $B
+fi
+lane_a3() {  # GPU 0: bench train with ablations, then the 16 GiB budget
+  export CUDA_VISIBLE_DEVICES=0
+  step bench_gpt1b ${T_BIG:-300} $PY -m jaxopt_train.bench.train --model $BIG --global-batch 8 \
+    --microbatches 1 --steps 30 --warmup 5 --bursts 3 --trace-steps 5 --steps-per-dispatch 1 \
+    --ablate $Q --out "$R/gpt1b"
+}
+lane_b3() {  # GPU 1: the trainer's own gpt-1b step (bf16 grads + state vs not), the 16 GiB budget
+  export CUDA_VISIBLE_DEVICES=${LANE_B_GPU:-1}
+  local common="$BIGTRAIN $TQ --precision bf16 --warmup 10 --lr 3e-4 --log-every 10 --eval-every 0 \
+    --checkpoint-every 0 --progress lines --overwrite"
+  step train3_bf16gs 110 $PY -m jaxopt_train.train.cli $common --grad-dtype compute \
+    --opt-state-dtype bf16 --run-dir /tmp/r1
+  step train3_f32gs 110 $PY -m jaxopt_train.train.cli $common --run-dir /tmp/r2
+  step bench_gpt1b_16g ${T_16G:-170} $PY -m jaxopt_train.bench.train --model $BIG --global-batch 8 \
+    --microbatches 1 --steps 30 --warmup 5 --bursts 3 --trace-steps 5 --steps-per-dispatch 1 \
+    --memory-budget 16GiB $Q --out "$R/gpt1b_16g"
+}
+if [ "${PHASE:-all}" = 3 ]; then
+  lane_a3 & A=$!; lane_b3 & B=$!; wait $A $B
+  step bench_collectives ${T_COLL:-100} $PY -m jaxopt_train.bench.collectives --sizes 256M,1G,16M \
+    --dtypes f32 --chunks 1 --iters 10 --bursts 3 ${COLL_EXTRA:-} $Q --json "$R/collectives.json"
 fi
 if [ "${PHASE:-all}" != 1 ]; then
   step bench_gpt1b_x2 ${T_X2:-240} $PY -m jaxopt_train.bench.train --model $BIG --global-batch 16 \

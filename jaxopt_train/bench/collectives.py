@@ -297,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     import jax  # noqa: PLC0415
 
     device = jax.devices()[0]
+    if jax.device_count() < 2:
+        raise SystemExit(f"bench collectives needs at least 2 devices, found {jax.device_count()} "
+                         f"({jax.devices()[0].platform}); on CPU set "
+                         "XLA_FLAGS=--xla_force_host_platform_device_count=8")
     peak_note = "--peak given"
     if args.peak is None:
         args.peak, peak_note = nvlink_peak(device)
