@@ -195,9 +195,16 @@ def bench_gpt(args, record: Callable[[dict], None]) -> list[dict]:
     sharded = jax.device_put(tokens, NamedSharding(mesh, P("data")))
     replicated = jax.device_put(params, NamedSharding(mesh, P()))
 
+    # --gpt-grad-dtype compute: differentiate w.r.t. the compute-dtype copy of the
+    # params, so the gradients (and the bytes each method reduces) are bf16.
+    grad_dtype = cfg.dtype if args.gpt_grad_dtype == "compute" else None
+
+    def narrow(tree):
+        return tree if grad_dtype is None else jax.tree.map(lambda x: x.astype(grad_dtype), tree)
+
     def grads_of(p, toks):
         loss = lambda q: gpt_loss(nnx.merge(graphdef, q)(toks[:, :-1]), toks[:, 1:])  # noqa: E731
-        return jax.value_and_grad(loss)(p)
+        return jax.value_and_grad(loss)(narrow(p))
 
     def step_body(method):
         def body(p, toks):
@@ -219,9 +226,10 @@ def bench_gpt(args, record: Callable[[dict], None]) -> list[dict]:
     for method in args.gpt_methods:
         step = time_burst(smap(step_body(method), (P(), P("data")), (P(), P())), (replicated, sharded), **timing)
         comm = time_burst(smap(lambda g, m=method: all_reduce_tree(g, "data", method=m, bucket_mb=args.bucket_mb),
-                               P(), P()), (replicated,), **timing)
+                               P(), P()), (narrow(replicated),), **timing)
         hidden = 1.0 - (step - compute_only) / comm if comm > 0 else None
         row = {"kind": "gpt_step", "config": args.gpt_config, "overrides": overrides,
+               "grad_dtype": str(jnp.dtype(grad_dtype or cfg.param_dtype)),
                "devices": n, "per_device_batch": batch, "seq_len": seq, "method": method,
                "step_s": step, "compute_only_s": compute_only, "comm_only_s": comm, "hidden_comm_fraction": hidden,
                "one_device_step_s": one, "throughput_vs_one_device": n * one / step}
@@ -245,7 +253,7 @@ def print_gpt(rows: list[dict]) -> None:
         return
     r0 = rows[0]
     print(f"\ndata-parallel GPT step ({r0['config']} {r0['overrides']}, {r0['devices']} devices, "
-          f"batch {r0['per_device_batch']}x{r0['seq_len']} per device)")
+          f"batch {r0['per_device_batch']}x{r0['seq_len']} per device, {r0['grad_dtype']} gradients)")
     print(f"{'method':<13} {'step_ms':>8} {'compute_ms':>10} {'comm_ms':>8} {'hidden':>7} {'x 1 dev':>8}")
     for r in rows:
         hidden = f"{r['hidden_comm_fraction']:.2f}" if r["hidden_comm_fraction"] is not None else "-"
@@ -275,6 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpt-batch", type=int, default=4, help="sequences per device")
     p.add_argument("--gpt-iters", type=int, default=5)
     p.add_argument("--gpt-methods", type=_csv(str), default=["psum", "ring"])
+    p.add_argument("--gpt-grad-dtype", choices=("param", "compute"), default="param",
+                   help="gradients in the params' dtype or the model's compute dtype")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--quick", action="store_true", help="tiny sizes and few calls (CPU smoke run)")
     p.add_argument("--json", default=None, help="write the raw figures here")
