@@ -33,3 +33,19 @@ def test_quick_run_writes_json_with_psum_baseline(tmp_path, capsys):
 def test_bad_dtype_exits_2(capsys):
     assert bench.main(["--dtypes", "f64"]) == 2
     assert "expected some of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("grad_dtype, expected", [("param", "float32"), ("compute", "bfloat16")])
+def test_gpt_step_reports_every_method_with_the_gradient_dtype(tmp_path, grad_dtype, expected):
+    out = tmp_path / "coll.json"
+    rc = bench.main(["--quick", "--sizes", "4K", "--dtypes", "f32", "--chunks", "1", "--methods", "ring",
+                     "--gpt", "--gpt-overrides", "n_layers=1,d_model=32,n_heads=2,dtype=bfloat16",
+                     "--gpt-batch", "1", "--gpt-iters", "1", "--gpt-grad-dtype", grad_dtype,
+                     "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["gpt_step"]
+    assert [r["method"] for r in rows] == ["psum", "ring"]
+    for row in rows:
+        assert row["grad_dtype"] == expected
+        assert row["step_s"] > 0 and row["compute_only_s"] > 0 and row["comm_only_s"] > 0
+        assert row["throughput_vs_one_device"] == pytest.approx(8 * row["one_device_step_s"] / row["step_s"])

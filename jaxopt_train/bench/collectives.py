@@ -336,15 +336,20 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = bench_collectives(args, record("allreduce"))
     gpt_rows = []
+    gpt_failed = False
     if args.gpt:
         try:
-            gpt_rows = bench_gpt(args, record("gpt_step"))
-        except Exception as err:  # noqa: BLE001 (keep the all-reduce table)
+            # jax.nn's bf16 attention backward mixes bf16 with f32 constants, which a
+            # caller's strict promotion setting (our tests') rejects while tracing.
+            with jax.numpy_dtype_promotion("standard"):
+                gpt_rows = bench_gpt(args, record("gpt_step"))
+        except Exception as err:  # noqa: BLE001 (keep the all-reduce table, then fail)
             print(f"gpt step benchmark failed: {type(err).__name__}: {err}", file=sys.stderr)
+            gpt_failed = True
     dump()
     print_table(rows, peak_note)
     print_gpt(gpt_rows)
-    return 0
+    return 1 if gpt_failed else 0
 
 
 if __name__ == "__main__":
