@@ -6,10 +6,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 from jaxopt_train.models import GPT, GPT_PRESETS, get_gpt_config, gpt_loss, gpt_param_count
+from jaxopt_train.models.gpt import softmax_cross_entropy
 
 HIGHEST = jax.lax.Precision.HIGHEST
 SMALL = dict(n_layers=2, d_model=32, n_heads=4, seq_len=16, vocab_size=64)
@@ -255,6 +257,33 @@ def test_gpt_loss_matches_reference(logits_dtype):
     want = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1).mean()
     assert loss.dtype == jnp.float32 and loss.shape == ()
     np.testing.assert_allclose(loss, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("logits_dtype", [jnp.float32, jnp.bfloat16])
+def test_gpt_loss_gradient_matches_autodiff_of_the_reference(logits_dtype):
+    # Scaled logits so the softmax is peaked (large and tiny probabilities both occur).
+    logits = (4 * jax.random.normal(jax.random.key(2), (2, 7, 37))).astype(logits_dtype)
+    targets = jax.random.randint(jax.random.key(3), (2, 7), 0, 37)
+
+    def reference(z):
+        return optax.softmax_cross_entropy_with_integer_labels(z.astype(jnp.float32), targets).mean()
+
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats in
+        want_loss, want = jax.jit(jax.value_and_grad(reference))(logits)
+    loss, got = jax.jit(jax.value_and_grad(gpt_loss))(logits, targets)
+    assert got.dtype == logits_dtype and got.shape == logits.shape
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    # Both cast one f32 gradient to the logits' dtype: equal up to one rounding.
+    tol = 1e-7 if logits_dtype == jnp.float32 else 1e-2 / (2 * 7)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol)
+    # Per-position losses and a non-uniform cotangent (not just the mean's 1/N).
+    weights = jnp.linspace(0.0, 2.0, 14, dtype=jnp.float32).reshape(2, 7)
+    got_w = jax.grad(lambda z: (softmax_cross_entropy(z, targets) * weights).sum())(logits)
+    with jax.numpy_dtype_promotion("standard"):
+        want_w = jax.grad(lambda z: (optax.softmax_cross_entropy_with_integer_labels(
+            z.astype(jnp.float32), targets) * weights).sum())(logits)
+    np.testing.assert_allclose(np.asarray(got_w, np.float32), np.asarray(want_w, np.float32),
+                               atol=1e-6 if logits_dtype == jnp.float32 else 2e-2)
 
 
 def test_gpt_loss_bad_inputs():

@@ -33,8 +33,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
+from jax import lax
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 REMAT_POLICIES = ("none", "dots", "full")
@@ -383,8 +383,42 @@ def _stacked_blocks(cfg: GPTConfig, rngs: nnx.Rngs) -> Block:
     return make(rngs)
 
 
+@jax.custom_vjp
+def softmax_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Per-position ``logsumexp(logits) - logits[target]`` in float32, with a one-pass gradient.
+
+    Same value as `optax.softmax_cross_entropy_with_integer_labels` on the
+    f32-cast logits. The custom VJP is why it exists: the gradient
+    ``(softmax - onehot) * g`` is computed in one elementwise pass from the
+    saved logits and logsumexp and written straight in the logits' dtype. Left
+    to autodiff, XLA materialised an f32 [batch, time, vocab] gradient and then
+    converted it (gpt-1b on an H200: ~1.2 ms of its ~2.5 ms of cross-entropy).
+    """
+    return _xent_forward(logits, targets)[0]
+
+
+def _xent_forward(logits, targets):
+    x = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(x, axis=-1)
+    picked = jnp.take_along_axis(x, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return lse - picked, (logits, targets, lse)
+
+
+def _xent_backward(residuals, g):
+    logits, targets, lse = residuals
+    probs = jnp.exp(logits.astype(jnp.float32) - lse[..., None])
+    vocab = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    onehot = (vocab == targets[..., None].astype(jnp.int32)).astype(jnp.float32)
+    grad = ((probs - onehot) * g.astype(jnp.float32)[..., None]).astype(logits.dtype)
+    # Integer targets have no cotangent (None: a symbolic zero).
+    return grad, None
+
+
+softmax_cross_entropy.defvjp(_xent_forward, _xent_backward)
+
+
 def gpt_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy, computed in float32.
+    """Mean next-token cross-entropy, computed in float32 (`softmax_cross_entropy`).
 
     Args:
       logits: [..., vocab] in any float dtype.
@@ -400,10 +434,7 @@ def gpt_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
         )
     if not jnp.issubdtype(targets.dtype, jnp.integer):
         raise ValueError(f"targets must be integer token ids, got dtype={targets.dtype}")
-    losses = optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), targets
-    )
-    return jnp.mean(losses)
+    return jnp.mean(softmax_cross_entropy(logits, targets))
 
 
 def warn_if_cudnn_unavailable(cfg: GPTConfig) -> GPTConfig:
