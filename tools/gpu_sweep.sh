@@ -80,17 +80,29 @@ lane_a3() {  # GPU 0: bench train with ablations, then the 16 GiB budget
     --microbatches 1 --steps 30 --warmup 5 --bursts 3 --trace-steps 5 --steps-per-dispatch 1 \
     --ablate $Q --out "$R/gpt1b"
 }
-lane_b3() {  # GPU 1: the trainer's own gpt-1b step (bf16 grads + state vs not), the 16 GiB budget
+lane_b3_train() {  # GPU 1: the trainer's own gpt-1b step (bf16 grads + state vs not)
   export CUDA_VISIBLE_DEVICES=${LANE_B_GPU:-1}
   local common="$BIGTRAIN $TQ --precision bf16 --warmup 10 --lr 3e-4 --log-every 10 --eval-every 0 \
     --checkpoint-every 0 --progress lines --overwrite"
   step train3_bf16gs 110 $PY -m jaxopt_train.train.cli $common --grad-dtype compute \
     --opt-state-dtype bf16 --run-dir /tmp/r1
   step train3_f32gs 110 $PY -m jaxopt_train.train.cli $common --run-dir /tmp/r2
+}
+lane_b3() {  # GPU 1: the trainer runs, then the 16 GiB budget
+  lane_b3_train
   step bench_gpt1b_16g ${T_16G:-170} $PY -m jaxopt_train.bench.train --model $BIG --global-batch 8 \
     --microbatches 1 --steps 30 --warmup 5 --bursts 3 --trace-steps 5 --steps-per-dispatch 1 \
     --memory-budget 16GiB $Q --out "$R/gpt1b_16g"
 }
+lane_a4() {  # GPU 0: bench train without ablations (a re-measure after a step change)
+  export CUDA_VISIBLE_DEVICES=0
+  step bench_gpt1b ${T_BIG:-150} $PY -m jaxopt_train.bench.train --model $BIG --global-batch 8 \
+    --microbatches 1 --steps 30 --warmup 5 --bursts 3 --trace-steps 5 --steps-per-dispatch 1 \
+    $Q --out "$R/gpt1b"
+}
+if [ "${PHASE:-all}" = 4 ]; then  # lanes only: re-measure bench + trainer, then the 2-GPU table
+  lane_a4 & A=$!; (LANE_B4=1 lane_b3_train) & B=$!; wait $A $B
+fi
 if [ "${PHASE:-all}" = 3 ]; then
   lane_a3 & A=$!; lane_b3 & B=$!; wait $A $B
   step bench_collectives ${T_COLL:-100} $PY -m jaxopt_train.bench.collectives --sizes 256M,1G,16M \
