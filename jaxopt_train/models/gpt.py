@@ -392,7 +392,8 @@ def softmax_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     ``(softmax - onehot) * g`` is computed in one elementwise pass from the
     saved logits and logsumexp and written straight in the logits' dtype. Left
     to autodiff, XLA materialised an f32 [batch, time, vocab] gradient and then
-    converted it (gpt-1b on an H200: ~1.2 ms of its ~2.5 ms of cross-entropy).
+    converted it: on gpt-1b (batch 8, H200) this VJP cut the step's temporaries
+    from 14.10 to 13.36 GiB; its step time stayed within run-to-run noise.
     """
     return _xent_forward(logits, targets)[0]
 
