@@ -122,13 +122,13 @@ class Policy:
         return half in (self.param_dtype, self.compute_dtype, self.output_dtype)
 
     def cast_to_param(self, tree):
-        return _cast_floating(tree, self.param_dtype)
+        return cast_floating(tree, self.param_dtype)
 
     def cast_to_compute(self, tree):
-        return _cast_floating(tree, self.compute_dtype)
+        return cast_floating(tree, self.compute_dtype)
 
     def cast_to_output(self, tree):
-        return _cast_floating(tree, self.output_dtype)
+        return cast_floating(tree, self.output_dtype)
 
     def matmul_scope(self):
         """Context manager that applies `matmul_precision` while tracing."""
@@ -169,7 +169,8 @@ def _is_floating_array(x) -> bool:
     return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
-def _cast_floating(tree, dtype):
+def cast_floating(tree, dtype):
+    """`tree` with every floating array leaf cast to `dtype`."""
     # Only array leaves with a floating dtype: ints, bools, PRNG keys (typed
     # or raw uint32) and Python scalars keep their type.
     return jax.tree.map(lambda x: x.astype(dtype) if _is_floating_array(x) else x, tree)

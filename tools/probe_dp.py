@@ -253,23 +253,11 @@ def _timed(fn, x, *, warmup: int, bursts: int, calls: int) -> float:
 # ------------------------------------------------------------------ phase B: ring vs psum
 
 def swap_all_reduce(x, axis, *, wire=None, chunks: int = 1):
-    """2-device all-reduce as ONE exchange: x + ppermute(x). Same bytes per link direction as
-    reduce-scatter + all-gather at n=2 (N each way), but one NCCL call and no dependent second
-    phase. With a bf16 wire both devices add the two bf16-rounded copies in f32 (bit-identical)."""
-    import jax.numpy as jnp  # noqa: PLC0415
-    from jax import lax  # noqa: PLC0415
+    """2-device all-reduce as ONE exchange: x + ppermute(x). Found here, it is now what the
+    library's `ring_all_reduce` does on 2 devices (`collectives.ring.exchange_all_reduce`)."""
+    from jaxopt_train.collectives import ring_all_reduce  # noqa: PLC0415
 
-    perm = [(0, 1), (1, 0)]
-    flat = x.reshape(-1)
-    pad = -flat.size % chunks
-    pieces = jnp.pad(flat, (0, pad)).reshape(chunks, -1)
-    outs = []
-    for c in range(chunks):
-        mine = pieces[c] if wire is None else pieces[c].astype(wire)
-        got = lax.ppermute(mine, axis, perm)
-        outs.append((mine.astype(jnp.float32) + got.astype(jnp.float32)).astype(x.dtype))
-    out = outs[0] if chunks == 1 else jnp.concatenate(outs)
-    return out[: flat.size].reshape(x.shape)
+    return ring_all_reduce(x, axis, wire_dtype=wire, num_chunks=chunks)
 
 
 def exchange_all_reduce(x, axis, *, wire=None):

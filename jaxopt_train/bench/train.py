@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     from jaxopt_train.collectives import METHODS  # noqa: PLC0415
     from jaxopt_train.models import GPT_PRESETS, VISION_PRESETS  # noqa: PLC0415
     from jaxopt_train.runtime.xla_flags import PRESETS  # noqa: PLC0415
+    from jaxopt_train.train.config import GRAD_DTYPES  # noqa: PLC0415
+    from jaxopt_train.train.optim import STATE_DTYPES  # noqa: PLC0415
 
     p = argparse.ArgumentParser(prog="jaxopt-train bench train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -67,9 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-sync", choices=("auto",) + METHODS, default="auto")
     p.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
                    help="optimised attention; auto = cudnn on GPU, else xla")
-    p.add_argument("--opt-state-dtype", choices=("f32", "bf16"), default="bf16",
+    p.add_argument("--opt-state-dtype", choices=STATE_DTYPES, default="bf16",
                    help="optimised config: storage dtype of AdamW's moments")
-    p.add_argument("--grad-dtype", choices=("param", "compute"), default="compute",
+    p.add_argument("--grad-dtype", choices=GRAD_DTYPES, default="compute",
                    help="optimised config: gradients in the f32 params' dtype or the bf16 "
                    "compute dtype (widened after the all-reduce)")
     p.add_argument("--xla-preset", choices=sorted(PRESETS), default="gpu-throughput")

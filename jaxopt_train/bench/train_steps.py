@@ -43,6 +43,7 @@ from jaxopt_train.models import (GPT, GPT_PRESETS, VISION_PRESETS, classificatio
 from jaxopt_train.models.flops import gpt_flops_per_token
 from jaxopt_train.models.gpt import warn_if_cudnn_unavailable
 from jaxopt_train.precision import get_policy
+from jaxopt_train.train.config import GRAD_DTYPES
 from jaxopt_train.train.optim import low_precision_state, state_dtype
 
 AXIS = "data"
@@ -122,8 +123,8 @@ class RunConfig:
         if self.steps_per_dispatch < 1:
             raise ValueError(f"steps_per_dispatch={self.steps_per_dispatch} must be >= 1")
         state_dtype(self.opt_state)  # validates: "f32" or "bf16"
-        if self.grad_dtype not in ("param", "compute"):
-            raise ValueError(f"grad_dtype={self.grad_dtype!r}; legal values: ('param', 'compute')")
+        if self.grad_dtype not in GRAD_DTYPES:
+            raise ValueError(f"grad_dtype={self.grad_dtype!r}; legal values: {GRAD_DTYPES}")
         if self.grad_dtype == "compute" and self.accumulation == "host":
             raise ValueError("grad_dtype='compute' is implemented by the in-graph step: it needs "
                              "accumulation='scan', got accumulation='host'")

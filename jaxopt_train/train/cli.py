@@ -14,6 +14,7 @@ import sys
 
 from jaxopt_train.train import config as config_lib
 from jaxopt_train.train.config import TrainConfig
+from jaxopt_train.train.optim import STATE_DTYPES
 
 _DEFAULTS = TrainConfig()
 
@@ -71,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--grad-dtype", choices=config_lib.GRAD_DTYPES, default=d.grad_dtype,
                    help="gradients in the params' dtype, or in the compute dtype (bf16: half "
                    "the gradient memory and all-reduce bytes)")
-    x.add_argument("--opt-state-dtype", choices=config_lib.OPT_STATE_DTYPES,
+    x.add_argument("--opt-state-dtype", choices=STATE_DTYPES,
                    default=d.opt_state_dtype, help="storage dtype of AdamW's moments")
     x.add_argument("--zero", type=int, default=d.zero,
                    help="ZeRO stage: 0 replicated, 1 optimizer state sharded, 3 parameters too")

@@ -20,7 +20,6 @@ PRECISIONS = ("fp32", "tf32", "bf16", "bf16-pure", "fp16")
 GRAD_SYNCS = ("psum", "ring", "ring_bidir", "hierarchical")
 GRAD_COMPRESSIONS = ("none", "bf16", "int8")
 GRAD_DTYPES = ("param", "compute")
-OPT_STATE_DTYPES = ("f32", "bf16")
 MATMULS = ("xla", "pallas", "triton")
 # The matmul kernels take bf16/fp16 operands; an f32 compute dtype never reaches them.
 _KERNEL_COMPUTE_DTYPES = ("bfloat16", "float16")
@@ -160,12 +159,11 @@ class TrainConfig:
         from jaxopt_train.train.zero_step import check_zero  # noqa: PLC0415
 
         check_zero(self.zero, self.grad_sync, self.grad_compression)
-        _check_choice("grad_dtype", self.grad_dtype, GRAD_DTYPES)
-        _check_choice("opt_state_dtype", self.opt_state_dtype, OPT_STATE_DTYPES)
-        if self.grad_dtype == "compute" and (self.zero or self.grad_compression != "none"):
-            raise ValueError(f"grad_dtype='compute' needs zero=0 and grad_compression='none' "
-                             f"(the gradients are already narrow), got zero={self.zero}, "
-                             f"grad_compression={self.grad_compression!r}")
+        from jaxopt_train.train.optim import STATE_DTYPES  # noqa: PLC0415
+        from jaxopt_train.train.trainer import check_grad_dtype  # noqa: PLC0415
+
+        check_grad_dtype(self.grad_dtype, self.zero, self.grad_compression)
+        _check_choice("opt_state_dtype", self.opt_state_dtype, STATE_DTYPES)
         _check_choice("matmul", self.matmul, MATMULS)
         _check_choice("attention", self.attention, ATTENTIONS)
         _check_choice("remat", self.remat, REMATS)

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import optax
 
+from jaxopt_train.precision import cast_floating
+
+STATE_DTYPES = ("f32", "bf16")  # the names the CLIs offer
 _STATE_DTYPES = {"f32": jnp.float32, "float32": jnp.float32, "bf16": jnp.bfloat16,
                  "bfloat16": jnp.bfloat16}
 
@@ -33,14 +35,6 @@ def state_dtype(name: str | Any) -> jnp.dtype:
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"optimizer state dtype {dtype}; legal values: float32, bfloat16")
     return dtype
-
-
-def _cast_floating(tree: Any, dtype) -> Any:
-    def cast(x):
-        if isinstance(x, jax.Array | jnp.ndarray) and jnp.issubdtype(x.dtype, jnp.floating):
-            return x.astype(dtype)
-        return x
-    return jax.tree.map(cast, tree)
 
 
 def low_precision_state(inner: optax.GradientTransformation, dtype: Any = jnp.bfloat16
@@ -60,11 +54,11 @@ def low_precision_state(inner: optax.GradientTransformation, dtype: Any = jnp.bf
         return inner
 
     def init(params):
-        return _cast_floating(inner.init(params), dtype)
+        return cast_floating(inner.init(params), dtype)
 
     def update(updates, state, params=None):
-        wide = _cast_floating(state, jnp.float32)
+        wide = cast_floating(state, jnp.float32)
         updates, wide = inner.update(updates, wide, params)
-        return updates, _cast_floating(wide, dtype)
+        return updates, cast_floating(wide, dtype)
 
     return optax.GradientTransformation(init, update)

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxopt_train.accumulation import check_divisible
 from jaxopt_train.precision import Policy, get_policy, loss_scale_for
+from jaxopt_train.train.config import GRAD_DTYPES
 from jaxopt_train.train.model import ModelFns, linen_model_fns, nnx_model_fns
 from jaxopt_train.train.optim import low_precision_state
 from jaxopt_train.train.state import TrainState, default_optimizer, init_train_state
@@ -45,7 +46,6 @@ from jaxopt_train.train.zero_step import (check_zero, gather_full_params, init_z
 
 GRAD_SYNCS = ("psum", "ring", "ring_bidir", "hierarchical")
 GRAD_COMPRESSIONS = (None, "none", "bf16", "int8")
-GRAD_DTYPES = ("param", "compute")
 
 
 def check_grad_dtype(grad_dtype: str, zero: int, grad_compression: str | None) -> None:
