@@ -9,7 +9,7 @@ NCCL settings are process-wide and read once), each with its own env, in
 priority order, each capped by what is left of the wall budget; a child writes
 its JSON after every variant, so a phase cut short still reports what it had.
 
-Phases (run in the order A, B, A-lhs, B-p2p; A keeps 40 s back for B):
+Phases (run in the order A, B, A-lhs, B-p2p, A-memcpy, A-cb; A keeps 40 s back for B):
   B      ring vs psum, f32 messages of 256 MiB and 1 GiB per device, flags of the
          "gpu-throughput" preset (what the train bench runs under):
            psum_f32 (the baseline), psum_bf16wire, rs_ag_nccl (NCCL reduce-scatter +
@@ -42,6 +42,10 @@ Phases (run in the order A, B, A-lhs, B-p2p; A keeps 40 s back for B):
          Compiles run in parallel threads (one gpt-1b compile is ~15 s); each variant is
          timed from a fresh copy of the same initial state. --dry also checks that every
          variant's synced grads equal psum(grads)/n (exactly one reduction of each grad).
+  A-memcpy  1gpu, psum_bf16 and the swap exchange (after / inside the backward) with
+         --xla_gpu_use_memcpy_local_p2p=true: ppermute as copy-engine peer copies.
+  A-cb   1gpu, psum_bf16, overlap_bf16 with command buffers off and collectives on the
+         highest-priority stream.
   A-lhs  overlap/psum under the latency-hiding scheduler with XLA's default combine
          threshold instead of the preset's 256 MiB (if time is left).
 
@@ -75,6 +79,15 @@ PHASES = (
     ("B-p2p", "gpu-throughput", "", {"NCCL_MIN_P2P_NCHANNELS": "32", "NCCL_MAX_P2P_NCHANNELS": "32",
                                      "NCCL_P2P_NVL_CHUNKSIZE": "1048576"},
      "psum_f32,ring,swap,swap_bf16,xchg", 15, 0),
+    # ppermute as copy-engine peer copies (cudaMemcpy between the process's GPUs) instead of
+    # NCCL send/recv; psum stays NCCL.
+    ("A-memcpy", "gpu-throughput", "--xla_gpu_use_memcpy_local_p2p=true", {},
+     "1gpu,psum_bf16,swap_bf16,overlap_swap_bf16", 40, 0),
+    # no CUDA-graph capture, collectives on the highest-priority stream: can the bf16
+    # reduction overlap the backward once nothing is recorded into one graph?
+    ("A-cb", "gpu-throughput",
+     "--xla_gpu_enable_command_buffer= --xla_gpu_enable_highest_priority_async_stream=true", {},
+     "1gpu,psum_bf16,overlap_bf16", 40, 0),
 )
 
 
