@@ -132,6 +132,8 @@ def drive(args) -> int:
             cmd += ["--variants", variants]
         if one_gpu_ms:
             cmd += ["--one-gpu-ms", str(one_gpu_ms)]
+        if args.profile_variants:
+            cmd += ["--profile-variants", args.profile_variants]
         if args.dry:
             cmd.append("--dry")
         print(f"[probe] phase {name} (+{time.time() - start:.0f} s) XLA_FLAGS={env['XLA_FLAGS']!r} "
@@ -180,6 +182,7 @@ def render(results) -> str:
                 lines.append(f"  {row['name']:<17} {row['step_ms']:8.2f} ms/step  scaling "
                              f"{_fmt(row.get('scaling'))}  +{'-' if over is None else f'{over:.2f}'} ms vs 1 GPU"
                              f"  loss {row['loss']:.4f}")
+                lines += _overlap_lines(row.get("overlap"))
             else:
                 lines.append(f"  {row['name']:<18} {row['size_mib']:6.0f} MiB {row['ms']:8.3f} ms "
                              f"{row['bus_gbps']:7.1f} GB/s  vs_psum {_fmt(row.get('vs_psum'))}  "
@@ -191,6 +194,23 @@ def render(results) -> str:
             lines.append(f"  note: {note}")
     lines += summary(results)
     return "\n".join(lines)
+
+
+def _overlap_lines(report) -> list[str]:
+    if not report:
+        return []
+    sched = report.get("schedule", {})
+    lines = [f"    schedule: {sched.get('collective_ops')} async pairs "
+             f"{len(sched.get('async_pairs', []))}, with nothing between "
+             f"{sched.get('pairs_with_nothing_between')}, with a GEMM between {sched.get('pairs_with_gemm_between')}"]
+    for gpu, g in report.get("trace", {}).get("gpus", {}).items():
+        lines.append(f"    {gpu}: nccl {g['nccl_ms_per_step']:.2f} ms/step, concurrent with compute "
+                     f"{g['nccl_concurrent_with_compute_ms_per_step']:.2f}, exposed {g['nccl_exposed_ms_per_step']:.2f}"
+                     f" (compute {g['compute_ms_per_step']:.2f}, span {g['span_ms_per_step']:.2f}); "
+                     f"windows {g['nccl_windows'][:8]}")
+    if "trace_error" in report:
+        lines.append(f"    trace error: {report['trace_error'][:150]}")
+    return lines
 
 
 def summary(results) -> list[str]:
@@ -600,6 +620,8 @@ def phase_a(args, rec: Recorder) -> None:
                 one_gpu_s = sec
             row["scaling"] = None if one_gpu_s is None or n == 1 else one_gpu_s / sec
             row["over_1gpu_ms"] = None if one_gpu_s is None or n == 1 else (sec - one_gpu_s) * 1e3
+            if name in (args.profile_variants or "").split(","):
+                state, row["overlap"] = _profile_overlap(name, step, state, compiled, args)
             del state, losses, compiled
         except Exception as err:  # noqa: BLE001
             row["error"] = f"{type(err).__name__}: {err}"
@@ -608,6 +630,27 @@ def phase_a(args, rec: Recorder) -> None:
         rec.add(row)
     if args.one_gpu_ms:
         rec.data["notes"].append(f"scaling vs phase A's 1-GPU step ({args.one_gpu_ms:.2f} ms)")
+
+
+def _profile_overlap(name, step, state, compiled, args):
+    """Traces one call (k steps) and reports how much NCCL time overlapped compute."""
+    import jax  # noqa: PLC0415
+    from overlap_report import schedule_overlap, trace_overlap  # noqa: PLC0415 - tools/ is on sys.path
+
+    out_dir = os.environ.get("OUT", "/tmp")
+    logdir = os.path.join(out_dir, f"trace_dp_{name}")
+    text = compiled.as_text()
+    with open(os.path.join(out_dir, f"hlo_dp_{name}.txt"), "w") as f:
+        f.write(text)
+    report = {"schedule": schedule_overlap(text)}
+    try:
+        with jax.profiler.trace(logdir, create_perfetto_trace=True):
+            state, losses = step(state)
+            jax.block_until_ready((state, losses))
+        report["trace"] = trace_overlap(logdir, steps=args.k)
+    except Exception as err:  # noqa: BLE001 - the timing row stays useful
+        report["trace_error"] = f"{type(err).__name__}: {err}"
+    return state, report
 
 
 def child(args) -> int:
@@ -631,6 +674,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--a-variants", help="phase A variants, comma list (default: 1gpu,psum_tree,"
                    "overlap_bf16,overlap_f32,psum_bf16,psum_leaf; also swap_f32, swap_bf16, "
                    "overlap_swap_f32, overlap_swap_bf16: the one-exchange 2-GPU reduce)")
+    p.add_argument("--profile-variants", default="",
+                   help="phase-A variants to trace once: NCCL time hidden under compute, and "
+                        "what XLA scheduled between each collective's start and done")
     p.add_argument("--child", choices=("A", "B"), help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)

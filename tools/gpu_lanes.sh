@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Single-GPU lanes on the 2-GPU machine, one per GPU, in parallel:
+#   lane 0: the bench's optimised gpt-1b step (tools/probe_gpt1b.py variant "opt") under XLA
+#           flag variants (cuBLASLt epilogues, cuDNN LayerNorm, cuDNN GEMM fusions), one process
+#           per variant, each lane re-running the baseline flags as its control;
+#   then the trainer's gpt-1b step with --matmul xla (GPU 0) and --matmul pallas (GPU 1).
+#   bash tools/gpu_lanes.sh     # results in $OUT/lanes.tar.gz and $OUT/summary.txt
+set -u
+OUT=${OUT:-/tmp/lanes_out}; R=/tmp/lanes; mkdir -p "$R" "$OUT"
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+PY=${PY:-python3}
+t0=$(date +%s)
+step() {  # step NAME TIMEOUT CMD...
+  local name=$1 limit=$2; shift 2; local s=$(date +%s)
+  echo "=== [$name] start +$((s - t0))s" | tee -a "$R/steps.log"
+  timeout "$limit" "$@" > "$R/$name.log" 2>&1; local rc=$?
+  echo "=== [$name] rc=$rc in $(( $(date +%s) - s ))s" | tee -a "$R/steps.log"
+}
+V=${VARIANT:-opt}
+probe() {  # probe TAG XLA_EXTRA
+  OUT=$R step "gpt1b$1" ${T_P:-90} $PY tools/probe_gpt1b.py --variants $V --tag "$1" ${2:+--xla-extra=$2}
+}
+TRAIN="-m jaxopt_train.train.cli --preset gpt-1b --steps ${TRAIN_STEPS:-40} --batch-size 8 --precision bf16 \
+  --warmup 10 --lr 3e-4 --log-every 10 --eval-every 0 --checkpoint-every 0 --progress lines --overwrite \
+  --grad-dtype compute --opt-state-dtype bf16"
+lane0() {
+  export CUDA_VISIBLE_DEVICES=0
+  probe _base0 ""
+  probe _cublaslt "--xla_gpu_enable_cublaslt=true"
+  probe _cudnnln "--xla_gpu_enable_cudnn_layer_norm=true"
+  step train_xla ${T_T:-200} $PY $TRAIN --matmul xla --run-dir /tmp/run_xla
+}
+lane1() {
+  export CUDA_VISIBLE_DEVICES=1
+  probe _base1 ""
+  probe _cudnngemm "--xla_gpu_cudnn_gemm_fusion_level=2"
+  probe _all "--xla_gpu_enable_cublaslt=true --xla_gpu_enable_cudnn_layer_norm=true"
+  step train_pallas ${T_T2:-260} $PY $TRAIN --matmul pallas --run-dir /tmp/run_pallas
+}
+lane0 & A=$!; lane1 & B=$!; wait $A $B
+echo "total $(( $(date +%s) - t0 ))s" | tee -a "$R/steps.log"
+for f in "$R"/*.log; do echo "----- $f"; tail -n 14 "$f"; done > "$OUT/summary.txt"
+tar czf "$OUT/lanes.tar.gz" -C /tmp lanes
