@@ -56,6 +56,13 @@ def _intersection_length(a, b) -> float:
     return total
 
 
+def _largest_gaps(busy, span0: float, span1: float, top: int = 6) -> list[tuple[float, float]]:
+    """(position as a fraction of the span, length in ms) of the longest idle stretches."""
+    gaps = [(busy[i][1], busy[i + 1][0] - busy[i][1]) for i in range(len(busy) - 1)]
+    gaps.sort(key=lambda g: -g[1])
+    return [(round((at - span0) / (span1 - span0), 3), round(length / 1e3, 3)) for at, length in gaps[:top]]
+
+
 def trace_overlap(logdir: str, steps: int = 1) -> dict:
     """NCCL kernel time, the part of it concurrent with compute, and where it falls, per GPU."""
     path, events = _load_events(logdir)
@@ -99,6 +106,8 @@ def trace_overlap(logdir: str, steps: int = 1) -> dict:
             "nccl_windows": [(round((a - span0) / (span1 - span0), 3), round((b - span0) / (span1 - span0), 3))
                              for a, b in nccl[:40]],
             "nccl_kernels": slot["names"].most_common(6),
+            # idle stretches of the whole GPU (no kernel on any stream): host or sync gaps
+            "largest_gaps": _largest_gaps(_union(nccl + compute), span0, span1),
         }
     return out
 

@@ -44,6 +44,7 @@ Phases (run in the order A, B, A-lhs, B-p2p, A-memcpy, A-cb; A keeps 40 s back f
          variant's synced grads equal psum(grads)/n (exactly one reduction of each grad).
   A-memcpy  1gpu, psum_bf16 and the swap exchange (after / inside the backward) with
          --xla_gpu_use_memcpy_local_p2p=true: ppermute as copy-engine peer copies.
+  A-nch8, A-nch4  1gpu, psum_bf16, overlap_bf16 with NCCL capped at 8 / 4 channels (SMs).
   A-cb   1gpu, psum_bf16, overlap_bf16 with command buffers off and collectives on the
          highest-priority stream.
   A-lhs  overlap/psum under the latency-hiding scheduler with XLA's default combine
@@ -85,6 +86,12 @@ PHASES = (
      "1gpu,psum_bf16,swap_bf16,overlap_swap_bf16", 40, 0),
     # no CUDA-graph capture, collectives on the highest-priority stream: can the bf16
     # reduction overlap the backward once nothing is recorded into one graph?
+    # fewer NCCL channels (CTAs, i.e. SMs) per all-reduce: the hooks already hide ~97% of
+    # the NCCL time under the backward, so fewer SMs taken from the GEMMs may pay
+    ("A-nch8", "gpu-throughput", "--xla_gpu_nccl_collective_max_nchannels=8", {},
+     "1gpu,psum_bf16,overlap_bf16", 40, 0),
+    ("A-nch4", "gpu-throughput", "--xla_gpu_nccl_collective_max_nchannels=4", {},
+     "1gpu,psum_bf16,overlap_bf16", 40, 0),
     ("A-cb", "gpu-throughput",
      "--xla_gpu_enable_command_buffer= --xla_gpu_enable_highest_priority_async_stream=true", {},
      "1gpu,psum_bf16,overlap_bf16", 40, 0),
@@ -133,7 +140,8 @@ def drive(args) -> int:
         if one_gpu_ms:
             cmd += ["--one-gpu-ms", str(one_gpu_ms)]
         if args.profile_variants:
-            cmd += ["--profile-variants", args.profile_variants]
+            cmd += ["--profile-variants", args.profile_variants, "--profile-calls", str(args.profile_calls)]
+        cmd += ["--calls", str(args.calls)]
         if args.dry:
             cmd.append("--dry")
         print(f"[probe] phase {name} (+{time.time() - start:.0f} s) XLA_FLAGS={env['XLA_FLAGS']!r} "
@@ -207,7 +215,7 @@ def _overlap_lines(report) -> list[str]:
         lines.append(f"    {gpu}: nccl {g['nccl_ms_per_step']:.2f} ms/step, concurrent with compute "
                      f"{g['nccl_concurrent_with_compute_ms_per_step']:.2f}, exposed {g['nccl_exposed_ms_per_step']:.2f}"
                      f" (compute {g['compute_ms_per_step']:.2f}, span {g['span_ms_per_step']:.2f}); "
-                     f"windows {g['nccl_windows'][:8]}")
+                     f"windows {g['nccl_windows'][:8]}; idle gaps (at, ms) {g.get('largest_gaps')}")
     if "trace_error" in report:
         lines.append(f"    trace error: {report['trace_error'][:150]}")
     return lines
@@ -570,7 +578,7 @@ def phase_a(args, rec: Recorder) -> None:
     model, extra = ("gpt-tiny", dict(seq_len=32, n_layers=2)) if args.dry else ("gpt-1b", {})
     run = ts.RunConfig("optimised", policy="bf16", attention="cudnn" if gpu else "xla",
                        accumulation="scan", donate=True)
-    timing = dict(warmup=1, bursts=2, calls=1) if args.dry else dict(warmup=2, bursts=3, calls=2)
+    timing = dict(warmup=1, bursts=2, calls=1) if args.dry else dict(warmup=2, bursts=3, calls=args.calls)
     meshes = {1: ts.data_mesh(devices[:1]), 2: ts.data_mesh(devices[:2])}
     states = {}
     lowered = {}
@@ -645,9 +653,10 @@ def _profile_overlap(name, step, state, compiled, args):
     report = {"schedule": schedule_overlap(text)}
     try:
         with jax.profiler.trace(logdir, create_perfetto_trace=True):
-            state, losses = step(state)
+            for _ in range(args.profile_calls):
+                state, losses = step(state)
             jax.block_until_ready((state, losses))
-        report["trace"] = trace_overlap(logdir, steps=args.k)
+        report["trace"] = trace_overlap(logdir, steps=args.k * args.profile_calls)
     except Exception as err:  # noqa: BLE001 - the timing row stays useful
         report["trace_error"] = f"{type(err).__name__}: {err}"
     return state, report
@@ -677,6 +686,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-variants", default="",
                    help="phase-A variants to trace once: NCCL time hidden under compute, and "
                         "what XLA scheduled between each collective's start and done")
+    p.add_argument("--profile-calls", type=int, default=1, help="dispatches traced per profiled variant")
+    p.add_argument("--calls", type=int, default=2, help="phase A: dispatches per timed burst")
     p.add_argument("--child", choices=("A", "B"), help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
