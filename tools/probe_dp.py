@@ -208,14 +208,12 @@ def _overlap_lines(report) -> list[str]:
     if not report:
         return []
     sched = report.get("schedule", {})
-    lines = [f"    schedule: {sched.get('collective_ops')} async pairs "
-             f"{len(sched.get('async_pairs', []))}, with nothing between "
-             f"{sched.get('pairs_with_nothing_between')}, with a GEMM between {sched.get('pairs_with_gemm_between')}"]
-    for gpu, g in report.get("trace", {}).get("gpus", {}).items():
-        lines.append(f"    {gpu}: nccl {g['nccl_ms_per_step']:.2f} ms/step, concurrent with compute "
-                     f"{g['nccl_concurrent_with_compute_ms_per_step']:.2f}, exposed {g['nccl_exposed_ms_per_step']:.2f}"
-                     f" (compute {g['compute_ms_per_step']:.2f}, span {g['span_ms_per_step']:.2f}); "
-                     f"windows {g['nccl_windows'][:8]}; idle gaps (at, ms) {g.get('largest_gaps')}")
+    lines = [f"    schedule: async collectives {sched.get('async_pairs')}, with nothing between start and done "
+             f"{sched.get('with_nothing_between')}, with a GEMM between {sched.get('with_gemm_between')}"]
+    for g in report.get("trace", []):
+        lines.append(f"    {g['device']}: collectives {g['collective_ms']:.2f} ms/step, concurrent with compute "
+                     f"{g['concurrent_ms']:.2f}, exposed {g['exposed_ms']:.2f}; compute {g['compute_ms']:.2f}, "
+                     f"idle {g['idle_ms']:.2f}, span {g['span_ms']:.2f}; kernels {g['collective_kernels'][:2]}")
     if "trace_error" in report:
         lines.append(f"    trace error: {report['trace_error'][:150]}")
     return lines
@@ -641,22 +639,30 @@ def phase_a(args, rec: Recorder) -> None:
 
 
 def _profile_overlap(name, step, state, compiled, args):
-    """Traces one call (k steps) and reports how much NCCL time overlapped compute."""
+    """Traces `--profile-calls` dispatches: NCCL time under compute, and XLA's schedule."""
+    import dataclasses  # noqa: PLC0415
+
     import jax  # noqa: PLC0415
-    from overlap_report import schedule_overlap, trace_overlap  # noqa: PLC0415 - tools/ is on sys.path
+
+    from jaxopt_train.runtime.overlap import async_collective_schedule, collective_overlap  # noqa: PLC0415
 
     out_dir = os.environ.get("OUT", "/tmp")
     logdir = os.path.join(out_dir, f"trace_dp_{name}")
     text = compiled.as_text()
     with open(os.path.join(out_dir, f"hlo_dp_{name}.txt"), "w") as f:
         f.write(text)
-    report = {"schedule": schedule_overlap(text)}
+    pairs = async_collective_schedule(text)
+    report = {"schedule": {"async_pairs": len(pairs),
+                           "with_nothing_between": sum(p.between == 0 for p in pairs),
+                           "with_gemm_between": sum(p.gemms_between > 0 for p in pairs),
+                           "pairs": [dataclasses.asdict(p) for p in pairs[:60]]}}
     try:
         with jax.profiler.trace(logdir, create_perfetto_trace=True):
             for _ in range(args.profile_calls):
                 state, losses = step(state)
             jax.block_until_ready((state, losses))
-        report["trace"] = trace_overlap(logdir, steps=args.k * args.profile_calls)
+        report["trace"] = [dataclasses.asdict(d) for d in
+                           collective_overlap(logdir, steps=args.k * args.profile_calls)]
     except Exception as err:  # noqa: BLE001 - the timing row stays useful
         report["trace_error"] = f"{type(err).__name__}: {err}"
     return state, report
