@@ -49,3 +49,20 @@ def test_gpt_step_reports_every_method_with_the_gradient_dtype(tmp_path, grad_dt
         assert row["grad_dtype"] == expected
         assert row["step_s"] > 0 and row["compute_only_s"] > 0 and row["comm_only_s"] > 0
         assert row["throughput_vs_one_device"] == pytest.approx(8 * row["one_device_step_s"] / row["step_s"])
+
+
+def test_gpt_trace_writes_a_profile_per_method_and_reports_overlap_fields(tmp_path, capsys):
+    out, traces = tmp_path / "coll.json", tmp_path / "traces"
+    rc = bench.main(["--quick", "--sizes", "4K", "--dtypes", "f32", "--chunks", "1", "--methods", "ring",
+                     "--gpt", "--gpt-overrides", "n_layers=1,d_model=32,n_heads=2,dtype=bfloat16",
+                     "--gpt-batch", "1", "--gpt-iters", "1", "--gpt-methods", "psum",
+                     "--gpt-trace", str(traces), "--json", str(out)])
+    assert rc == 0
+    (row,) = json.loads(out.read_text())["gpt_step"]
+    assert set(row["trace"]) >= {"collective_ms", "concurrent_ms", "exposed_ms", "compute_ms",
+                                 "compute_only_compute_ms", "compute_slowdown_ms", "idle_ms", "span_ms"}
+    # a CPU trace has no GPU streams: the figures are None, the table says so
+    assert row["trace"]["compute_ms"] is None and row["trace"]["compute_slowdown_ms"] is None
+    assert "no GPU streams" in capsys.readouterr().out
+    for name in ("compute_only", "psum"):
+        assert list((traces / name).rglob("*.trace.json.gz")), name

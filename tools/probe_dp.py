@@ -45,6 +45,7 @@ Phases (run in the order A, B, A-lhs, B-p2p, A-memcpy, A-cb; A keeps 40 s back f
   A-memcpy  1gpu, psum_bf16 and the swap exchange (after / inside the backward) with
          --xla_gpu_use_memcpy_local_p2p=true: ppermute as copy-engine peer copies.
   A-nch8, A-nch4  1gpu, psum_bf16, overlap_bf16 with NCCL capped at 8 / 4 channels (SMs).
+  A-simple  the same with NCCL_PROTO=Simple.
   A-cb   1gpu, psum_bf16, overlap_bf16 with command buffers off and collectives on the
          highest-priority stream.
   A-lhs  overlap/psum under the latency-hiding scheduler with XLA's default combine
@@ -92,6 +93,8 @@ PHASES = (
      "1gpu,psum_bf16,overlap_bf16", 40, 0),
     ("A-nch4", "gpu-throughput", "--xla_gpu_nccl_collective_max_nchannels=4", {},
      "1gpu,psum_bf16,overlap_bf16", 40, 0),
+    # NCCL's Simple protocol only (its tuner may pick LL/LL128, which poll on SMs for longer)
+    ("A-simple", "gpu-throughput", "", {"NCCL_PROTO": "Simple"}, "1gpu,psum_bf16,overlap_bf16", 40, 0),
     ("A-cb", "gpu-throughput",
      "--xla_gpu_enable_command_buffer= --xla_gpu_enable_highest_priority_async_stream=true", {},
      "1gpu,psum_bf16,overlap_bf16", 40, 0),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -96,6 +97,27 @@ def time_burst(fn: Callable, args: tuple, *, warmup: int, iters: int, bursts: in
         jax.block_until_ready(out)
         times.append((time.perf_counter() - start) / iters)
     return statistics.median(times)
+
+
+def trace_overlap(fn: Callable, args: tuple, logdir: str, *, iters: int) -> dict:
+    """Traces `iters` calls; the devices' mean collective/compute figures per call (ms).
+
+    None values when the trace has no GPU streams (CPU).
+    """
+    import jax  # noqa: PLC0415
+
+    from jaxopt_train.runtime.overlap import collective_overlap  # noqa: PLC0415
+
+    jax.block_until_ready(fn(*args))
+    with jax.profiler.trace(logdir):
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+    per_device = collective_overlap(logdir, steps=iters)
+    keys = ("span_ms", "compute_ms", "collective_ms", "concurrent_ms", "exposed_ms", "idle_ms")
+    if not per_device:
+        return dict.fromkeys(keys)
+    return {k: statistics.fmean(getattr(d, k) for d in per_device) for k in keys}
 
 
 def variants(n: int, dtype: str, chunks: list[int]) -> dict[str, Callable]:
@@ -218,13 +240,17 @@ def bench_gpt(args, record: Callable[[dict], None]) -> list[dict]:
     smap = lambda f, ins, outs: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=ins, out_specs=outs,  # noqa: E731
                                                       check_vma=False))
     timing = dict(warmup=args.warmup, iters=args.gpt_iters, bursts=args.bursts)
-    compute_only = time_burst(smap(step_body(None), (P(), P("data")), (P(), P())), (replicated, sharded), **timing)
+    compute_fn = smap(step_body(None), (P(), P("data")), (P(), P()))
+    compute_only = time_burst(compute_fn, (replicated, sharded), **timing)
+    traced_compute = (trace_overlap(compute_fn, (replicated, sharded), os.path.join(args.gpt_trace, "compute_only"),
+                                    iters=args.gpt_iters) if args.gpt_trace else None)
     single = jax.jit(step_body_single(grads_of))
     one = time_burst(single, (jax.device_put(params, devices[0]), jax.device_put(tokens[:batch], devices[0])),
                      **timing)
     rows = []
     for method in args.gpt_methods:
-        step = time_burst(smap(step_body(method), (P(), P("data")), (P(), P())), (replicated, sharded), **timing)
+        step_fn = smap(step_body(method), (P(), P("data")), (P(), P()))
+        step = time_burst(step_fn, (replicated, sharded), **timing)
         comm = time_burst(smap(lambda g, m=method: all_reduce_tree(g, "data", method=m, bucket_mb=args.bucket_mb),
                                P(), P()), (narrow(replicated),), **timing)
         hidden = 1.0 - (step - compute_only) / comm if comm > 0 else None
@@ -233,6 +259,15 @@ def bench_gpt(args, record: Callable[[dict], None]) -> list[dict]:
                "devices": n, "per_device_batch": batch, "seq_len": seq, "method": method,
                "step_s": step, "compute_only_s": compute_only, "comm_only_s": comm, "hidden_comm_fraction": hidden,
                "one_device_step_s": one, "throughput_vs_one_device": n * one / step}
+        if args.gpt_trace:
+            # From the profile: how much reduction time ran alongside compute, how much was
+            # exposed, and how much slower the compute itself got next to the collectives.
+            traced = trace_overlap(step_fn, (replicated, sharded), os.path.join(args.gpt_trace, method),
+                                   iters=args.gpt_iters)
+            slowdown = (None if traced["compute_ms"] is None
+                        else traced["compute_ms"] - traced_compute["compute_ms"])
+            row["trace"] = {**traced, "compute_only_compute_ms": traced_compute["compute_ms"],
+                            "compute_slowdown_ms": slowdown}
         rows.append(row)
         record(row)
     return rows
@@ -259,6 +294,20 @@ def print_gpt(rows: list[dict]) -> None:
         hidden = f"{r['hidden_comm_fraction']:.2f}" if r["hidden_comm_fraction"] is not None else "-"
         print(f"{r['method']:<13} {r['step_s'] * 1e3:>8.2f} {r['compute_only_s'] * 1e3:>10.2f} "
               f"{r['comm_only_s'] * 1e3:>8.2f} {hidden:>7} {r['throughput_vs_one_device']:>8.2f}")
+    traced = [r for r in rows if r.get("trace")]
+    if traced:
+        print("\nfrom the profile (ms per step, mean over devices; slowdown = compute time next to the "
+              "reductions minus the compute-only step's):")
+        print(f"{'method':<13} {'collective':>10} {'concurrent':>10} {'exposed':>8} {'compute':>8} "
+              f"{'slowdown':>8} {'idle':>6}")
+        for r in traced:
+            t = r["trace"]
+            if t["compute_ms"] is None:
+                print(f"{r['method']:<13} (no GPU streams in the trace)")
+                continue
+            print(f"{r['method']:<13} {t['collective_ms']:>10.2f} {t['concurrent_ms']:>10.2f} "
+                  f"{t['exposed_ms']:>8.2f} {t['compute_ms']:>8.2f} {t['compute_slowdown_ms']:>8.2f} "
+                  f"{t['idle_ms']:>6.2f}")
 
 
 def _csv(kind):
@@ -285,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpt-methods", type=_csv(str), default=["psum", "ring"])
     p.add_argument("--gpt-grad-dtype", choices=("param", "compute"), default="param",
                    help="gradients in the params' dtype or the model's compute dtype")
+    p.add_argument("--gpt-trace", default=None, metavar="DIR",
+                   help="also profile each DP step into DIR/<method> and report the reduction time "
+                        "concurrent with compute, exposed, and the compute slowdown (GPU traces)")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--quick", action="store_true", help="tiny sizes and few calls (CPU smoke run)")
     p.add_argument("--json", default=None, help="write the raw figures here")
