@@ -207,6 +207,27 @@ def _forward_impl(a, b, bias, activation, out_dtype, backend, config):
     raise ValueError(f"{backend=} is not a concrete backend; expected one of {BACKENDS[1:]}")
 
 
+def _product_with_transpose(a, b, transposed: str, out_dtype, backend, config):
+    """`a.T @ b` (transposed="a") or `a @ b.T` (transposed="b") for the backward pass.
+
+    The Mosaic GPU kernel reads the transposed operand as stored (TMA tiles viewed
+    transposed by wgmma); the other backends multiply a transposed copy.
+    """
+    lhs, rhs = (a.T, b) if transposed == "a" else (a, b.T)
+    if backend == "mosaic_gpu":
+        (m, k), n = lhs.shape, rhs.shape[1]  # shapes only: XLA drops the unused transposes
+        cfg = config or resolve_config(backend, m, n, k, a.dtype)
+        # wgmma needs the two tiles' swizzles to match: a transposed tile is swizzled over
+        # its M/N extent (128 B), so the K tile must span 128 B as well.
+        if (cfg.block_k * jnp.dtype(a.dtype).itemsize == 128 and cfg.cluster == "none"
+                and not cfg.warpgroup_lowering):
+            from jaxopt_train.kernels.mosaic_gpu import mosaic_matmul
+
+            return mosaic_matmul(a, b, None, activation=None, out_dtype=out_dtype, config=cfg,
+                                 transpose_a=transposed == "a", transpose_b=transposed == "b")
+    return _forward_impl(lhs, rhs, None, None, out_dtype, backend, config)
+
+
 # ----------------------------------------------------------------------------- custom VJP
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _matmul_2d(a, b, bias, activation, out_dtype, backend, config):
@@ -229,8 +250,8 @@ def _matmul_2d_bwd(activation, out_dtype, backend, config, residuals, g):
         _, act_vjp = jax.vjp(ACTIVATION_FNS[activation], z)
         (dz,) = act_vjp(g.astype(jnp.float32))
     dz_compute = dz.astype(a.dtype)
-    da = _forward_impl(dz_compute, b.T, None, None, a.dtype, backend, config)
-    db = _forward_impl(a.T, dz_compute, None, None, b.dtype, backend, config)
+    da = _product_with_transpose(dz_compute, b, "b", a.dtype, backend, config)  # dz @ b.T
+    db = _product_with_transpose(a, dz_compute, "a", b.dtype, backend, config)  # a.T @ dz
     dbias = None if bias is None else jnp.sum(dz.astype(jnp.float32), axis=0).astype(bias.dtype)
     return da, db, dbias
 

@@ -95,24 +95,30 @@ def fit_stages(config: MatmulConfig, in_dtype, out_dtype, has_bias: bool) -> int
 
 def _matmul_kernel(a_gmem, b_gmem, bias_gmem, out_gmem, out_smem, bias_smem, bias_barrier, *,
                    config: MatmulConfig, activation: str | None, m_iters: int, n_iters: int,
-                   k_iters: int):
-    """Kernel body, run by 3 warpgroups ("wg") on every SM ("sm")."""
+                   k_iters: int, transpose_a: bool = False, transpose_b: bool = False):
+    """Kernel body, run by 3 warpgroups ("wg") on every SM ("sm").
+
+    `transpose_a`: a_gmem holds A^T (K, M); `transpose_b`: b_gmem holds B^T (N, K). The
+    TMA then loads (bk, rows) / (cols, bk) tiles as stored and wgmma reads them
+    transposed from shared memory, so the backward pass needs no transposed copies.
+    """
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    in_transforms = _swizzled(plgpu, bk, a_gmem.dtype)
     epi_m, epi_n = _epilogue_tile(config)
     split_m = config.wg_split == "m"
     cta_m, cta_n = cta_tile(config)
 
-    spec_kwargs = dict(transforms=in_transforms, memory_space=plgpu.SMEM)
+    spec_kwargs = dict(memory_space=plgpu.SMEM)
     if config.wgmma_in_flight:
         # A stage is still being read by the in-flight wgmma: release it one step late.
         spec_kwargs["delay_release"] = config.wgmma_in_flight
     # In a cluster the two CTAs share one operand tile: its TMA load is split
     # between them and multicast to both SMEMs.
-    a_kwargs, b_kwargs = dict(spec_kwargs), dict(spec_kwargs)
+    # Each tile is swizzled along its stored minor dim (bk, or the M/N extent when transposed).
+    a_kwargs = dict(spec_kwargs, transforms=_swizzled(plgpu, cta_m if transpose_a else bk, a_gmem.dtype))
+    b_kwargs = dict(spec_kwargs, transforms=_swizzled(plgpu, bk, b_gmem.dtype))
     if config.cluster == "n":
         a_kwargs["collective_axes"] = ("cluster",)
     elif config.cluster == "m":
@@ -124,8 +130,10 @@ def _matmul_kernel(a_gmem, b_gmem, bias_gmem, out_gmem, out_smem, bias_smem, bia
             grid=(k_iters,),
             memory_registers=_PRODUCER_REGISTERS,
             in_specs=[
-                plgpu.BlockSpec((cta_m, bk), lambda k: (0, k), **a_kwargs),
-                plgpu.BlockSpec((bk, cta_n), lambda k: (k, 0), **b_kwargs),
+                (plgpu.BlockSpec((bk, cta_m), lambda k: (k, 0), **a_kwargs) if transpose_a
+                 else plgpu.BlockSpec((cta_m, bk), lambda k: (0, k), **a_kwargs)),
+                (plgpu.BlockSpec((cta_n, bk), lambda k: (0, k), **b_kwargs) if transpose_b
+                 else plgpu.BlockSpec((bk, cta_n), lambda k: (k, 0), **b_kwargs)),
             ],
             wg_axis="wg",
             num_compute_wgs=_NUM_CONSUMERS,
@@ -186,15 +194,23 @@ def _matmul_kernel(a_gmem, b_gmem, bias_gmem, out_gmem, out_smem, bias_smem, bia
                     _store_epilogue(out, out_smem.at[wg], out_tile(), epi_m, epi_n)
 
             def mma_body(_, a_smem, b_smem, acc_ref):
-                if split_m:
-                    plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem)
+                # Slice this warpgroup's part as stored, then view it transposed.
+                if transpose_a:
+                    a_op = plgpu.transpose_ref(a_smem.at[:, wg_rows] if split_m else a_smem, (1, 0))
                 else:
-                    plgpu.wgmma(acc_ref, a_smem, b_smem.at[:, wg_cols])
+                    a_op = a_smem.at[wg_rows] if split_m else a_smem
+                if transpose_b:
+                    b_op = plgpu.transpose_ref(b_smem if split_m else b_smem.at[wg_cols], (1, 0))
+                else:
+                    b_op = b_smem if split_m else b_smem.at[:, wg_cols]
+                plgpu.wgmma(acc_ref, a_op, b_op)
                 plgpu.wgmma_wait(config.wgmma_in_flight)  # reading acc_ref waits for all
                 return acc_ref
 
             make_pipeline(mma_body, compute_context)(
-                a_gmem.at[cta_rows, :], b_gmem.at[:, cta_cols], allocations=pipeline_allocs)
+                a_gmem.at[:, cta_rows] if transpose_a else a_gmem.at[cta_rows, :],
+                b_gmem.at[cta_cols, :] if transpose_b else b_gmem.at[:, cta_cols],
+                allocations=pipeline_allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -252,19 +268,30 @@ def _compiler_params(plgpu, config: MatmulConfig, activation: str | None):
 
 
 def mosaic_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
-                  activation: str | None, out_dtype, config: MatmulConfig) -> jax.Array:
-    """act(a @ b + bias) on a Hopper GPU; a (M, K), b (K, N) bf16/fp16, any M, N, K."""
+                  activation: str | None, out_dtype, config: MatmulConfig,
+                  transpose_a: bool = False, transpose_b: bool = False) -> jax.Array:
+    """act(A @ B + bias) on a Hopper GPU, bf16/fp16, any M, N, K.
+
+    A is `a` (M, K), or `a.T` when `transpose_a` (then `a` is (K, M)); B is `b`
+    (K, N), or `b.T` when `transpose_b` (`b` is (N, K)). Transposed operands are
+    read as stored: no transposed copy is made.
+    """
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    (m, k), n = a.shape, b.shape[1]
+    m, k = a.shape[::-1] if transpose_a else a.shape
+    n = b.shape[0] if transpose_b else b.shape[1]
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     if bm % 64 or bn % 8 or bn > 256 or bk * jnp.dtype(a.dtype).itemsize % 32:
         raise ValueError(f"mosaic_gpu needs block_m % 64 == 0, block_n % 8 == 0 and <= 256, "
                          f"block_k * itemsize % 32 == 0; got {config}")
+    if (transpose_a or transpose_b) and (config.cluster != "none" or config.warpgroup_lowering):
+        raise ValueError(f"transposed operands need cluster='none' and warpgroup_lowering=False; got {config}")
     unit_m, unit_n = cluster_tile(config)
     mp, np_, kp = _round_up(m, unit_m), _round_up(n, unit_n), _round_up(k, bk)
-    a_p = a if (mp, kp) == a.shape else jnp.pad(a, ((0, mp - m), (0, kp - k)))
-    b_p = b if (kp, np_) == b.shape else jnp.pad(b, ((0, kp - k), (0, np_ - n)))
+    a_shape, a_pad = ((kp, mp), ((0, kp - k), (0, mp - m))) if transpose_a else ((mp, kp), ((0, mp - m), (0, kp - k)))
+    b_shape, b_pad = ((np_, kp), ((0, np_ - n), (0, kp - k))) if transpose_b else ((kp, np_), ((0, kp - k), (0, np_ - n)))
+    a_p = a if a.shape == a_shape else jnp.pad(a, a_pad)
+    b_p = b if b.shape == b_shape else jnp.pad(b, b_pad)
     epi_m, epi_n = _epilogue_tile(config)
     slots = min(2, (bm * bn) // (epi_m * epi_n))
     scratch = [
@@ -286,7 +313,8 @@ def mosaic_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
     if stages != config.num_stages:
         config = dataclasses.replace(config, num_stages=stages)
     body = functools.partial(_matmul_kernel, config=config, activation=activation,
-                             m_iters=m_iters, n_iters=n_iters, k_iters=k_iters)
+                             m_iters=m_iters, n_iters=n_iters, k_iters=k_iters,
+                             transpose_a=transpose_a, transpose_b=transpose_b)
     if bias is None:
         body = functools.partial(_without_bias, body)
     params = _compiler_params(plgpu, config, activation)
