@@ -196,11 +196,11 @@ def _matmul_kernel(a_gmem, b_gmem, bias_gmem, out_gmem, out_smem, bias_smem, bia
             def mma_body(_, a_smem, b_smem, acc_ref):
                 # Slice this warpgroup's part as stored, then view it transposed.
                 if transpose_a:
-                    a_op = plgpu.transpose_ref(a_smem.at[:, wg_rows] if split_m else a_smem, (1, 0))
+                    a_op = _transposed(plgpu, a_smem.at[:, wg_rows] if split_m else a_smem)
                 else:
                     a_op = a_smem.at[wg_rows] if split_m else a_smem
                 if transpose_b:
-                    b_op = plgpu.transpose_ref(b_smem if split_m else b_smem.at[wg_cols], (1, 0))
+                    b_op = _transposed(plgpu, b_smem if split_m else b_smem.at[wg_cols])
                 else:
                     b_op = b_smem if split_m else b_smem.at[:, wg_cols]
                 plgpu.wgmma(acc_ref, a_op, b_op)
@@ -213,6 +213,17 @@ def _matmul_kernel(a_gmem, b_gmem, bias_gmem, out_gmem, out_smem, bias_smem, bia
                 allocations=pipeline_allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _transposed(plgpu, ref):
+    """A (1, 0)-transposed view of an SMEM ref, for wgmma.
+
+    `plgpu.transpose_ref` is what was validated on the H200 (jax 0.11.2, where it is
+    deprecated in favour of `ref.transpose`); the method is used once it is gone.
+    """
+    if hasattr(plgpu, "transpose_ref"):
+        return plgpu.transpose_ref(ref, (1, 0))
+    return ref.transpose((1, 0))
 
 
 def _store_epilogue(out, slots, out_gmem, epi_m: int, epi_n: int):
