@@ -7,16 +7,7 @@
 #   bash tools/gpu_lanes.sh     # results in $OUT/lanes.tar.gz and $OUT/summary.txt
 set -u
 OUT=${OUT:-/tmp/lanes_out}; R=/tmp/lanes; mkdir -p "$R" "$OUT"
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-PY=${PY:-python3}
-t0=$(date +%s)
-step() {  # step NAME TIMEOUT CMD...
-  local name=$1 limit=$2; shift 2; local s=$(date +%s)
-  echo "=== [$name] start +$((s - t0))s" | tee -a "$R/steps.log"
-  timeout "$limit" "$@" > "$R/$name.log" 2>&1; local rc=$?
-  echo "=== [$name] rc=$rc in $(( $(date +%s) - s ))s" | tee -a "$R/steps.log"
-}
+source "$(dirname "$0")/gpu_common.sh"
 V=${VARIANT:-opt}
 probe() {  # probe TAG XLA_EXTRA
   OUT=$R step "gpt1b$1" ${T_P:-90} $PY tools/probe_gpt1b.py --variants $V --tag "$1" ${2:+--xla-extra=$2}

@@ -5,16 +5,7 @@
 # Each variant is its own process (XLA_FLAGS and NCCL settings are read once per process).
 set -u
 OUT=${OUT:-/tmp/p2p_out}; R=/tmp/p2p; mkdir -p "$R" "$OUT"
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-PY=${PY:-python3}
-t0=$(date +%s)
-step() {  # step NAME TIMEOUT CMD...
-  local name=$1 limit=$2; shift 2; local s=$(date +%s)
-  echo "=== [$name] start +$((s - t0))s" | tee -a "$R/steps.log"
-  timeout "$limit" "$@" > "$R/$name.log" 2>&1; local rc=$?
-  echo "=== [$name] rc=$rc in $(( $(date +%s) - s ))s" | tee -a "$R/steps.log"
-}
+source "$(dirname "$0")/gpu_common.sh"
 MEMCPY=--xla_gpu_use_memcpy_local_p2p=true
 COLL="-m jaxopt_train.bench.collectives --sizes ${SIZES:-1G,256M,16M} --dtypes f32 --chunks 1 \
   --iters 10 --bursts 3 --methods ring,ring_wire_bf16"

@@ -5,16 +5,7 @@
 #   then both GPUs: tools/probe_dp.py (data-parallel gpt-1b and ring variants)
 set -u
 OUT=${OUT:-/tmp/probe_out}; R=/tmp/probe; mkdir -p "$R" "$OUT"  # $OUT gets 2 files only
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-PY=${PY:-python3}
-t0=$(date +%s)
-step() {  # step NAME TIMEOUT CMD...
-  local name=$1 limit=$2; shift 2; local s=$(date +%s)
-  echo "=== [$name] start +$((s - t0))s" | tee -a "$R/steps.log"
-  timeout "$limit" "$@" > "$R/$name.log" 2>&1; local rc=$?
-  echo "=== [$name] rc=$rc in $(( $(date +%s) - s ))s" | tee -a "$R/steps.log"
-}
+source "$(dirname "$0")/gpu_common.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,power.limit --format=csv > "$R/nvidia-smi.txt" 2>&1
 lane_a() {
   export CUDA_VISIBLE_DEVICES=0 OUT=$R

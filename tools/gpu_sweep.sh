@@ -7,9 +7,8 @@
 # returns at most 8 files).
 set -u
 OUT=${OUT:-/tmp/sweep_out}; R=$OUT/sweep; mkdir -p "$R"
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false JAXOPT_TRAIN_CACHE_DIR=$R
-PY=${PY:-python3}
+export JAXOPT_TRAIN_CACHE_DIR=$R STEP_TAIL=40
+source "$(dirname "$0")/gpu_common.sh"
 if [ "${SWEEP_DRY:-0}" = 1 ]; then
   BIG=gpt-tiny; MID=gpt-tiny; VIS=cnn-small; Q=--quick; TQ="--model d_model=32 --model n_layers=1"
   BIGTRAIN="--preset gpt-tiny --steps 6 --batch-size 8"
@@ -17,14 +16,6 @@ else
   BIG=gpt-1b; MID=gpt-124m; VIS=resnet50; Q=; TQ=
   BIGTRAIN="--preset gpt-1b --steps ${TRAIN_STEPS:-40} --batch-size 8"
 fi
-t0=$(date +%s)
-step() {  # step NAME TIMEOUT CMD...: run, log, record rc and seconds
-  local name=$1 limit=$2; shift 2; local s=$(date +%s)
-  echo "=== [$name] start +$((s - t0))s: $*" | tee -a "$R/steps.log"
-  timeout "$limit" "$@" > "$R/$name.log" 2>&1; local rc=$?
-  echo "=== [$name] rc=$rc in $(( $(date +%s) - s ))s" | tee -a "$R/steps.log"
-  tail -n 40 "$R/$name.log"
-}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv > "$R/nvidia-smi.txt" 2>&1
 nvidia-smi topo -m >> "$R/nvidia-smi.txt" 2>&1
 $PY -c "import jax, flax, optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())" > "$R/versions.txt" 2>&1

@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import glob
-import gzip
 import json
 import os
 import sys
@@ -51,21 +49,15 @@ def _kind(name: str) -> str:
 
 
 def summarise_trace(logdir: str, steps: int) -> dict:
-    paths = glob.glob(os.path.join(logdir, "**", "*.trace.json.gz"), recursive=True)
-    paths += glob.glob(os.path.join(logdir, "**", "perfetto_trace.json.gz"), recursive=True)
-    if not paths:
-        return {"error": f"no trace json under {logdir}"}
-    with gzip.open(paths[0], "rt") as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    pnames = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-              if e.get("ph") == "M" and e.get("name") == "process_name"}
-    tnames = {(e["pid"], e["tid"]): e.get("args", {}).get("name", "") for e in events
-              if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    from jaxopt_train.runtime.overlap import read_trace
+
+    try:
+        trace = read_trace(logdir)
+    except FileNotFoundError as err:
+        return {"error": str(err)}
+    events, pnames, tnames = trace.events, trace.processes, trace.threads
     gpu_pids = {p for p, n in pnames.items() if "gpu" in n.lower() or "device" in n.lower()}
-    # A GPU process has one thread per CUDA stream (the kernels) plus "XLA Ops" /
-    # "XLA Modules" threads that span the same time again: count streams only.
-    streams = {key for key, n in tnames.items() if key[0] in gpu_pids and "stream" in n.lower()}
+    streams = trace.gpu_streams
     ops_threads = {key for key, n in tnames.items() if key[0] in gpu_pids and "xla ops" in n.lower()}
     by_name, by_kind, by_op = collections.Counter(), collections.Counter(), collections.Counter()
     first, last, samples = None, None, []
@@ -89,7 +81,7 @@ def summarise_trace(logdir: str, steps: int) -> dict:
         last = ts + dur if last is None else max(last, ts + dur)
     busy = sum(by_kind.values())
     return {
-        "trace": paths[0], "gpu_processes": [pnames[p] for p in gpu_pids], "steps": steps,
+        "trace": trace.path, "gpu_processes": [pnames[p] for p in gpu_pids], "steps": steps,
         "sample_args": samples,
         "threads": sorted({n for (p, _), n in tnames.items() if p in gpu_pids})[:30],
         "busy_ms_per_step": busy / 1e3 / steps,

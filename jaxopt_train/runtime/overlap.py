@@ -87,6 +87,36 @@ def find_trace_file(logdir: str) -> str:
     return max(paths, key=os.path.getmtime)
 
 
+@dataclasses.dataclass(frozen=True)
+class Trace:
+    """A `jax.profiler` trace: its events and the names of its processes and threads."""
+
+    path: str
+    events: list
+    processes: dict  # pid -> name ("/device:GPU:0", "/host:CPU")
+    threads: dict  # (pid, tid) -> name ("Stream #24(Compute)", "XLA Ops", ...)
+
+    @property
+    def gpu_streams(self) -> set:
+        """(pid, tid) of the GPU stream rows. A GPU process also has "XLA Ops"/"XLA Modules"
+        rows that repeat the same time: only the streams count kernel time once."""
+        gpus = {pid for pid, name in self.processes.items() if "gpu" in name.lower()}
+        return {key for key, name in self.threads.items() if key[0] in gpus and "stream" in name.lower()}
+
+
+def read_trace(logdir_or_file: str) -> Trace:
+    """Loads the newest trace under a `jax.profiler.trace` directory, or one trace file."""
+    path = logdir_or_file if os.path.isfile(logdir_or_file) else find_trace_file(logdir_or_file)
+    with gzip.open(path, "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    processes = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+                 if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e.get("args", {}).get("name", "") for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    return Trace(path, events, processes, threads)
+
+
 def is_collective_kernel(name: str) -> bool:
     """NCCL kernels and peer-to-peer copies (XLA's copy-engine collective-permute)."""
     return "nccl" in name.lower() or _PEER_COPY.search(name) is not None
@@ -104,20 +134,10 @@ def collective_overlap(logdir_or_file: str, *, steps: int = 1) -> list[DeviceOve
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int (training steps in the traced window); got {steps=}")
-    path = logdir_or_file if os.path.isfile(logdir_or_file) else find_trace_file(logdir_or_file)
-    with gzip.open(path, "rt") as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    processes = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-                 if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e["pid"], e["tid"]): e.get("args", {}).get("name", "") for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    gpus = {pid for pid, name in processes.items() if "gpu" in name.lower()}
-    # A GPU process has one thread per CUDA stream plus "XLA Ops"/"XLA Modules" rows
-    # that repeat the same time: count the streams only.
-    streams = {key for key, name in threads.items() if key[0] in gpus and "stream" in name.lower()}
+    trace = read_trace(logdir_or_file)
+    processes, streams = trace.processes, trace.gpu_streams
     kernels = collections.defaultdict(lambda: ([], [], collections.Counter()))
-    for e in events:
+    for e in trace.events:
         key = (e.get("pid"), e.get("tid"))
         if e.get("ph") != "X" or key not in streams:
             continue
