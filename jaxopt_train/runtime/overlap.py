@@ -15,7 +15,8 @@ profile separates them:
   instructions XLA placed between its ``*-start`` and ``*-done``: a collective with
   nothing scheduled in between cannot be hidden whatever the hardware does.
 
-Both work on CPU on saved files (a CPU trace has no GPU streams: `devices` is empty).
+Both work on CPU on saved files (a CPU-only trace has no GPU streams: `collective_overlap`
+returns an empty list).
 """
 
 from __future__ import annotations
