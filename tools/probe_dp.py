@@ -274,24 +274,6 @@ class Recorder:
         return self.deadline - time.time()
 
 
-def _timed(fn, x, *, warmup: int, bursts: int, calls: int) -> float:
-    """Median seconds per call over `bursts` bursts of back-to-back calls, one sync each."""
-    import jax  # noqa: PLC0415
-
-    out = None
-    for _ in range(warmup):
-        out = fn(x)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(bursts):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            out = fn(x)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / calls)
-    return sorted(times)[len(times) // 2]
-
-
 # ------------------------------------------------------------------ phase B: ring vs psum
 
 def swap_all_reduce(x, axis, *, wire=None, chunks: int = 1):
@@ -361,12 +343,14 @@ def phase_b(args, rec: Recorder) -> None:
     from jax.sharding import NamedSharding  # noqa: PLC0415
     from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
+    from jaxopt_train.bench.collectives import time_burst  # noqa: PLC0415
+
     devices = jax.devices()[:2]
     rec.data.update(device_kind=devices[0].device_kind, jax=jax.__version__, num_devices=2)
     rec.stage("started")
     mesh = jax.sharding.Mesh(np.asarray(devices), (AXIS,))
     sizes = [1 * MIB, 4 * MIB] if args.dry else [256 * MIB, 1024 * MIB]
-    timing = dict(warmup=2, bursts=3, calls=3) if args.dry else dict(warmup=3, bursts=5, calls=8)
+    timing = dict(warmup=2, bursts=3, iters=3) if args.dry else dict(warmup=3, bursts=5, iters=8)
     variants = b_variants()
     chosen = args.variants.split(",") if args.variants else list(variants)
     if args.child == "B" and args.variants:  # B-p2p: the large size only
@@ -397,7 +381,7 @@ def phase_b(args, rec: Recorder) -> None:
                                                  out_specs=P(AXIS), check_vma=False))(x)
                 row["max_err"] = float(jnp.max(jnp.abs(out - want)))
                 del out
-                sec = _timed(fn, x, **timing)
+                sec = time_burst(fn, (x,), **timing)
                 row.update(ms=sec * 1e3, bus_gbps=nbytes / sec / 1e9)  # 2(n-1)/n = 1 at n = 2
                 if name == "psum_f32":
                     base_s = sec

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
-import time
 
 SHAPES = [(8192, 2048, 6144), (8192, 2048, 2048), (8192, 2048, 8192), (8192, 8192, 2048),
           (8192, 2048, 50304)]
@@ -27,6 +25,7 @@ def main() -> int:
     import jax.numpy as jnp
     import numpy as np
 
+    from jaxopt_train.bench.collectives import time_burst
     from jaxopt_train.kernels.matmul import resolve_config
     from jaxopt_train.kernels.mosaic_gpu import mosaic_matmul
 
@@ -61,17 +60,7 @@ def main() -> int:
                 out = f(a, b, g)
                 err = max(float(np.max(np.abs(np.asarray(o, np.float32) - r)) / max(1.0, float(np.max(np.abs(r)))))
                           for o, r in zip(out, ref))
-                for _ in range(3):
-                    out = f(a, b, g)
-                jax.block_until_ready(out)
-                walls = []
-                for _ in range(5):
-                    t0 = time.perf_counter()
-                    for _ in range(10):
-                        out = f(a, b, g)
-                    jax.block_until_ready(out)
-                    walls.append((time.perf_counter() - t0) / 10)
-                sec = statistics.median(walls)
+                sec = time_burst(f, (a, b, g), warmup=3, iters=10, bursts=5)
                 row.update(ms=sec * 1e3, tflops=flops / sec / 1e12, max_rel_err=err)
             except Exception as e:  # noqa: BLE001 - report and go on
                 row["error"] = f"{type(e).__name__}: {str(e)[:400]}"

@@ -27,10 +27,9 @@ from jaxopt_train.train.checkpoint import (Checkpointer, RunDirError, check_same
                                            prepare_run_dir)
 from jaxopt_train.train.config import TrainConfig
 from jaxopt_train.train.metrics import MetricsLogger, peak_memory_bytes
-from jaxopt_train.train.optim import low_precision_state
-from jaxopt_train.train.state import default_optimizer, param_count
+from jaxopt_train.train.state import param_count
 from jaxopt_train.train.task import Task, build_task
-from jaxopt_train.train.trainer import Trainer
+from jaxopt_train.train.trainer import Trainer, build_optimizer
 
 
 class NonFiniteError(RuntimeError):
@@ -161,16 +160,13 @@ def train(config: TrainConfig, *, until_step: int | None = None, devices=None,
             _check_resume_shape(run_dir, cfg, ckpt)
         policy = get_policy(cfg.precision)
         task = build_task(cfg, policy)
-        # With ZeRO the step clips over the whole gradient, not the optimizer over a slice.
-        optimizer = default_optimizer(lr=cfg.lr, total_steps=cfg.steps, warmup=cfg.warmup,
-                                      weight_decay=cfg.weight_decay,
-                                      clip_norm=0.0 if cfg.zero else cfg.clip_norm)
-        optimizer = low_precision_state(optimizer, cfg.opt_state_dtype)
+        optimizer, zero_clip_norm = build_optimizer(
+            cfg.zero, cfg.opt_state_dtype, clip_norm=cfg.clip_norm, lr=cfg.lr,
+            total_steps=cfg.steps, warmup=cfg.warmup, weight_decay=cfg.weight_decay)
         trainer = Trainer.from_model_fns(
             task.fns, optimizer, policy, microbatches=cfg.microbatches, grad_sync=cfg.grad_sync,
             grad_compression=cfg.grad_compression, steps_per_dispatch=k, zero=cfg.zero,
-            grad_dtype=cfg.grad_dtype,
-            zero_clip_norm=cfg.clip_norm if cfg.zero else 0.0, devices=devices)
+            grad_dtype=cfg.grad_dtype, zero_clip_norm=zero_clip_norm, devices=devices)
         if cfg.resume:
             trainer.state, _ = ckpt.restore(trainer.state)
         _write_config(run_dir, cfg, task)

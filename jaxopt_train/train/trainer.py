@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxopt_train.accumulation import check_divisible
 from jaxopt_train.precision import Policy, get_policy, loss_scale_for
+from jaxopt_train.train import config as config_lib
 from jaxopt_train.train.config import GRAD_DTYPES
 from jaxopt_train.train.model import ModelFns, linen_model_fns, nnx_model_fns
 from jaxopt_train.train.optim import low_precision_state
@@ -44,8 +45,21 @@ from jaxopt_train.train.zero_step import (check_zero, gather_full_params, init_z
                                           make_chunked_layout, make_zero_step_body,
                                           opt_state_specs, zero_state_specs)
 
-GRAD_SYNCS = ("psum", "ring", "ring_bidir", "hierarchical")
-GRAD_COMPRESSIONS = (None, "none", "bf16", "int8")
+GRAD_SYNCS = config_lib.GRAD_SYNCS
+GRAD_COMPRESSIONS = (None, *config_lib.GRAD_COMPRESSIONS)
+
+
+def build_optimizer(zero: int, opt_state_dtype: str, *, clip_norm: float, **schedule):
+    """`default_optimizer(**schedule)` with `opt_state_dtype` moments, and where it clips.
+
+    At ZeRO stages 1 and 3 the optimizer sees one slice of the gradient, so it must
+    not clip by global norm: the step clips with the whole gradient's norm instead.
+
+    Returns:
+      (optimizer, zero_clip_norm): the latter is the step's clip (0.0 at zero=0).
+    """
+    optimizer = default_optimizer(clip_norm=0.0 if zero else clip_norm, **schedule)
+    return low_precision_state(optimizer, opt_state_dtype), (clip_norm if zero else 0.0)
 
 
 def check_grad_dtype(grad_dtype: str, zero: int, grad_compression: str | None) -> None:
@@ -110,14 +124,12 @@ class Trainer:
         else:
             fns = nnx_model_fns(model, loss_fn, policy)
         check_zero(zero, grad_sync, grad_compression)
-        zero_clip_norm = 0.0
         if optimizer is None:
-            # At stages 1 and 3 the step clips with the norm of the whole gradient.
-            zero_clip_norm = clip_norm if zero else 0.0
-            optimizer = default_optimizer(lr=lr, total_steps=total_steps, warmup=warmup,
-                                          weight_decay=weight_decay,
-                                          clip_norm=0.0 if zero else clip_norm)
-        optimizer = low_precision_state(optimizer, opt_state_dtype)
+            optimizer, zero_clip_norm = build_optimizer(
+                zero, opt_state_dtype, clip_norm=clip_norm, lr=lr, total_steps=total_steps,
+                warmup=warmup, weight_decay=weight_decay)
+        else:
+            optimizer, zero_clip_norm = low_precision_state(optimizer, opt_state_dtype), 0.0
         self._setup(fns, optimizer, policy, microbatches=microbatches, grad_sync=grad_sync,
                     grad_compression=grad_compression, steps_per_dispatch=steps_per_dispatch,
                     zero=zero, zero_clip_norm=zero_clip_norm, grad_dtype=grad_dtype,
