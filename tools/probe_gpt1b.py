@@ -35,7 +35,7 @@ VARIANTS = {
 
 def _kind(name: str) -> str:
     n = name.lower()
-    if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "wgmma", "cublas")):
+    if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "wgmma", "cublas", "matmul", "mosaic")):
         return "matmul"
     if any(s in n for s in ("cudnn", "flash", "fmha", "sdpa", "attn")):
         return "attention"
@@ -103,7 +103,7 @@ def run_variant(name, spec, args, out_dir):
                                     n_layers=args.layers)
     run = train_steps.RunConfig(name, policy=policy, attention=args.attention,
                                 accumulation="scan", donate=True, remat=remat,
-                                opt_state=state_dtype, grad_dtype=grad_dtype)
+                                opt_state=state_dtype, grad_dtype=grad_dtype, matmul=args.matmul)
     runner = train_steps.build_runner(workload, run, train_steps.data_mesh(jax.devices()[:1]))
     mem = fits(runner.compiled[0], budget=2**60)
     state, runner.state = runner.state, None
@@ -111,7 +111,7 @@ def run_variant(name, spec, args, out_dir):
     state, timing = _timing.time_bursts(runner.step, state, bursts=args.bursts,
                                         calls_per_burst=args.calls, steps_per_call=1)
     step_s = timing.step_s
-    row = {"variant": name, "policy": policy, "opt_state": state_dtype, "remat": remat,
+    row = {"variant": name, "matmul": args.matmul, "policy": policy, "opt_state": state_dtype, "remat": remat,
            "microbatches": micro, "step_ms": step_s * 1e3,
            "tflops": workload.flops_per_step / step_s / 1e12,
            "mfu": workload.flops_per_step / step_s / 1e12 / args.peak,
@@ -143,6 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--xla-preset", default="gpu-throughput", help="jaxopt_train.runtime preset")
     p.add_argument("--xla-extra", default=None, help="more XLA flags, '--name=value ...'")
     p.add_argument("--tag", default="", help="suffix of the JSON file name")
+    p.add_argument("--matmul", default="xla", help="dense-layer kernel: xla, pallas or triton")
     args = p.parse_args(argv)
     from jaxopt_train.runtime import xla_flags
 

@@ -63,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps-per-dispatch", type=int, help="optimizer steps per compiled call (k)")
     p.add_argument("--compare-dispatch", help="comma list of k, e.g. 1,16: rerun the optimised "
                    "config at each k and report host dispatch vs wall time per step")
+    p.add_argument("--compare-matmul", help="comma list of GPT dense-layer kernels (pallas, "
+                   "triton): rerun the optimised config with each and report it against XLA's dot")
     p.add_argument("--remat", choices=("auto",) + REMAT_ORDER, default="auto")
     p.add_argument("--memory-budget", help="per-device bytes for remat choice, e.g. 16GiB "
                    "(default: the allocator's limit where known, else no remat)")
@@ -102,6 +104,15 @@ def _parse(argv):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     args.compare = [int(k) for k in args.compare_dispatch.split(",")] if args.compare_dispatch else []
+    args.matmuls = [m.strip() for m in args.compare_matmul.split(",")] if args.compare_matmul else []
+    from jaxopt_train.train.config import MATMULS  # noqa: PLC0415
+
+    bad = [m for m in args.matmuls if m not in MATMULS or m == "xla"]
+    if bad:
+        raise SystemExit(f"--compare-matmul {args.compare_matmul!r}: expected a comma list of "
+                         f"{[m for m in MATMULS if m != 'xla']} (xla is the optimised row itself)")
+    if args.matmuls and not args.model.startswith("gpt"):
+        raise SystemExit(f"--compare-matmul applies to GPT models, not --model {args.model}")
     return args
 
 
@@ -351,6 +362,9 @@ def run_bench(args, xla_report) -> dict:
     if args.compare:
         result["dispatch"] = [bench.measure(dataclasses.replace(
             optimised, name=f"optimised k={k}", steps_per_dispatch=k)) for k in args.compare]
+    if args.matmuls:
+        result["matmul"] = [rows[1]] + [bench.measure(dataclasses.replace(
+            optimised, name=f"optimised, matmul={m}", matmul=m)) for m in args.matmuls]
     return result
 
 
@@ -390,6 +404,9 @@ def render(result) -> str:
     if "scaling" in result:
         lines += ["", "data parallel (weak scaling: same per-device batch):",
                   train_report.scaling_table(result["scaling"], unit)]
+    if "matmul" in result:
+        lines += ["", "dense-layer matmul (optimised config):",
+                  train_report.matmul_table(result["matmul"], result["unit"])]
     if "dispatch" in result:
         lines += ["", "steps_per_dispatch (optimised config):",
                   train_report.dispatch_table(result["dispatch"])]

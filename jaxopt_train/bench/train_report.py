@@ -106,6 +106,16 @@ def dispatch_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def matmul_table(rows: list[dict[str, Any]], unit: str) -> str:
+    """The optimised config with each dense-layer kernel; the first row is XLA's dot."""
+    lines = [f"| matmul | step ms | {unit}/s | MFU | compile s | step vs xla |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['config']['matmul']} | {r['step_ms']:.2f} | {r['throughput']:,.0f} | "
+                     f"{_fmt(r['mfu'], '.1f', 100, '%')} | {r['compile_s']:.1f} | "
+                     f"{r['step_ms'] / rows[0]['step_ms']:.3f}x |")
+    return "\n".join(lines)
+
+
 def save_plot(rows: list[dict[str, Any]], path: str, unit: str) -> None:
     """PNG: memory in use and throughput per traced step, one line per config."""
     import matplotlib  # noqa: PLC0415 - optional and slow to import

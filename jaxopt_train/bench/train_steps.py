@@ -43,7 +43,7 @@ from jaxopt_train.models import (GPT, GPT_PRESETS, VISION_PRESETS, classificatio
 from jaxopt_train.models.flops import gpt_flops_per_token
 from jaxopt_train.models.gpt import warn_if_cudnn_unavailable
 from jaxopt_train.precision import get_policy
-from jaxopt_train.train.config import GRAD_DTYPES
+from jaxopt_train.train.config import GRAD_DTYPES, MATMULS, matmul_dot_general
 from jaxopt_train.train.optim import low_precision_state, state_dtype
 
 AXIS = "data"
@@ -116,6 +116,7 @@ class RunConfig:
     steps_per_dispatch: int = 1
     opt_state: str = "f32"  # AdamW moments' storage dtype (jaxopt_train.train.optim)
     grad_dtype: str = "param"  # "compute": differentiate w.r.t. the compute-dtype params
+    matmul: str = "xla"  # GPT dense layers: "xla", or our "pallas" / "triton" kernel
 
     def __post_init__(self):
         if self.accumulation not in ACCUMULATIONS:
@@ -125,6 +126,8 @@ class RunConfig:
         state_dtype(self.opt_state)  # validates: "f32" or "bf16"
         if self.grad_dtype not in GRAD_DTYPES:
             raise ValueError(f"grad_dtype={self.grad_dtype!r}; legal values: {GRAD_DTYPES}")
+        if self.matmul not in MATMULS:
+            raise ValueError(f"matmul={self.matmul!r}; legal values: {MATMULS}")
         if self.grad_dtype == "compute" and self.accumulation == "host":
             raise ValueError("grad_dtype='compute' is implemented by the in-graph step: it needs "
                              "accumulation='scan', got accumulation='host'")
@@ -149,9 +152,16 @@ def data_mesh(devices) -> jax.sharding.Mesh:
 def build_model(workload: Workload, run: RunConfig, axis_name: str | None, seed: int = 0):
     policy = get_policy(run.policy)
     rngs = nnx.Rngs(seed)
+    if run.matmul != "xla" and not workload.is_gpt:
+        raise ValueError(f"matmul={run.matmul!r} applies to GPT models {GPT_PRESETS}, "
+                         f"not {workload.model!r}")
     if workload.is_gpt:
+        if run.matmul != "xla" and np.dtype(policy.compute_dtype) == np.float32:
+            raise ValueError(f"matmul={run.matmul!r} needs a bf16/fp16 compute dtype; policy "
+                             f"{run.policy!r} computes in float32")
         cfg = workload.gpt_config(dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
-                                  attention=_attention_for(run.attention, policy), remat=run.remat)
+                                  attention=_attention_for(run.attention, policy), remat=run.remat,
+                                  dot_general=None if run.matmul == "xla" else matmul_dot_general(run.matmul))
         return GPT(warn_if_cudnn_unavailable(cfg), rngs=rngs)
     return create_vision_model(workload.model, num_classes=workload.num_classes,
                                dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
