@@ -172,6 +172,40 @@ def test_layers_of_equal_shape_share_one_lowered_kernel():
         _assert_close(g, want, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("with_bias,activation", [(False, None), (True, "gelu")])
+def test_transpose_b_matches_reference_with_gradients(with_bias, activation):
+    # b stored (N, K), product a @ b.T: the tied LM head's layout.
+    a, b_kn, bias = _operands((2, 19), 33, 21, jnp.bfloat16, seed=6)
+    b = b_kn.T  # (N, K) = (21, 33)
+    bias = bias if with_bias else None
+    out = matmul(a, b, bias=bias, activation=activation, backend="interpret", transpose_b=True)
+    assert out.shape == (2, 19, 21)
+    _assert_close(out, matmul_reference(a, b.T, bias=bias, activation=activation), jnp.bfloat16)
+    ours = _loss(lambda a, b, bias: matmul(a, b, bias=bias, activation=activation, backend="interpret",
+                                           out_dtype=jnp.float32, transpose_b=True))
+    ref = _loss(lambda a, b, bias: matmul_reference(a, b.T, bias=bias, activation=activation,
+                                                    out_dtype=jnp.float32))
+    argnums = (0, 1, 2) if with_bias else (0, 1)
+    got = jax.jit(jax.grad(ours, argnums=argnums))(a, b, bias)
+    want = jax.grad(ref, argnums=argnums)(a, b, bias)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        _assert_close(g, w, jnp.bfloat16)
+
+
+def test_dot_general_routes_rhs_contracted_on_dim_1_to_the_kernel():
+    # x @ embedding.T written as a contraction on the embedding's dim 1 (no copy).
+    x = jax.random.normal(jax.random.key(0), (3, 5, 24), jnp.bfloat16)
+    table = jax.random.normal(jax.random.key(1), (40, 24), jnp.bfloat16)  # [vocab, d]
+    dims = (((2,), (1,)), ((), ()))
+    dot = make_dot_general("interpret")
+    text = jax.jit(lambda x, t: dot(x, t, dims)).lower(x, table).as_text()
+    assert "@_launch" in text  # went to the kernel, not to lax.dot_general
+    out = jax.jit(lambda x, t: dot(x, t, dims))(x, table)
+    _assert_close(out, lax.dot_general(x, table, dims, preferred_element_type=jnp.float32),
+                  jnp.bfloat16)
+
+
 def test_nnx_linear_with_kernel_dot_general():
     x = jax.random.normal(jax.random.key(0), (3, 5, 24), jnp.bfloat16)
     kwargs = dict(dtype=jnp.bfloat16, param_dtype=jnp.float32)
@@ -215,6 +249,9 @@ def test_dot_general_falls_back_for_unsupported_dimension_numbers():
     (lambda a, b: matmul(a, b.astype(jnp.float16)), TypeError, "share a dtype"),
     (lambda a, b: matmul(a.astype(jnp.int32), b.astype(jnp.int32)), TypeError, "not supported"),
     (lambda a, b: matmul(a, b[:7]), ValueError, "contracting dims differ"),
+    (lambda a, b: matmul(a, b, transpose_b=True), ValueError, r"b \(N, K\) with transpose_b=True"),
+    (lambda a, b: matmul(a, b.T, transpose_b=True, bias=jnp.ones((8,))), ValueError, r"\(N,\)=\(6,\)"),
+    (lambda a, b: matmul(a, b.T, transpose_b=1), TypeError, "transpose_b must be a bool"),
     (lambda a, b: matmul(a, b, backend="cuda"), ValueError, "expected one of"),
     (lambda a, b: matmul(a, b, backend="mosaic_gpu"), RuntimeError, "unavailable"),
     (lambda a, b: matmul(a, b, activation="tanh"), ValueError, "activation"),

@@ -202,3 +202,24 @@ def test_mosaic_backward_reads_transposes_without_copies():
     da, db = jax.jit(vjp)(a, b, g)
     _close(da, matmul_reference(g, b.T, out_dtype=jnp.float32), 2e-2)
     _close(db, matmul_reference(a.T, g, out_dtype=jnp.float32), 2e-2)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_mosaic_transpose_b_reads_the_table_as_stored(with_bias):
+    """a @ b.T with b (N, K) (a tied LM head): forward, dA, dB, no transpose op left."""
+    _backend_or_skip("mosaic_gpu")
+    a, b_kn, bias = _operands((512, 256, 384), jnp.bfloat16, seed=7)
+    b = b_kn.T  # (N, K) = (384, 256)
+    bias = bias if with_bias else None
+    g = jax.random.normal(jax.random.key(8), (512, 384), jnp.float32).astype(jnp.bfloat16)
+
+    def fwd_vjp(a, b, g):
+        out, pull = jax.vjp(lambda a, b: matmul(a, b, bias=bias, backend="mosaic_gpu", transpose_b=True), a, b)
+        return (out, *pull(g))
+
+    text = jax.jit(fwd_vjp).lower(a, b, g).compile().as_text()
+    assert " transpose(" not in text, [ln for ln in text.splitlines() if " transpose(" in ln][:3]
+    out, da, db = jax.jit(fwd_vjp)(a, b, g)
+    _close(out, matmul_reference(a, b.T, bias=bias, out_dtype=jnp.float32), 2e-2)
+    _close(da, matmul_reference(g, b, out_dtype=jnp.float32), 2e-2)
+    _close(db, matmul_reference(g.T, a, out_dtype=jnp.float32), 2e-2)

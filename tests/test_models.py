@@ -186,7 +186,7 @@ def test_dot_general_is_used_by_every_dense_layer(tie_embeddings, scan_layers):
     shapes = []
 
     def counting_dot_general(lhs, rhs, dimension_numbers, precision=None, **kwargs):
-        shapes.append(rhs.shape)
+        shapes.append((rhs.shape, tuple(dimension_numbers[0][1])))
         return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision, **kwargs)
 
     cfg = small_cfg(
@@ -195,10 +195,12 @@ def test_dot_general_is_used_by_every_dense_layer(tie_embeddings, scan_layers):
     model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
     nnx.eval_shape(lambda m, x: m(x), model, tokens_for(cfg))  # traces every layer once
     d, v = cfg.d_model, cfg.vocab_size
-    per_block = [(d, 3 * d), (d, d), (d, 4 * d), (4 * d, d)]
+    per_block = [((d, 3 * d), (0,)), ((d, d), (0,)), ((d, 4 * d), (0,)), ((4 * d, d), (0,))]
+    # A tied head contracts the [vocab, d] table on its dim 1 (no transposed copy).
+    head = ((v, d), (1,)) if tie_embeddings else ((d, v), (0,))
     # A scanned body is traced once for all layers.
     layers = 1 if scan_layers else cfg.n_layers
-    assert sorted(shapes) == sorted(per_block * layers + [(d, v)])
+    assert sorted(shapes) == sorted(per_block * layers + [head])
 
 
 @pytest.mark.parametrize("attention, implementation", [("auto", None), ("xla", "xla")])

@@ -4,7 +4,9 @@
 `linen.Dense(..., dot_general=...)`. Flax calls
 `dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=None,
 out_sharding=None[, preferred_element_type=...])`. That pattern, with both
-operands in bfloat16 or float16, goes to `matmul`; everything else (batch
+operands in bfloat16 or float16, goes to `matmul`, and so does a 2-D `rhs`
+contracted on its dim 1 (`x @ embedding.T`, a tied LM head: `matmul(...,
+transpose_b=True)`, which reads it without a transposed copy); everything else (batch
 dims, other contracting dims, float32 operands, an explicit precision or
 out_sharding) goes to `lax.dot_general` unchanged, so swapping it in never
 changes what a model computes outside the kernels' domain.
@@ -34,7 +36,7 @@ def _kernel_eligible(lhs, rhs, dimension_numbers, precision, preferred_element_t
                      out_sharding) -> bool:
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
     return (rhs.ndim == 2 and lhs.ndim >= 2
-            and tuple(lhs_contract) == (lhs.ndim - 1,) and tuple(rhs_contract) == (0,)
+            and tuple(lhs_contract) == (lhs.ndim - 1,) and tuple(rhs_contract) in ((0,), (1,))
             and not tuple(lhs_batch) and not tuple(rhs_batch)
             and jnp.dtype(lhs.dtype) in _KERNEL_DTYPES and lhs.dtype == rhs.dtype
             and precision in _DEFAULT_PRECISIONS and out_sharding is None
@@ -57,7 +59,8 @@ def make_dot_general(backend: str = "auto", config: MatmulConfig | dict | None =
         if state["resolved"] != "xla" and not kwargs and _kernel_eligible(
                 lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding):
             return matmul(lhs, rhs, out_dtype=preferred_element_type or lhs.dtype,
-                          backend=state["resolved"], config=config)
+                          backend=state["resolved"], config=config,
+                          transpose_b=tuple(dimension_numbers[0][1]) == (1,))
         extra = dict(kwargs)
         if out_sharding is not None:
             extra["out_sharding"] = out_sharding

@@ -36,18 +36,21 @@ OUTPUT_DTYPES = INPUT_DTYPES
 
 
 # ----------------------------------------------------------------------------- validation
-def _check_inputs(a, b, bias, activation, out_dtype):
+def _check_inputs(a, b, bias, activation, out_dtype, transpose_b=False):
     """Validates the public arguments; returns (compute_dtype, out_dtype)."""
     for name, x in (("a", a), ("b", b)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
     if a.ndim < 2:
         raise ValueError(f"a must have rank >= 2 (..., M, K); got {a.shape=}")
+    layout = "(N, K) with transpose_b=True" if transpose_b else "(K, N)"
     if b.ndim != 2:
-        raise ValueError(f"b must have rank 2 (K, N); got {b.shape=}")
-    if a.shape[-1] != b.shape[0]:
+        raise ValueError(f"b must have rank 2 {layout}; got {b.shape=}")
+    k_axis = 1 if transpose_b else 0
+    n = b.shape[1 - k_axis]
+    if a.shape[-1] != b.shape[k_axis]:
         raise ValueError(f"contracting dims differ: a.shape[-1]={a.shape[-1]} (K) but "
-                         f"b.shape[0]={b.shape[0]}; expected a (..., M, K) and b (K, N)")
+                         f"b.shape[{k_axis}]={b.shape[k_axis]}; expected a (..., M, K) and b {layout}")
     if 0 in a.shape or 0 in b.shape:
         raise ValueError(f"empty operands are not supported: {a.shape=}, {b.shape=}")
     if a.dtype != b.dtype:
@@ -56,8 +59,8 @@ def _check_inputs(a, b, bias, activation, out_dtype):
     if jnp.dtype(a.dtype) not in INPUT_DTYPES:
         raise TypeError(f"{a.dtype=} is not supported; expected one of bfloat16, float16, float32")
     if bias is not None:
-        if bias.shape != (b.shape[1],):
-            raise ValueError(f"bias must have shape (N,)=({b.shape[1]},); got {bias.shape=}")
+        if bias.shape != (n,):
+            raise ValueError(f"bias must have shape (N,)=({n},); got {bias.shape=}")
         if not jnp.issubdtype(bias.dtype, jnp.floating):
             raise TypeError(f"bias must be floating point; got {bias.dtype=}")
     if activation not in ACTIVATIONS:
@@ -227,8 +230,9 @@ def _launch(a, b, bias, *, activation, out_dtype, backend, config, transposed=No
     raise ValueError(f"{backend=} is not a concrete backend; expected one of {BACKENDS[1:]}")
 
 
-def _product_with_transpose(a, b, transposed: str, out_dtype, backend, config):
-    """`a.T @ b` (transposed="a") or `a @ b.T` (transposed="b") for the backward pass.
+def _product_with_transpose(a, b, transposed: str, out_dtype, backend, config, bias=None,
+                            activation=None):
+    """`act(a.T @ b + bias)` (transposed="a") or `act(a @ b.T + bias)` (transposed="b").
 
     The Mosaic GPU kernel reads the transposed operand as stored (TMA tiles viewed
     transposed by wgmma); the other backends multiply a transposed copy.
@@ -241,35 +245,46 @@ def _product_with_transpose(a, b, transposed: str, out_dtype, backend, config):
         # its M/N extent (128 B), so the K tile must span 128 B as well.
         if (cfg.block_k * jnp.dtype(a.dtype).itemsize == 128 and cfg.cluster == "none"
                 and not cfg.warpgroup_lowering):
-            return _launch(a, b, None, activation=None, out_dtype=jnp.dtype(out_dtype),
+            return _launch(a, b, bias, activation=activation, out_dtype=jnp.dtype(out_dtype),
                            backend=backend, config=cfg, transposed=transposed)
-    return _forward_impl(lhs, rhs, None, None, out_dtype, backend, config)
+    return _forward_impl(lhs, rhs, bias, activation, out_dtype, backend, config)
 
 
-# ----------------------------------------------------------------------------- custom VJP
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _matmul_2d(a, b, bias, activation, out_dtype, backend, config):
+def _forward(a, b, bias, activation, out_dtype, backend, config, transpose_b):
+    """`act(a @ B + bias)` with B = `b`, or `b.T` when `transpose_b` (b is (N, K))."""
+    if transpose_b:
+        return _product_with_transpose(a, b, "b", out_dtype, backend, config, bias, activation)
     return _forward_impl(a, b, bias, activation, out_dtype, backend, config)
 
 
-def _matmul_2d_fwd(a, b, bias, activation, out_dtype, backend, config):
-    out = _forward_impl(a, b, bias, activation, out_dtype, backend, config)
+# ----------------------------------------------------------------------------- custom VJP
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _matmul_2d(a, b, bias, activation, out_dtype, backend, config, transpose_b=False):
+    return _forward(a, b, bias, activation, out_dtype, backend, config, transpose_b)
+
+
+def _matmul_2d_fwd(a, b, bias, activation, out_dtype, backend, config, transpose_b=False):
+    out = _forward(a, b, bias, activation, out_dtype, backend, config, transpose_b)
     return out, (a, b, bias)
 
 
-def _matmul_2d_bwd(activation, out_dtype, backend, config, residuals, g):
+def _matmul_2d_bwd(activation, out_dtype, backend, config, transpose_b, residuals, g):
     a, b, bias = residuals
     if activation is None:
         dz = g
     else:
         # Recompute the pre-activation instead of storing it (an M x N f32
         # residual per layer would cost more memory than one extra matmul).
-        z = _forward_impl(a, b, bias, None, jnp.float32, backend, config)
+        z = _forward(a, b, bias, None, jnp.float32, backend, config, transpose_b)
         _, act_vjp = jax.vjp(ACTIVATION_FNS[activation], z)
         (dz,) = act_vjp(g.astype(jnp.float32))
     dz_compute = dz.astype(a.dtype)
-    da = _product_with_transpose(dz_compute, b, "b", a.dtype, backend, config)  # dz @ b.T
-    db = _product_with_transpose(a, dz_compute, "a", b.dtype, backend, config)  # a.T @ dz
+    if transpose_b:  # out = a @ b.T with b (N, K): dA = dz @ b, dB = dz.T @ a, both (.., K)
+        da = _forward_impl(dz_compute, b, None, None, a.dtype, backend, config)
+        db = _product_with_transpose(dz_compute, a, "a", b.dtype, backend, config)
+    else:
+        da = _product_with_transpose(dz_compute, b, "b", a.dtype, backend, config)  # dz @ b.T
+        db = _product_with_transpose(a, dz_compute, "a", b.dtype, backend, config)  # a.T @ dz
     dbias = None if bias is None else jnp.sum(dz.astype(jnp.float32), axis=0).astype(bias.dtype)
     return da, db, dbias
 
@@ -280,7 +295,7 @@ _matmul_2d.defvjp(_matmul_2d_fwd, _matmul_2d_bwd)
 # ----------------------------------------------------------------------------- public API
 def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
            activation: str | None = None, out_dtype=None, backend: str = "auto",
-           config: MatmulConfig | dict | None = None) -> jax.Array:
+           config: MatmulConfig | dict | None = None, transpose_b: bool = False) -> jax.Array:
     """Fused `activation(a @ b + bias)` with f32 accumulation, differentiable.
 
     Args:
@@ -292,6 +307,9 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
         backend: one of "auto", "mosaic_gpu", "triton", "pallas_tpu", "interpret", "xla".
         config: a `MatmulConfig` (or dict of its fields) overriding the autotuned
             or shipped tiling; used for the backward matmuls too.
+        transpose_b: `b` is (N, K) and the product is `a @ b.T` (a tied embedding
+            as the LM head). Mosaic GPU reads `b` as stored, forward and backward;
+            the other backends multiply a transposed copy.
 
     Returns:
         (..., M, N) array of `out_dtype`.
@@ -301,12 +319,14 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
         >>> matmul(a, b, backend="xla", out_dtype=jnp.float32)[0, 0].item()
         8.0
     """
-    compute, out_dtype = _check_inputs(a, b, bias, activation, out_dtype)
+    if not isinstance(transpose_b, bool):
+        raise TypeError(f"transpose_b must be a bool; got {transpose_b!r}")
+    compute, out_dtype = _check_inputs(a, b, bias, activation, out_dtype, transpose_b)
     config = as_config(config)
     backend = resolve_backend(backend)
-    batch_shape, k, n = a.shape[:-1], a.shape[-1], b.shape[1]
+    batch_shape, k, n = a.shape[:-1], a.shape[-1], b.shape[0 if transpose_b else 1]
     a2 = a.reshape(int(np.prod(batch_shape)), k).astype(compute)
-    out = _matmul_2d(a2, b.astype(compute), bias, activation, out_dtype, backend, config)
+    out = _matmul_2d(a2, b.astype(compute), bias, activation, out_dtype, backend, config, transpose_b)
     return out.reshape(*batch_shape, n)
 
 
