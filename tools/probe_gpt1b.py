@@ -111,7 +111,7 @@ def run_variant(name, spec, args, out_dir):
     state, timing = _timing.time_bursts(runner.step, state, bursts=args.bursts,
                                         calls_per_burst=args.calls, steps_per_call=1)
     step_s = timing.step_s
-    row = {"variant": name, "matmul": args.matmul, "policy": policy, "opt_state": state_dtype, "remat": remat,
+    row = {"variant": name, "matmul": args.matmul, "matmul_config": args.matmul_config, "policy": policy, "opt_state": state_dtype, "remat": remat,
            "microbatches": micro, "step_ms": step_s * 1e3,
            "tflops": workload.flops_per_step / step_s / 1e12,
            "mfu": workload.flops_per_step / step_s / 1e12 / args.peak,
@@ -132,6 +132,21 @@ def run_variant(name, spec, args, out_dir):
     return row
 
 
+def _force_matmul_config(fields: dict) -> None:
+    """Every kernel launch gets the shipped default with `fields` replaced (a probe-only
+    override: the library resolves a config per shape, from the autotune cache first)."""
+    import dataclasses as dc
+    import importlib
+
+    mm = importlib.import_module("jaxopt_train.kernels.matmul")
+    resolve = mm.resolve_config
+
+    def forced(backend, m, n, k, dtype):
+        return dc.replace(resolve(backend, m, n, k, dtype), **fields)
+
+    mm.resolve_config = forced
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -144,6 +159,9 @@ def main(argv=None) -> int:
     p.add_argument("--xla-extra", default=None, help="more XLA flags, '--name=value ...'")
     p.add_argument("--tag", default="", help="suffix of the JSON file name")
     p.add_argument("--matmul", default="xla", help="dense-layer kernel: xla, pallas or triton")
+    p.add_argument("--matmul-config", default=None,
+                   help="JSON of MatmulConfig fields over the device's shipped default, used for "
+                        "every kernel launch of the step (in-situ tiling comparison)")
     args = p.parse_args(argv)
     from jaxopt_train.runtime import xla_flags
 
@@ -158,6 +176,8 @@ def main(argv=None) -> int:
     else:
         args.model, args.batch, args.seq_len, args.layers = "gpt-1b", 8, None, None
         args.attention, args.warmup, args.bursts, args.calls, args.peak = "cudnn", 4, 3, 8, 989.0
+    if args.matmul_config:
+        _force_matmul_config(json.loads(args.matmul_config))
     out_dir = os.environ.get("OUT", "/tmp")
     os.makedirs(out_dir, exist_ok=True)
     rows, start = [], time.perf_counter()
