@@ -41,10 +41,10 @@ def test_gpt_step_reports_every_method_with_the_gradient_dtype(tmp_path, grad_dt
     rc = bench.main(["--quick", "--sizes", "4K", "--dtypes", "f32", "--chunks", "1", "--methods", "ring",
                      "--gpt", "--gpt-overrides", "n_layers=1,d_model=32,n_heads=2,dtype=bfloat16",
                      "--gpt-batch", "1", "--gpt-iters", "1", "--gpt-grad-dtype", grad_dtype,
-                     "--json", str(out)])
+                     "--gpt-embedding-exchange", "--json", str(out)])
     assert rc == 0
     rows = json.loads(out.read_text())["gpt_step"]
-    assert [r["method"] for r in rows] == ["psum", "ring"]
+    assert [r["method"] for r in rows] == ["psum", "ring", "psum+embx", "ring+embx"]
     for row in rows:
         assert row["grad_dtype"] == expected
         assert row["step_s"] > 0 and row["compute_only_s"] > 0 and row["comm_only_s"] > 0

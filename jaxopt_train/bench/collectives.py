@@ -237,6 +237,13 @@ def bench_gpt(args, record: Callable[[dict], None]) -> list[dict]:
             return p, lax.pmean(loss, "data")
         return body
 
+    def exchange_body(method):
+        def body(p, toks):
+            loss, g = exchange_gradients(graphdef, narrow(p), toks, method=method, bucket_mb=args.bucket_mb)
+            p = jax.tree.map(lambda w, d: w - jnp.asarray(1e-4, w.dtype) * d.astype(w.dtype), p, g)
+            return p, lax.pmean(loss, "data")
+        return body
+
     smap = lambda f, ins, outs: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=ins, out_specs=outs,  # noqa: E731
                                                       check_vma=False))
     timing = dict(warmup=args.warmup, iters=args.gpt_iters, bursts=args.bursts)
@@ -248,21 +255,25 @@ def bench_gpt(args, record: Callable[[dict], None]) -> list[dict]:
     one = time_burst(single, (jax.device_put(params, devices[0]), jax.device_put(tokens[:batch], devices[0])),
                      **timing)
     rows = []
-    for method in args.gpt_methods:
-        step_fn = smap(step_body(method), (P(), P("data")), (P(), P()))
+    runs = [(m, step_body(m)) for m in args.gpt_methods]
+    if args.gpt_embedding_exchange:
+        runs += [(m + "+embx", exchange_body(m)) for m in args.gpt_methods]
+    for name, body in runs:
+        method = name.removesuffix("+embx")
+        step_fn = smap(body, (P(), P("data")), (P(), P()))
         step = time_burst(step_fn, (replicated, sharded), **timing)
         comm = time_burst(smap(lambda g, m=method: all_reduce_tree(g, "data", method=m, bucket_mb=args.bucket_mb),
                                P(), P()), (narrow(replicated),), **timing)
         hidden = 1.0 - (step - compute_only) / comm if comm > 0 else None
         row = {"kind": "gpt_step", "config": args.gpt_config, "overrides": overrides,
                "grad_dtype": str(jnp.dtype(grad_dtype or cfg.param_dtype)),
-               "devices": n, "per_device_batch": batch, "seq_len": seq, "method": method,
+               "devices": n, "per_device_batch": batch, "seq_len": seq, "method": name,
                "step_s": step, "compute_only_s": compute_only, "comm_only_s": comm, "hidden_comm_fraction": hidden,
                "one_device_step_s": one, "throughput_vs_one_device": n * one / step}
         if args.gpt_trace:
             # From the profile: how much reduction time ran alongside compute, how much was
             # exposed, and how much slower the compute itself got next to the collectives.
-            traced = trace_overlap(step_fn, (replicated, sharded), os.path.join(args.gpt_trace, method),
+            traced = trace_overlap(step_fn, (replicated, sharded), os.path.join(args.gpt_trace, name),
                                    iters=args.gpt_iters)
             slowdown = (None if traced["compute_ms"] is None
                         else traced["compute_ms"] - traced_compute["compute_ms"])
@@ -271,6 +282,58 @@ def bench_gpt(args, record: Callable[[dict], None]) -> list[dict]:
         rows.append(row)
         record(row)
     return rows
+
+
+def exchange_gradients(graphdef, params, tokens, *, method: str, bucket_mb: float, axis_name="data"):
+    """Loss and summed-over-devices gradients of a GPT data-parallel step, with the
+    embedding lookup's gradient exchanged as rows (`embedding_grad_exchange`).
+
+    The lookup is taken out of the differentiated function: the table's gradient
+    from the tied head is then complete early in the backward (its all-reduce can
+    overlap the rest), and the lookup's part (token and position tables) follows
+    from the gathered cotangent of the embeddings. Equal to differentiating the
+    whole model and all-reducing every gradient, up to summation order.
+    Runs inside `shard_map` over `axis_name`; `tokens` is [B, T + 1] (inputs, targets).
+    """
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+    from jax import lax  # noqa: PLC0415
+
+    from jaxopt_train.collectives import all_reduce_tree, embedding_grad_exchange  # noqa: PLC0415
+    from jaxopt_train.models import gpt_loss  # noqa: PLC0415
+
+    model = nnx.merge(graphdef, params)
+    cfg, ids = model.config, tokens[:, :-1]
+
+    def loss_fn(q, x0):
+        return gpt_loss(nnx.merge(graphdef, q).logits_from_embeddings(x0), tokens[:, 1:])
+
+    loss, (grads, dx0) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, model.embed(ids))
+    grads = all_reduce_tree(grads, axis_name, method=method, bucket_mb=bucket_mb)
+    table = embedding_grad_exchange(ids, dx0, axis_name, cfg.vocab_size)
+    positions = lax.psum(jnp.sum(dx0.astype(jnp.float32), axis=0), axis_name)
+    grads = _add_to_leaf(grads, "wte", table)
+    grads = _add_to_leaf(grads, "wpe", jnp.pad(positions, ((0, cfg.seq_len - positions.shape[0]), (0, 0))))
+    return loss, grads
+
+
+def _add_to_leaf(tree, module: str, value):
+    """Adds `value` to the one leaf whose path starts at attribute `module` (e.g. "wte")."""
+    import jax  # noqa: PLC0415
+
+    hits = []
+
+    def add(path, leaf):
+        if path and getattr(path[0], "key", getattr(path[0], "name", None)) == module:
+            hits.append(path)
+            return leaf + value.astype(leaf.dtype)
+        return leaf
+
+    out = jax.tree_util.tree_map_with_path(add, tree)
+    if len(hits) != 1:
+        raise ValueError(f"expected one gradient leaf under {module!r}; found {len(hits)}")
+    return out
 
 
 def step_body_single(grads_of):
@@ -334,6 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpt-methods", type=_csv(str), default=["psum", "ring"])
     p.add_argument("--gpt-grad-dtype", choices=("param", "compute"), default="param",
                    help="gradients in the params' dtype or the model's compute dtype")
+    p.add_argument("--gpt-embedding-exchange", action="store_true",
+                   help="also time each method with the embedding lookup's gradient exchanged as "
+                        "gathered rows (collectives.embedding_grad_exchange) instead of a dense table")
     p.add_argument("--gpt-trace", default=None, metavar="DIR",
                    help="also profile each DP step into DIR/<method> and report the reduction time "
                         "concurrent with compute, exposed, and the compute slowdown (GPU traces)")

@@ -9,6 +9,7 @@ from jaxopt_train.collectives.buckets import plan_buckets as plan_buckets
 from jaxopt_train.collectives.compression import CODECS as CODECS
 from jaxopt_train.collectives.compression import ErrorFeedbackState as ErrorFeedbackState
 from jaxopt_train.collectives.compression import init_error_feedback as init_error_feedback
+from jaxopt_train.collectives.embedding import embedding_grad_exchange as embedding_grad_exchange
 from jaxopt_train.collectives.hierarchical import grouped_all_reduce as grouped_all_reduce
 from jaxopt_train.collectives.hierarchical import hierarchical_all_reduce as hierarchical_all_reduce
 from jaxopt_train.collectives.ring import ring_all_gather as ring_all_gather

@@ -343,8 +343,20 @@ class GPT(nnx.Module):
             raise ValueError(
                 f"sequence length {tokens.shape[1]} exceeds config seq_len={cfg.seq_len}"
             )
+        return self.logits_from_embeddings(self.embed(tokens))
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """Token plus position embeddings [B, T, d_model]: the input of the first block.
+
+        `model(tokens) == model.logits_from_embeddings(model.embed(tokens))`; the split
+        lets a data-parallel step differentiate w.r.t. these activations and exchange the
+        lookup's gradient as rows (`collectives.embedding_grad_exchange`)."""
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
-        x = self.wte(tokens) + self.wpe(positions)[None]
+        return self.wte(tokens) + self.wpe(positions)[None]
+
+    def logits_from_embeddings(self, x: jax.Array) -> jax.Array:
+        """The blocks, final LayerNorm and head applied to embeddings [B, T, d_model]."""
+        cfg = self.config
         x = self._run_blocks(x)
         x = self.ln_f(x).astype(cfg.dtype)
         if cfg.tie_embeddings:

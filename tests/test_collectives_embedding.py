@@ -1,0 +1,96 @@
+"""`collectives.embedding_grad_exchange` and the GPT step built on it, on 8 emulated devices."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxopt_train.bench import collectives as bench
+from jaxopt_train.collectives import all_reduce_tree, embedding_grad_exchange
+from jaxopt_train.models import GPT, get_gpt_config, gpt_loss
+
+
+def _mesh(n=8):
+    return jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _smap(fn, mesh, in_specs, out_specs):
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_exchange_equals_psum_of_local_lookup_gradients(dtype):
+    mesh, vocab, d = _mesh(), 37, 6
+    # Few distinct ids, so rows repeat within and across devices.
+    ids = jax.random.randint(jax.random.key(0), (8 * 3, 5), 0, 9, jnp.int32)
+    cot = jax.random.normal(jax.random.key(1), (8 * 3, 5, d), jnp.float32).astype(dtype)
+
+    def body(ids, cot):
+        local = jnp.zeros((vocab, d), jnp.float32).at[ids.reshape(-1)].add(cot.reshape(-1, d).astype(jnp.float32))
+        return embedding_grad_exchange(ids, cot, "data", vocab, out_dtype=jnp.float32), lax.psum(local, "data")
+
+    got, want = _smap(body, mesh, (P("data"), P("data")), (P(), P()))(
+        jax.device_put(ids, NamedSharding(mesh, P("data"))), jax.device_put(cot, NamedSharding(mesh, P("data"))))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    assert np.count_nonzero(np.abs(np.asarray(got)).sum(1)) == len(np.unique(np.asarray(ids)))
+    # And against the autodiff gradient of the lookup itself, summed over devices.
+    table = jnp.zeros((vocab, d), jnp.float32)
+    full = jax.grad(lambda t: jnp.sum(t[ids] * cot.astype(jnp.float32)))(table)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(full), rtol=1e-5, atol=1e-5)
+
+
+def test_exchange_default_dtype_is_the_cotangent_dtype():
+    mesh = _mesh(2)
+    f = _smap(lambda i, c: embedding_grad_exchange(i, c, "data", 4), mesh, (P("data"), P("data")), P())
+    out = f(jnp.zeros((2, 3), jnp.int32), jnp.ones((2, 3, 5), jnp.bfloat16))
+    assert out.dtype == jnp.bfloat16 and out.shape == (4, 5) and float(out[0, 0]) == 6.0
+
+
+@pytest.mark.parametrize("args,error,match", [
+    ((jnp.zeros((2, 3), jnp.float32), jnp.zeros((2, 3, 4)), 5), TypeError, "ids must be integers"),
+    ((jnp.zeros((2, 3), jnp.int32), jnp.zeros((2, 4, 4)), 5), ValueError, "ids.shape"),
+    ((jnp.zeros((2, 3), jnp.int32), jnp.zeros((2, 3, 4)), 0), ValueError, "positive int"),
+])
+def test_exchange_bad_input(args, error, match):
+    mesh = _mesh(2)
+    with pytest.raises(error, match=match):
+        _smap(lambda i, c: embedding_grad_exchange(i, c, "data", args[2]), mesh, (P(), P()), P())(*args[:2])
+
+
+def test_exchange_outside_a_mapped_axis_says_how_to_bind_it():
+    with pytest.raises(ValueError, match="not a mapped axis"):
+        embedding_grad_exchange(jnp.zeros((2,), jnp.int32), jnp.zeros((2, 3)), "data", 4)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_gpt_step_with_exchange_matches_plain_all_reduce(tie):
+    # The bench's --gpt-embedding-exchange step: same loss and gradients as
+    # differentiating the whole model and all-reducing every gradient.
+    cfg = get_gpt_config("gpt-tiny", n_layers=1, d_model=32, n_heads=2, seq_len=16, tie_embeddings=tie)
+    graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    mesh = _mesh()
+    tokens = jax.random.randint(jax.random.key(2), (8 * 2, cfg.seq_len + 1), 0, cfg.vocab_size, jnp.int32)
+
+    def plain(p, toks):
+        loss, g = jax.value_and_grad(
+            lambda q: gpt_loss(nnx.merge(graphdef, q)(toks[:, :-1]), toks[:, 1:]))(p)
+        return lax.pmean(loss, "data"), all_reduce_tree(g, "data", method="psum")
+
+    def exchanged(p, toks):
+        loss, g = bench.exchange_gradients(graphdef, p, toks, method="ring", bucket_mb=0.01)
+        return lax.pmean(loss, "data"), g
+
+    args = (jax.device_put(params, NamedSharding(mesh, P())), jax.device_put(tokens, NamedSharding(mesh, P("data"))))
+    want_loss, want = _smap(plain, mesh, (P(), P("data")), (P(), P()))(*args)
+    got_loss, got = _smap(exchanged, mesh, (P(), P("data")), (P(), P()))(*args)
+    assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-6)
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6,
+                                   err_msg=jax.tree_util.keystr(path))
+    assert float(jnp.abs(got["wte"]["embedding"][...]).sum()) > 0
