@@ -13,7 +13,10 @@ locally: the result is the summed gradient on every device, equal to
 then splits the table's gradient in two (see `bench.collectives --gpt
 --gpt-embedding-exchange`): the head's part is finished at the start of the
 backward and its all-reduce overlaps the rest; only the small gather is left at
-the end.
+the end. On 2 H200s over NVLink that cut the step's exposed reduction from 0.26 to
+0.19 ms (gpt-124m, 2 layers), but the gather and scatter-add cost more compute
+than that, so the step was 0.5-1% slower (BENCHMARKS.md): this is for links
+that are slow relative to HBM (PCIe), not NVLink.
 """
 
 from __future__ import annotations
