@@ -188,14 +188,15 @@ def test_mosaic_transposed_operands_read_as_stored(transposed, shape, wg_split):
     _close(got, want, 1e-4)
 
 
-def test_mosaic_backward_reads_transposes_without_copies():
+@pytest.mark.parametrize("backend", ["mosaic_gpu", "triton"])
+def test_backward_reads_transposes_without_copies(backend):
     """The VJP's dA/dB go through the transposed kernel: no transpose op in the HLO."""
-    _backend_or_skip("mosaic_gpu")
+    _backend_or_skip(backend)
     a, b, _ = _operands((512, 256, 384), jnp.bfloat16, seed=4)
     g = jax.random.normal(jax.random.key(5), (512, 384), jnp.float32).astype(jnp.bfloat16)
 
     def vjp(a, b, g):
-        return jax.vjp(lambda a, b: matmul(a, b, backend="mosaic_gpu"), a, b)[1](g)
+        return jax.vjp(lambda a, b: matmul(a, b, backend=backend), a, b)[1](g)
 
     text = jax.jit(vjp).lower(a, b, g).compile().as_text()
     assert " transpose(" not in text, [ln for ln in text.splitlines() if " transpose(" in ln][:3]
@@ -204,17 +205,18 @@ def test_mosaic_backward_reads_transposes_without_copies():
     _close(db, matmul_reference(a.T, g, out_dtype=jnp.float32), 2e-2)
 
 
+@pytest.mark.parametrize("backend", ["mosaic_gpu", "triton"])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_mosaic_transpose_b_reads_the_table_as_stored(with_bias):
+def test_transpose_b_reads_the_table_as_stored(backend, with_bias):
     """a @ b.T with b (N, K) (a tied LM head): forward, dA, dB, no transpose op left."""
-    _backend_or_skip("mosaic_gpu")
+    _backend_or_skip(backend)
     a, b_kn, bias = _operands((512, 256, 384), jnp.bfloat16, seed=7)
     b = b_kn.T  # (N, K) = (384, 256)
     bias = bias if with_bias else None
     g = jax.random.normal(jax.random.key(8), (512, 384), jnp.float32).astype(jnp.bfloat16)
 
     def fwd_vjp(a, b, g):
-        out, pull = jax.vjp(lambda a, b: matmul(a, b, bias=bias, backend="mosaic_gpu", transpose_b=True), a, b)
+        out, pull = jax.vjp(lambda a, b: matmul(a, b, bias=bias, backend=backend, transpose_b=True), a, b)
         return (out, *pull(g))
 
     text = jax.jit(fwd_vjp).lower(a, b, g).compile().as_text()
@@ -223,3 +225,26 @@ def test_mosaic_transpose_b_reads_the_table_as_stored(with_bias):
     _close(out, matmul_reference(a, b.T, bias=bias, out_dtype=jnp.float32), 2e-2)
     _close(da, matmul_reference(g, b, out_dtype=jnp.float32), 2e-2)
     _close(db, matmul_reference(g.T, a, out_dtype=jnp.float32), 2e-2)
+
+
+@pytest.mark.parametrize("transposed", ["a", "b"])
+@pytest.mark.parametrize("shape", [(256, 256, 128), (127, 129, 65), (1000, 777, 513)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_triton_transposed_operands_read_as_stored(transposed, shape):
+    """A.T @ B and A @ B.T through the operands' strides (masked, odd shapes included)."""
+    _backend_or_skip("triton")
+    from jaxopt_train.kernels.triton_kernel import triton_matmul
+
+    m, k, n = shape
+    config = MatmulConfig(block_m=64, block_n=64, block_k=32, num_stages=3, num_warps=4)
+    ka, kb = jax.random.split(jax.random.key(9))
+    a_shape, b_shape = ((k, m), (k, n)) if transposed == "a" else ((m, k), (n, k))
+    a = jax.random.normal(ka, a_shape, jnp.float32).astype(jnp.bfloat16)
+    b = jax.random.normal(kb, b_shape, jnp.float32).astype(jnp.bfloat16)
+    want = matmul_reference(a.T, b, out_dtype=jnp.float32) if transposed == "a" else \
+        matmul_reference(a, b.T, out_dtype=jnp.float32)
+    got = jax.jit(lambda a, b: triton_matmul(a, b, None, activation=None, out_dtype=jnp.float32, config=config,
+                                             transpose_a=transposed == "a",
+                                             transpose_b=transposed == "b"))(a, b)
+    assert got.shape == (m, n)
+    _close(got, want, 1e-4)

@@ -15,9 +15,13 @@ GELU_SCALE = tl.constexpr(1.5957691216057308)  # 2 * sqrt(2 / pi): gelu_tanh(x) 
 def matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr,
                   M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
-    """C[M, N] = act(A[M, K] @ B[K, N] + bias[N]); row-major, f32 accumulation.
+                  GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                  STRIDE_AM: tl.constexpr, STRIDE_AK: tl.constexpr,
+                  STRIDE_BK: tl.constexpr, STRIDE_BN: tl.constexpr):
+    """C[M, N] = act(A[M, K] @ B[K, N] + bias[N]); f32 accumulation, C row-major.
 
+    A and B are read through their element strides, so a transposed operand is
+    read as stored: A stored (K, M) has strides (1, M), B stored (N, K) (1, K).
     ACTIVATION: 0 none, 1 gelu (tanh approximation), 2 relu, 3 silu.
     """
     pid = tl.program_id(0)
@@ -45,8 +49,8 @@ def matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr,
     else:
         cols_in = cols % N
     depth = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows_in[:, None] * K + depth[None, :]
-    b_ptrs = b_ptr + depth[:, None] * N + cols_in[None, :]
+    a_ptrs = a_ptr + rows_in[:, None] * STRIDE_AM + depth[None, :] * STRIDE_AK
+    b_ptrs = b_ptr + depth[:, None] * STRIDE_BK + cols_in[None, :] * STRIDE_BN
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(0, tl.cdiv(K, BLOCK_K)):
@@ -58,8 +62,8 @@ def matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr,
             a = tl.load(a_ptrs, mask=depth[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=depth[:, None] < k_left, other=0.0)
         acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * N
+        a_ptrs += BLOCK_K * STRIDE_AK
+        b_ptrs += BLOCK_K * STRIDE_BK
 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols_in)[None, :]

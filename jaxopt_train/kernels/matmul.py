@@ -207,14 +207,19 @@ def _forward_impl(a, b, bias, activation, out_dtype, backend, config):
                                              "transposed"))
 def _launch(a, b, bias, *, activation, out_dtype, backend, config, transposed=None):
     """`act(A @ B + bias)` by `backend`'s kernel. A is `a`, B is `b`, except that with
-    `transposed` "a" / "b" (Mosaic GPU only) A is `a.T` / B is `b.T`, read as stored."""
+    `transposed` "a" / "b" (Mosaic GPU and Triton) A is `a.T` / B is `b.T`, read as stored."""
     if transposed is not None:
-        if backend != "mosaic_gpu":
-            raise ValueError(f"transposed operands are read as stored only by mosaic_gpu; got {backend=}")
-        from jaxopt_train.kernels.mosaic_gpu import mosaic_matmul
+        flags = dict(transpose_a=transposed == "a", transpose_b=transposed == "b")
+        if backend == "mosaic_gpu":
+            from jaxopt_train.kernels.mosaic_gpu import mosaic_matmul
 
-        return mosaic_matmul(a, b, bias, activation=activation, out_dtype=out_dtype, config=config,
-                             transpose_a=transposed == "a", transpose_b=transposed == "b")
+            return mosaic_matmul(a, b, bias, activation=activation, out_dtype=out_dtype, config=config, **flags)
+        if backend == "triton":
+            from jaxopt_train.kernels.triton_kernel import triton_matmul
+
+            return triton_matmul(a, b, bias, activation=activation, out_dtype=out_dtype, config=config, **flags)
+        raise ValueError(f"transposed operands are read as stored only by mosaic_gpu and triton; "
+                         f"got {backend=}")
     if backend == "interpret":
         return _blocked(a, b, bias, activation, out_dtype, config, interpret=True)
     if backend == "pallas_tpu":
@@ -235,9 +240,14 @@ def _product_with_transpose(a, b, transposed: str, out_dtype, backend, config, b
     """`act(a.T @ b + bias)` (transposed="a") or `act(a @ b.T + bias)` (transposed="b").
 
     The Mosaic GPU kernel reads the transposed operand as stored (TMA tiles viewed
-    transposed by wgmma); the other backends multiply a transposed copy.
+    transposed by wgmma), and so does Triton (through the operand's strides); the
+    other backends multiply a transposed copy.
     """
     lhs, rhs = (a.T, b) if transposed == "a" else (a, b.T)
+    if backend == "triton":
+        (m, k), n = lhs.shape, rhs.shape[1]  # shapes only: XLA drops the unused transposes
+        return _launch(a, b, bias, activation=activation, out_dtype=jnp.dtype(out_dtype), backend=backend,
+                       config=config or resolve_config(backend, m, n, k, a.dtype), transposed=transposed)
     if backend == "mosaic_gpu":
         (m, k), n = lhs.shape, rhs.shape[1]  # shapes only: XLA drops the unused transposes
         cfg = config or resolve_config(backend, m, n, k, a.dtype)
@@ -308,7 +318,7 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
         config: a `MatmulConfig` (or dict of its fields) overriding the autotuned
             or shipped tiling; used for the backward matmuls too.
         transpose_b: `b` is (N, K) and the product is `a @ b.T` (a tied embedding
-            as the LM head). Mosaic GPU reads `b` as stored, forward and backward;
+            as the LM head). Mosaic GPU and Triton read `b` as stored, forward and backward;
             the other backends multiply a transposed copy.
 
     Returns:

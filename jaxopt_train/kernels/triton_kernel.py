@@ -16,13 +16,20 @@ _ACTIVATION_CODES = {None: 0, "gelu": 1, "relu": 2, "silu": 3}
 
 
 def triton_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
-                  activation: str | None, out_dtype, config: MatmulConfig) -> jax.Array:
-    """act(a @ b + bias) for 2-D a (M, K), b (K, N) in bf16/fp16 on a CUDA GPU."""
+                  activation: str | None, out_dtype, config: MatmulConfig,
+                  transpose_a: bool = False, transpose_b: bool = False) -> jax.Array:
+    """act(A @ B + bias) in bf16/fp16 on a CUDA GPU.
+
+    A is `a` (M, K), or `a.T` when `transpose_a` (`a` is (K, M)); B is `b` (K, N),
+    or `b.T` when `transpose_b` (`b` is (N, K)). A transposed operand is read as
+    stored through its strides: no transposed copy.
+    """
     import jax_triton  # lazy: CPU-only jax raises ImportError here
 
     from jaxopt_train.kernels import _triton_src
 
-    (m, k), n = a.shape, b.shape[1]
+    m, k = a.shape[::-1] if transpose_a else a.shape
+    n = b.shape[0] if transpose_b else b.shape[1]
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     if bk < 16:
         raise ValueError(f"triton tl.dot needs block_k >= 16; got {config}")
@@ -39,6 +46,8 @@ def triton_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
         name="jaxopt_triton_matmul",
         M=m, N=n, K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
         HAS_BIAS=bias is not None, ACTIVATION=_ACTIVATION_CODES[activation],
+        STRIDE_AM=1 if transpose_a else k, STRIDE_AK=m if transpose_a else 1,
+        STRIDE_BK=1 if transpose_b else n, STRIDE_BN=k if transpose_b else 1,
     )
 
 
