@@ -21,3 +21,16 @@ step() {
   if [ "${STEP_TAIL:-0}" -gt 0 ]; then tail -n "$STEP_TAIL" "$R/$name.log"; fi
   return 0
 }
+# The trainer's and the bench's gpt-1b steps as BENCHMARKS.md measures them.
+GPT1B_TRAIN="-m jaxopt_train.train.cli --preset gpt-1b --steps ${TRAIN_STEPS:-40} --batch-size 8 --precision bf16 \
+  --warmup 10 --lr 3e-4 --log-every 10 --eval-every 0 --checkpoint-every 0 --progress lines --overwrite \
+  --grad-dtype compute --opt-state-dtype bf16"
+GPT1B_BENCH="-m jaxopt_train.bench.train --model gpt-1b --global-batch 8 --microbatches 1 --steps 30 \
+  --warmup 5 --bursts 3 --trace-steps 5 --steps-per-dispatch 1"
+finish() {  # finish ARCHIVE [TAIL [TAR_OPTION...]]: total time; $OUT/summary.txt holds the last TAIL
+            # lines of each log; $R is packed into $OUT/ARCHIVE.tar.gz (the tool returns <= 8 files)
+  local archive=$1 tail_n=${2:-30}; shift $(( $# < 2 ? $# : 2 ))
+  echo "total $(( $(date +%s) - t0 ))s" | tee -a "$R/steps.log"
+  local f; for f in "$R"/*.log; do echo "----- $f"; tail -n "$tail_n" "$f"; done > "$OUT/summary.txt"
+  tar czf "$OUT/$archive.tar.gz" "$@" -C "$(dirname "$R")" "$(basename "$R")"
+}

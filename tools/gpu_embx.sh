@@ -13,7 +13,5 @@ step small ${T_S:-150} $PY $COLL --gpt-config gpt-124m --gpt-overrides n_layers=
   --gpt-batch 8 --gpt-methods psum,ring --gpt-iters 10 --gpt-trace "$R/tr_small" --json "$R/small.json"
 step big ${T_B:-240} $PY $COLL --gpt-config gpt-1b --gpt-overrides dtype=bfloat16,attention=cudnn \
   --gpt-batch 8 --gpt-methods psum --gpt-iters 5 --json "$R/big.json"
-echo "total $(( $(date +%s) - t0 ))s" | tee -a "$R/steps.log"
 rm -rf "$R"/tr_small
-for f in "$R"/*.log; do echo "----- $f"; tail -n 30 "$f"; done > "$OUT/summary.txt"
-tar czf "$OUT/embx.tar.gz" -C /tmp embx
+finish embx

@@ -10,21 +10,16 @@ OUT=${OUT:-/tmp/lanes_out}; R=/tmp/lanes; mkdir -p "$R" "$OUT"
 source "$(dirname "$0")/gpu_common.sh"
 V=${VARIANT:-opt}
 probe() {  # probe TAG XLA_EXTRA
-  OUT=$R step "gpt1b$1" ${T_P:-90} $PY tools/probe_gpt1b.py --variants $V --tag "$1" ${2:+--xla-extra=$2}
+  OUT=$R step "gpt1b$1" ${T_P:-90} $PY tools/probe_gpt1b.py --variants $V --tag "$1" ${2:+"--xla-extra=$2"}
 }
-TRAIN="-m jaxopt_train.train.cli --preset gpt-1b --steps ${TRAIN_STEPS:-40} --batch-size 8 --precision bf16 \
-  --warmup 10 --lr 3e-4 --log-every 10 --eval-every 0 --checkpoint-every 0 --progress lines --overwrite \
-  --grad-dtype compute --opt-state-dtype bf16"
 lane() {  # lane GPU MATMUL TRAIN_TIMEOUT "TAG=XLA_FLAGS"...: the probes, then the trainer
   export CUDA_VISIBLE_DEVICES=$1; local matmul=$2 limit=$3 spec; shift 3
   for spec in "$@"; do probe "${spec%%=*}" "${spec#*=}"; done
-  step train_$matmul $limit $PY $TRAIN --matmul $matmul --run-dir /tmp/run_$matmul
+  step train_$matmul $limit $PY $GPT1B_TRAIN --matmul $matmul --run-dir /tmp/run_$matmul
 }
 lane 0 xla ${T_T:-200} "_base0=" "_cublaslt=--xla_gpu_enable_cublaslt=true" \
   "_cudnnln=--xla_gpu_enable_cudnn_layer_norm=true" & A=$!
 lane 1 pallas ${T_T2:-260} "_base1=" "_cudnngemm=--xla_gpu_cudnn_gemm_fusion_level=2" \
   "_all=--xla_gpu_enable_cublaslt=true --xla_gpu_enable_cudnn_layer_norm=true" & B=$!
 wait $A $B
-echo "total $(( $(date +%s) - t0 ))s" | tee -a "$R/steps.log"
-for f in "$R"/*.log; do echo "----- $f"; tail -n 14 "$f"; done > "$OUT/summary.txt"
-tar czf "$OUT/lanes.tar.gz" -C /tmp lanes
+finish lanes 14

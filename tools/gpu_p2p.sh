@@ -22,6 +22,4 @@ esac
 case ${PART:-12} in *2*)
   OUT=$R step dp ${T_DP:-260} $PY tools/probe_dp.py --phases ${DP_PHASES:-A-memcpy,A-cb} --budget ${DP_BUDGET:-240} ${DP_ARGS:-}
 esac
-echo "total $(( $(date +%s) - t0 ))s" | tee -a "$R/steps.log"
-for f in "$R"/*.log; do echo "----- $f"; tail -n 45 "$f"; done > "$OUT/summary.txt"
-tar czf "$OUT/p2p.tar.gz" -C /tmp p2p
+finish p2p 45

@@ -22,6 +22,4 @@ lane_b() {
 # call well inside the device tool's 10-minute limit).
 case ${PART:-1} in *1*) lane_a & A=$!; lane_b & B=$!; wait $A $B;; esac
 case ${PART:-1} in *2*) OUT=$R step dp ${T_DP:-230} $PY tools/probe_dp.py ${DP_ARGS:-};; esac
-echo "total $(( $(date +%s) - t0 ))s" | tee -a "$R/steps.log"
-for f in "$R"/*.log; do echo "----- $f"; tail -n 60 "$f"; done > "$OUT/summary.txt"
-tar czf "$OUT/probe.tar.gz" --exclude='trace_*' -C /tmp probe
+finish probe 60 --exclude='trace_*'

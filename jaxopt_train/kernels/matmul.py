@@ -200,7 +200,7 @@ def _forward_impl(a, b, bias, activation, out_dtype, backend, config):
 
 
 # Each launch is its own jit so that a model lowers one kernel per distinct (shapes,
-# config), however many layers call it: gpt-1b's 16 unrolled layers make 193 kernel
+# config), however many layers call it: gpt-1b's 16 unrolled layers make 195 kernel
 # calls of 15 distinct kinds, and lowering one Mosaic GPU kernel costs ~0.3 s of Python
 # (plus its tracing). XLA inlines the calls again, so the compiled step is unchanged.
 @functools.partial(jax.jit, static_argnames=("activation", "out_dtype", "backend", "config",
@@ -244,17 +244,13 @@ def _product_with_transpose(a, b, transposed: str, out_dtype, backend, config, b
     other backends multiply a transposed copy.
     """
     lhs, rhs = (a.T, b) if transposed == "a" else (a, b.T)
-    if backend == "triton":
-        (m, k), n = lhs.shape, rhs.shape[1]  # shapes only: XLA drops the unused transposes
-        return _launch(a, b, bias, activation=activation, out_dtype=jnp.dtype(out_dtype), backend=backend,
-                       config=config or resolve_config(backend, m, n, k, a.dtype), transposed=transposed)
-    if backend == "mosaic_gpu":
+    if backend in ("mosaic_gpu", "triton"):
         (m, k), n = lhs.shape, rhs.shape[1]  # shapes only: XLA drops the unused transposes
         cfg = config or resolve_config(backend, m, n, k, a.dtype)
-        # wgmma needs the two tiles' swizzles to match: a transposed tile is swizzled over
-        # its M/N extent (128 B), so the K tile must span 128 B as well.
-        if (cfg.block_k * jnp.dtype(a.dtype).itemsize == 128 and cfg.cluster == "none"
-                and not cfg.warpgroup_lowering):
+        # Mosaic GPU: wgmma needs the two tiles' swizzles to match; a transposed tile is
+        # swizzled over its M/N extent (128 B), so the K tile must span 128 B as well.
+        if backend == "triton" or (cfg.block_k * jnp.dtype(a.dtype).itemsize == 128
+                                   and cfg.cluster == "none" and not cfg.warpgroup_lowering):
             return _launch(a, b, bias, activation=activation, out_dtype=jnp.dtype(out_dtype),
                            backend=backend, config=cfg, transposed=transposed)
     return _forward_impl(lhs, rhs, bias, activation, out_dtype, backend, config)
