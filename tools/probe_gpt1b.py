@@ -35,10 +35,11 @@ VARIANTS = {
 
 def _kind(name: str) -> str:
     n = name.lower()
-    if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "wgmma", "cublas", "matmul", "mosaic")):
-        return "matmul"
+    # Attention first: cuDNN's flash kernels carry "wgmma" in their names too.
     if any(s in n for s in ("cudnn", "flash", "fmha", "sdpa", "attn")):
         return "attention"
+    if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "wgmma", "cublas", "matmul", "mosaic")):
+        return "matmul"
     if "scatter" in n:
         return "scatter"
     if "reduce" in n or "softmax" in n:
