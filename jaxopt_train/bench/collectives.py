@@ -228,20 +228,15 @@ def bench_gpt(args, record: Callable[[dict], None]) -> list[dict]:
         loss = lambda q: gpt_loss(nnx.merge(graphdef, q)(toks[:, :-1]), toks[:, 1:])  # noqa: E731
         return jax.value_and_grad(loss)(narrow(p))
 
-    def step_body(method):
+    def step_body(method, exchange=False):
         def body(p, toks):
-            loss, g = grads_of(p, toks)
-            if method is not None:
-                g = all_reduce_tree(g, "data", method=method, bucket_mb=args.bucket_mb)
-            p = jax.tree.map(lambda w, d: w - jnp.asarray(1e-4, w.dtype) * d.astype(w.dtype), p, g)
-            return p, lax.pmean(loss, "data")
-        return body
-
-    def exchange_body(method):
-        def body(p, toks):
-            loss, g = exchange_gradients(graphdef, narrow(p), toks, method=method, bucket_mb=args.bucket_mb)
-            p = jax.tree.map(lambda w, d: w - jnp.asarray(1e-4, w.dtype) * d.astype(w.dtype), p, g)
-            return p, lax.pmean(loss, "data")
+            if exchange:  # --gpt-embedding-exchange
+                loss, g = exchange_gradients(graphdef, narrow(p), toks, method=method, bucket_mb=args.bucket_mb)
+            else:
+                loss, g = grads_of(p, toks)
+                if method is not None:
+                    g = all_reduce_tree(g, "data", method=method, bucket_mb=args.bucket_mb)
+            return _sgd_update(p, g), lax.pmean(loss, "data")
         return body
 
     smap = lambda f, ins, outs: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=ins, out_specs=outs,  # noqa: E731
@@ -255,11 +250,10 @@ def bench_gpt(args, record: Callable[[dict], None]) -> list[dict]:
     one = time_burst(single, (jax.device_put(params, devices[0]), jax.device_put(tokens[:batch], devices[0])),
                      **timing)
     rows = []
-    runs = [(m, step_body(m)) for m in args.gpt_methods]
+    runs = [(m, m, step_body(m)) for m in args.gpt_methods]
     if args.gpt_embedding_exchange:
-        runs += [(m + "+embx", exchange_body(m)) for m in args.gpt_methods]
-    for name, body in runs:
-        method = name.removesuffix("+embx")
+        runs += [(m + "+embx", m, step_body(m, exchange=True)) for m in args.gpt_methods]
+    for name, method, body in runs:
         step_fn = smap(body, (P(), P("data")), (P(), P()))
         step = time_burst(step_fn, (replicated, sharded), **timing)
         comm = time_burst(smap(lambda g, m=method: all_reduce_tree(g, "data", method=m, bucket_mb=args.bucket_mb),
@@ -336,13 +330,18 @@ def _add_to_leaf(tree, module: str, value):
     return out
 
 
-def step_body_single(grads_of):
+def _sgd_update(params, grads):
+    """Plain SGD (lr 1e-4) in the params' dtypes: the DP steps time gradients, not an optimizer."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
+    return jax.tree.map(lambda w, d: w - jnp.asarray(1e-4, w.dtype) * d.astype(w.dtype), params, grads)
+
+
+def step_body_single(grads_of):
     def body(p, toks):
         loss, g = grads_of(p, toks)
-        return jax.tree.map(lambda w, d: w - jnp.asarray(1e-4, w.dtype) * d.astype(w.dtype), p, g), loss
+        return _sgd_update(p, g), loss
     return body
 
 

@@ -34,7 +34,6 @@ from jax.sharding import PartitionSpec as P
 from jaxopt_train.accumulation import check_divisible
 from jaxopt_train.precision import Policy, get_policy, loss_scale_for
 from jaxopt_train.train import config as config_lib
-from jaxopt_train.train.config import GRAD_DTYPES
 from jaxopt_train.train.model import ModelFns, linen_model_fns, nnx_model_fns
 from jaxopt_train.train.optim import low_precision_state
 from jaxopt_train.train.state import TrainState, default_optimizer, init_train_state
@@ -64,8 +63,8 @@ def build_optimizer(zero: int, opt_state_dtype: str, *, clip_norm: float, **sche
 
 def check_grad_dtype(grad_dtype: str, zero: int, grad_compression: str | None) -> None:
     """Raises ValueError for an unknown `grad_dtype` or one the other options exclude."""
-    if grad_dtype not in GRAD_DTYPES:
-        raise ValueError(f"grad_dtype={grad_dtype!r}; expected one of {list(GRAD_DTYPES)}")
+    if grad_dtype not in config_lib.GRAD_DTYPES:
+        raise ValueError(f"grad_dtype={grad_dtype!r}; expected one of {list(config_lib.GRAD_DTYPES)}")
     if grad_dtype == "compute" and (zero or grad_compression not in (None, "none")):
         raise ValueError(f"grad_dtype='compute' needs zero=0 and no grad compression (the "
                          f"gradients are already narrow), got {zero=}, {grad_compression=}")
