@@ -245,6 +245,9 @@ def test_dot_general_falls_back_for_unsupported_dimension_numbers():
     (lambda a, b: matmul(a, b, config={"block_m": 48}), ValueError, "power of two"),
     (lambda a, b: matmul(a, b, config={"tile": 4}), ValueError, "unknown MatmulConfig"),
     (lambda a, b: matmul(a, b, config=(1, 2)), TypeError, "MatmulConfig"),
+    (lambda a, b: matmul(a, b, config={"schedule": "stream_k"}), ValueError, "cooperative"),
+    (lambda a, b: matmul(a, b, config={"schedule": "pingpong", "cluster": "m"}), ValueError,
+     "needs cluster='none'"),
 ])
 def test_bad_inputs_raise_clear_errors(call, error, match):
     a = jnp.ones((4, 8), jnp.bfloat16)
@@ -331,6 +334,29 @@ def test_mosaic_pipeline_depth_fits_shared_memory():
                    jnp.bfloat16, has_bias=False)
     with pytest.raises(ValueError, match="wgmma_in_flight"):
         MatmulConfig(num_stages=1, wgmma_in_flight=1)
+    # Ping-pong: one ring per consumer, each of 128x64 + 64x128 bf16 tiles (32 KiB a stage).
+    pingpong = MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=4, schedule="pingpong")
+    assert fit_stages(pingpong, jnp.bfloat16, jnp.bfloat16, has_bias=True) == 3
+
+
+@pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
+@pytest.mark.parametrize("transposed", [None, "a", "b"])
+def test_mosaic_gpu_kernel_lowers_for_cuda_on_cpu(schedule, transposed):
+    """The Pallas -> Mosaic GPU lowering runs without a GPU: it catches layout, barrier
+    and ref errors of both schedules here (the GPU tests run the kernels)."""
+    from jaxopt_train.kernels.mosaic_gpu import mosaic_matmul
+
+    config = MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=4, schedule=schedule,
+                          wgmma_in_flight=1)
+    m, k, n = 1000, 384, 520
+    shape = jax.ShapeDtypeStruct
+    a = shape((k, m) if transposed == "a" else (m, k), jnp.bfloat16)
+    b = shape((n, k) if transposed == "b" else (k, n), jnp.bfloat16)
+    fn = jax.jit(lambda a, b, bias: mosaic_matmul(
+        a, b, bias, activation="gelu", out_dtype=jnp.bfloat16, config=config,
+        transpose_a=transposed == "a", transpose_b=transposed == "b"))
+    text = fn.trace(a, b, shape((n,), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
 
 
 def test_autotune_budget_keeps_best_so_far():

@@ -134,6 +134,8 @@ MOSAIC_OPTIONS = {
     "wg_n_inflight": dict(wg_split="n", wgmma_in_flight=1),
     "epi128": dict(epilogue_tile=128),
     "wg_n_64x256": dict(wg_split="n", block_m=64, block_n=128, num_stages=3),
+    "pingpong": dict(schedule="pingpong"),
+    "pingpong_inflight": dict(schedule="pingpong", wgmma_in_flight=1),
 }
 
 
@@ -164,14 +166,15 @@ def test_mosaic_options_fused_epilogue(option, activation):
 @pytest.mark.parametrize("transposed", ["a", "b"])
 @pytest.mark.parametrize("shape", [(256, 256, 128), (127, 129, 65), (1000, 777, 513), (512, 768, 2048)],
                          ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("wg_split", ["m", "n"])
-def test_mosaic_transposed_operands_read_as_stored(transposed, shape, wg_split):
+@pytest.mark.parametrize("layout", ["m", "n", "pingpong"])
+def test_mosaic_transposed_operands_read_as_stored(transposed, shape, layout):
     """A.T @ B and A @ B.T without transposed copies (the backward pass's products)."""
     _backend_or_skip("mosaic_gpu")
     from jaxopt_train.kernels.mosaic_gpu import mosaic_matmul
 
     m, k, n = shape
-    config = MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=4, group_m=8, wg_split=wg_split)
+    config = MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=4, group_m=8,
+                          **(dict(schedule="pingpong") if layout == "pingpong" else dict(wg_split=layout)))
     ka, kb = jax.random.split(jax.random.key(3))
     if transposed == "a":
         a = jax.random.normal(ka, (k, m), jnp.float32).astype(jnp.bfloat16)
@@ -248,3 +251,28 @@ def test_triton_transposed_operands_read_as_stored(transposed, shape):
                                              transpose_b=transposed == "b"))(a, b)
     assert got.shape == (m, n)
     _close(got, want, 1e-4)
+
+
+@pytest.mark.parametrize("transposed", [None, "a", "b"])
+@pytest.mark.parametrize("in_flight", [0, 1])
+@pytest.mark.parametrize("activation", [None, "gelu"])
+def test_mosaic_pingpong_several_tiles_per_sm(transposed, in_flight, activation):
+    """The ping-pong schedule where every CTA owns 4-5 tiles (both consumers, odd counts)
+    and K steps (10) wrap its 3-stage rings unevenly: barrier phases must stay in step."""
+    _backend_or_skip("mosaic_gpu")
+    from jaxopt_train.kernels.mosaic_gpu import mosaic_matmul
+
+    m, k, n = 4096, 640, 2176  # 32 x 17 = 544 tiles of 128 x 128 over 132 SMs
+    config = MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=4, group_m=8,
+                          schedule="pingpong", wgmma_in_flight=in_flight)
+    ka, kb, kc = jax.random.split(jax.random.key(11), 3)
+    a = jax.random.normal(ka, (k, m) if transposed == "a" else (m, k), jnp.float32).astype(jnp.bfloat16)
+    b = jax.random.normal(kb, (n, k) if transposed == "b" else (k, n), jnp.float32).astype(jnp.bfloat16)
+    bias = jax.random.normal(kc, (n,), jnp.float32) if activation else None
+    lhs = a.T if transposed == "a" else a
+    rhs = b.T if transposed == "b" else b
+    want = matmul_reference(lhs, rhs, bias=bias, activation=activation, out_dtype=jnp.float32)
+    got = jax.jit(lambda a, b, bias: mosaic_matmul(
+        a, b, bias, activation=activation, out_dtype=jnp.float32, config=config,
+        transpose_a=transposed == "a", transpose_b=transposed == "b"))(a, b, bias)
+    _close(got, want, 5e-3 if activation else 1e-4)  # gelu runs tanh.approx

@@ -1,26 +1,48 @@
 """Forward + backward products of gpt-1b's dense layers: XLA vs our Mosaic GPU kernel.
 
-    python tools/probe_matmul_bwd.py     # one Hopper GPU; JSON at $OUT/matmul_bwd.json
+    python tools/probe_matmul_bwd.py [--configs NAME=JSON ...]   # JSON at $OUT/matmul_bwd.json
 
-Per (M, K, N) shape it times the three products a dense layer needs per step,
-out = a @ b, da = g @ b.T, db = a.T @ g (bf16 in, f32 accumulation, bf16 out):
-  xla         jnp.dot for all three (XLA picks transposed cuBLAS calls itself);
-  mosaic_copy our kernel with materialised transposes (the old backward);
-  mosaic_t    our kernel reading the transposed operand as stored (the new backward).
-Each variant is checked against XLA's f32 result before timing.
+Per (M, K, N) shape it times, one by one, the three products a dense layer needs per
+step, out = a @ b, da = g @ b.T, db = a.T @ g (bf16 in, f32 accumulation, bf16 out):
+  xla         jnp.dot (XLA picks transposed cuBLAS calls itself);
+  mosaic      our kernel with the shipped config, reading transposed operands as stored;
+  NAME        our kernel with that MatmulConfig override (fields of the shipped config
+              replaced by JSON, e.g. pingpong='{"schedule": "pingpong"}').
+Each product is checked against XLA's f32 result before timing.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
 import sys
 
 SHAPES = [(8192, 2048, 6144), (8192, 2048, 2048), (8192, 2048, 8192), (8192, 8192, 2048),
           (8192, 2048, 50304)]
+PRODUCTS = ("out", "da", "db")
 
 
-def main() -> int:
+def _products(a, b, g, mm, dot, configs):
+    """The three products as (name, fn, args); `configs` per product for our kernel."""
+    if mm is None:
+        return [("out", lambda a, b: dot(a, b), (a, b)), ("da", lambda g, b: dot(g, b.T), (g, b)),
+                ("db", lambda a, g: dot(a.T, g), (a, g))]
+    cf, cda, cdb = configs
+    return [("out", lambda a, b: mm(a, b, cf), (a, b)),
+            ("da", lambda g, b: mm(g, b, cda, transpose_b=True), (g, b)),
+            ("db", lambda a, g: mm(a, g, cdb, transpose_a=True), (a, g))]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="probe_matmul_bwd", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="*", default=[], metavar="NAME=JSON",
+                        help="extra variants: the shipped config with these fields replaced")
+    parser.add_argument("--no-default", action="store_true", help="skip the shipped config")
+    parser.add_argument("--bursts", type=int, default=5)
+    args = parser.parse_args(argv)
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -30,6 +52,10 @@ def main() -> int:
     from jaxopt_train.kernels.mosaic_gpu import mosaic_matmul
 
     bf16 = jnp.bfloat16
+    overrides = {} if args.no_default else {"mosaic": {}}
+    for spec in args.configs:
+        name, _, text = spec.partition("=")
+        overrides[name] = json.loads(text)
 
     def mm(a, b, cfg, **t):
         return mosaic_matmul(a, b, None, activation=None, out_dtype=bf16, config=cfg, **t)
@@ -43,42 +69,49 @@ def main() -> int:
         a = jax.random.normal(ka, (m, k), jnp.float32).astype(bf16)
         b = (jax.random.normal(kb, (k, n), jnp.float32) / np.sqrt(k)).astype(bf16)
         g = jax.random.normal(kg, (m, n), jnp.float32).astype(bf16)
-        cf, cda, cdb = (resolve_config("mosaic_gpu", m, n, k, bf16), resolve_config("mosaic_gpu", m, k, n, bf16),
-                        resolve_config("mosaic_gpu", k, n, m, bf16))
-        variants = {
-            "xla": lambda a, b, g: (dot(a, b), dot(g, b.T), dot(a.T, g)),
-            "mosaic_copy": lambda a, b, g: (mm(a, b, cf), mm(g, b.T, cda), mm(a.T, g, cdb)),
-            "mosaic_t": lambda a, b, g: (mm(a, b, cf), mm(g, b, cda, transpose_b=True),
-                                         mm(a, g, cdb, transpose_a=True)),
-        }
-        ref = [np.asarray(x, np.float32) for x in jax.jit(variants["xla"])(a, b, g)]
-        flops = 3 * 2 * m * k * n
-        for name, fn in variants.items():
-            row = {"shape": [m, k, n], "variant": name}
-            try:
-                f = jax.jit(fn)
-                out = f(a, b, g)
-                err = max(float(np.max(np.abs(np.asarray(o, np.float32) - r)) / max(1.0, float(np.max(np.abs(r)))))
-                          for o, r in zip(out, ref))
-                sec = time_burst(f, (a, b, g), warmup=3, iters=10, bursts=5)
-                row.update(ms=sec * 1e3, tflops=flops / sec / 1e12, max_rel_err=err)
-            except Exception as e:  # noqa: BLE001 - report and go on
-                row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        shipped = (resolve_config("mosaic_gpu", m, n, k, bf16), resolve_config("mosaic_gpu", m, k, n, bf16),
+                   resolve_config("mosaic_gpu", k, n, m, bf16))
+        ref = {name: np.asarray(jax.jit(fn)(*xs), np.float32)
+               for name, fn, xs in _products(a, b, g, None, dot, None)}
+        variants = {"xla": None, **overrides}
+        for variant, change in variants.items():
+            configs = None if change is None else tuple(dataclasses.replace(c, **change) for c in shipped)
+            row = {"shape": [m, k, n], "variant": variant, "config_change": change}
+            for name, fn, xs in _products(a, b, g, None if change is None else mm, dot, configs):
+                try:
+                    f = jax.jit(fn)
+                    out = np.asarray(f(*xs), np.float32)
+                    err = float(np.max(np.abs(out - ref[name])) / max(1.0, float(np.max(np.abs(ref[name])))))
+                    sec = time_burst(f, xs, warmup=3, iters=10, bursts=args.bursts)
+                    row[name] = {"ms": sec * 1e3, "max_rel_err": err}
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    row[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+            if all("ms" in row[p] for p in PRODUCTS):
+                row["ms"] = sum(row[p]["ms"] for p in PRODUCTS)
+                row["tflops"] = 3 * 2 * m * k * n / row["ms"] / 1e9
             rows.append(row)
             print(json.dumps(row), flush=True)
-    out_dir = os.environ.get("OUT", "/tmp")
-    with open(os.path.join(out_dir, "matmul_bwd.json"), "w") as f:
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), "matmul_bwd.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    print(f"\n{'shape (M,K,N)':<22} {'variant':<12} {'ms':>8} {'TFLOP/s':>8} {'vs xla':>7} {'err':>8}")
-    xla_ms = {tuple(r["shape"]): r.get("ms") for r in rows if r["variant"] == "xla"}
-    for r in rows:
-        if "error" in r:
-            print(f"{str(tuple(r['shape'])):<22} {r['variant']:<12} ERROR {r['error'][:120]}")
-            continue
-        base = xla_ms.get(tuple(r["shape"]))
-        print(f"{str(tuple(r['shape'])):<22} {r['variant']:<12} {r['ms']:8.3f} {r['tflops']:8.0f} "
-              f"{(base / r['ms'] if base else float('nan')):7.3f} {r['max_rel_err']:8.1e}")
+    _print_table(rows)
     return 0
+
+
+def _print_table(rows):
+    xla = {tuple(r["shape"]): r for r in rows if r["variant"] == "xla"}
+    print(f"\n{'shape (M,K,N)':<22} {'variant':<14} {'ms':>8} {'TFLOP/s':>8} "
+          + " ".join(f"{p + ' vs xla':>10}" for p in PRODUCTS) + f" {'all vs xla':>10} {'err':>8}")
+    for r in rows:
+        base = xla.get(tuple(r["shape"]), {})
+        if "ms" not in r:
+            errors = [r[p].get("error", "") for p in PRODUCTS]
+            print(f"{str(tuple(r['shape'])):<22} {r['variant']:<14} ERROR {' | '.join(e[:100] for e in errors if e)}")
+            continue
+        ratios = [base[p]["ms"] / r[p]["ms"] if "ms" in base.get(p, {}) else float("nan") for p in PRODUCTS]
+        total = base["ms"] / r["ms"] if "ms" in base else float("nan")
+        err = max(r[p]["max_rel_err"] for p in PRODUCTS)
+        print(f"{str(tuple(r['shape'])):<22} {r['variant']:<14} {r['ms']:8.3f} {r['tflops']:8.0f} "
+              + " ".join(f"{x:10.3f}" for x in ratios) + f" {total:10.3f} {err:8.1e}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ ACTIVATIONS = (None, "gelu", "relu", "silu")
 GRID_MINOR = ("m", "n")
 WG_SPLITS = ("m", "n")
 CLUSTERS = ("none", "m", "n")
+SCHEDULES = ("cooperative", "pingpong")
 
 
 def _is_pow2(x: int) -> bool:
@@ -53,6 +54,10 @@ class MatmulConfig:
         no_auto_barriers: Mosaic GPU only: ask Pallas not to insert its
             conservative SMEM barriers (`unsafe_no_auto_barriers`); safe here
             because no thread both reads and writes one SMEM region.
+        schedule: Mosaic GPU only: "cooperative" (both consumer warpgroups
+            share each CTA tile, see `wg_split`) or "pingpong" (each consumer
+            owns a whole block_m x block_n tile and its own SMEM ring, and the
+            two alternate, so one's epilogue runs under the other's main loop).
     """
 
     block_m: int = 128
@@ -68,6 +73,7 @@ class MatmulConfig:
     epilogue_tile: int = 64
     warpgroup_lowering: bool = False
     no_auto_barriers: bool = False
+    schedule: str = "cooperative"
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -91,6 +97,12 @@ class MatmulConfig:
             raise ValueError(f"MatmulConfig.wg_split={self.wg_split!r} must be one of {WG_SPLITS}")
         if self.cluster not in CLUSTERS:
             raise ValueError(f"MatmulConfig.cluster={self.cluster!r} must be one of {CLUSTERS}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"MatmulConfig.schedule={self.schedule!r} must be one of {SCHEDULES}")
+        if self.schedule == "pingpong" and (self.cluster != "none" or self.warpgroup_lowering):
+            raise ValueError(f"MatmulConfig.schedule='pingpong' needs cluster='none' and "
+                             f"warpgroup_lowering=False; got cluster={self.cluster!r}, "
+                             f"warpgroup_lowering={self.warpgroup_lowering}")
         if not isinstance(self.epilogue_tile, int) or not _is_pow2(self.epilogue_tile) \
                 or self.epilogue_tile < 16:
             raise ValueError(f"MatmulConfig.epilogue_tile={self.epilogue_tile!r} must be a "

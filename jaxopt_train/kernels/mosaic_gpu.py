@@ -58,7 +58,9 @@ def _num_sms() -> int:
 
 
 def cta_tile(config: MatmulConfig) -> tuple[int, int]:
-    """(rows, cols) of C computed by one CTA (both consumer warpgroups)."""
+    """(rows, cols) of C computed by one CTA (both consumer warpgroups) at a time."""
+    if config.schedule == "pingpong":  # each consumer owns a whole tile
+        return config.block_m, config.block_n
     split_m = config.wg_split == "m"
     return (config.block_m * (_NUM_CONSUMERS if split_m else 1),
             config.block_n * (1 if split_m else _NUM_CONSUMERS))
@@ -77,7 +79,8 @@ def _epilogue_tile(config: MatmulConfig) -> tuple[int, int]:
 
 
 def fit_stages(config: MatmulConfig, in_dtype, out_dtype, has_bias: bool) -> int:
-    """The deepest pipeline <= config.num_stages whose buffers fit in shared memory."""
+    """The deepest pipeline <= config.num_stages whose buffers fit in shared memory
+    (per consumer with the ping-pong schedule, which gives each its own ring)."""
     bk = config.block_k
     bm, bn = config.block_m, config.block_n
     rows, cols = cta_tile(config)
@@ -86,9 +89,10 @@ def fit_stages(config: MatmulConfig, in_dtype, out_dtype, has_bias: bool) -> int
     slots = min(2, (bm * bn) // (epi_m * epi_n))
     fixed = _NUM_CONSUMERS * slots * epi_m * epi_n * jnp.dtype(out_dtype).itemsize + _SMEM_SLACK
     fixed += _NUM_CONSUMERS * bn * 4 if has_bias else 0
-    stages = min(config.num_stages, (_SMEM_BYTES - fixed) // per_stage)
+    rings = _NUM_CONSUMERS if config.schedule == "pingpong" else 1  # one ring per consumer
+    stages = min(config.num_stages, (_SMEM_BYTES - fixed) // (rings * per_stage))
     if stages < 2:
-        raise ValueError(f"{config} needs {fixed + 2 * per_stage} bytes of shared memory for a "
+        raise ValueError(f"{config} needs {fixed + 2 * rings * per_stage} bytes of shared memory for a "
                          f"2-stage pipeline; Hopper has {_SMEM_BYTES}: use smaller blocks")
     return int(stages)
 
@@ -323,14 +327,29 @@ def mosaic_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
                  config.wgmma_in_flight + 1)
     if stages != config.num_stages:
         config = dataclasses.replace(config, num_stages=stages)
-    body = functools.partial(_matmul_kernel, config=config, activation=activation,
-                             m_iters=m_iters, n_iters=n_iters, k_iters=k_iters,
-                             transpose_a=transpose_a, transpose_b=transpose_b)
-    if bias is None:
-        body = functools.partial(_without_bias, body)
-    params = _compiler_params(plgpu, config, activation)
     cluster = 1 if config.cluster == "none" else 2
     grid = (min(_num_sms() // cluster, m_iters * n_iters),)
+    if config.schedule == "pingpong":
+        from jaxopt_train.kernels import mosaic_gpu_pingpong as pingpong
+
+        scratch = pingpong.scratch(plgpu, config, a.dtype, out_dtype, stages, bias is not None,
+                                   transpose_a, transpose_b, functools.partial(_swizzled, plgpu),
+                                   (epi_m, epi_n))
+        body = functools.partial(
+            pingpong.kernel, config=config, activation=activation, m_iters=m_iters,
+            n_iters=n_iters, k_iters=k_iters, stages=stages, grid_size=grid[0],
+            transpose_a=transpose_a, transpose_b=transpose_b,
+            store_epilogue=functools.partial(_store_epilogue, epi_m=epi_m, epi_n=epi_n),
+            transposed=functools.partial(_transposed, plgpu), load_bias=_load_bias)
+        if bias is None:
+            body = functools.partial(_pingpong_without_bias, body)
+    else:
+        body = functools.partial(_matmul_kernel, config=config, activation=activation,
+                                 m_iters=m_iters, n_iters=n_iters, k_iters=k_iters,
+                                 transpose_a=transpose_a, transpose_b=transpose_b)
+        if bias is None:
+            body = functools.partial(_without_bias, body)
+    params = _compiler_params(plgpu, config, activation)
     out = _kernel_fn(plgpu, body, jax.ShapeDtypeStruct((mp, np_), out_dtype), scratch, grid,
                      params, cluster)(*operands)
     return out[:m, :n] if (mp, np_) != (m, n) else out
@@ -338,3 +357,14 @@ def mosaic_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
 
 def _without_bias(body, a_gmem, b_gmem, out_gmem, out_smem):
     body(a_gmem, b_gmem, None, out_gmem, out_smem, None, None)
+
+
+def _pingpong_without_bias(body, a_gmem, b_gmem, out_gmem, *scratch):
+    body(a_gmem, b_gmem, None, out_gmem, *scratch, None, None)
+
+
+def _load_bias(ref):
+    """The bias row in the wgmma accumulator's column layout (lane semantics)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))

@@ -1,0 +1,150 @@
+"""Ping-pong schedule of the Hopper matmul: the epilogue of one tile runs under the next's main loop.
+
+The cooperative kernel (`mosaic_gpu._matmul_kernel`) gives both consumer
+warpgroups halves of one CTA tile, so both reach the epilogue together and the
+tensor cores idle while the accumulators are converted and stored. With
+gpt-1b's K = 2048 products that is a ~1-2 us epilogue per ~18 us tile, the
+gap measured against cuBLAS in the training step (BENCHMARKS.md). Here each
+consumer owns whole block_m x block_n tiles, alternately (this CTA's even
+tiles go to consumer 0, odd ones to consumer 1), and has its own ring of SMEM
+stages and barriers; the producer warpgroup fills the rings in tile order. The
+producer can only run `stages` steps ahead, so the next consumer's data
+arrives as the current one finishes its main loop, and while one consumer runs
+its epilogue the other keeps the tensor cores busy (CUTLASS calls this the
+ping-pong schedule).
+
+Barrier phases in Pallas are tracked per thread, one parity bit per barrier,
+flipped by each wait: every barrier here is waited on by one thread kind in
+every phase, in order (consumer c waits on its own ring's "full" barriers, the
+producer on every "empty" barrier except for each slot's first fill), so the
+implicit tracking stays exact.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+
+from jaxopt_train.kernels.configs import MatmulConfig
+from jaxopt_train.kernels.epilogue import apply_epilogue
+
+NUM_CONSUMERS = 2
+_PRODUCER_REGISTERS = 40
+_CONSUMER_REGISTERS = 232  # (512 - 40) / 2 rounded down to a multiple of 8
+
+
+def scratch(plgpu, config: MatmulConfig, in_dtype, out_dtype, stages: int, has_bias: bool,
+            transpose_a: bool, transpose_b: bool, swizzled, epilogue_tile) -> list:
+    """SMEM rings (one per consumer, `stages` deep), their barriers, output and bias slots."""
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    epi_m, epi_n = epilogue_tile
+    slots = min(2, (bm * bn) // (epi_m * epi_n))
+    ring = NUM_CONSUMERS * stages
+    a_tile = (bk, bm) if transpose_a else (bm, bk)
+    b_tile = (bn, bk) if transpose_b else (bk, bn)
+    out = [
+        plgpu.SMEM((ring, *a_tile), in_dtype, transforms=swizzled(a_tile[1], in_dtype)),
+        plgpu.SMEM((ring, *b_tile), in_dtype, transforms=swizzled(bk, in_dtype)),
+        plgpu.Barrier(num_arrivals=2, num_barriers=ring),  # "full": the A and B copies landed
+        plgpu.Barrier(num_arrivals=1, num_barriers=ring),  # "empty": the consumer is done with it
+        plgpu.SMEM((NUM_CONSUMERS, slots, epi_m, epi_n), out_dtype,
+                   transforms=swizzled(epi_n, out_dtype)),
+    ]
+    if has_bias:
+        out += [plgpu.SMEM((NUM_CONSUMERS, bn), jnp.float32),
+                plgpu.Barrier(num_arrivals=1, num_barriers=NUM_CONSUMERS)]
+    return out
+
+
+def kernel(a_gmem, b_gmem, bias_gmem, out_gmem, a_smem, b_smem, full, empty, out_smem,
+           bias_smem, bias_barrier, *, config: MatmulConfig, activation: str | None,
+           m_iters: int, n_iters: int, k_iters: int, stages: int, grid_size: int,
+           transpose_a: bool, transpose_b: bool, store_epilogue, transposed, load_bias):
+    """Kernel body, run by 3 warpgroups on each of `grid_size` SMs (persistent)."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    wg = lax.axis_index("wg")
+    sm = lax.axis_index("sm")
+    # Tiles sm, sm + grid_size, ...; the wrapper keeps grid_size <= the tile count.
+    my_tiles = (m_iters * n_iters - sm + grid_size - 1) // grid_size
+    minor = 0 if config.grid_minor == "m" else 1
+    in_flight = config.wgmma_in_flight if k_iters > 1 else 0
+
+    def tile_origin(j):
+        m_idx, n_idx = plgpu.planar_snake(sm + j * grid_size, (m_iters, n_iters), minor,
+                                          config.group_m)
+        return m_idx * bm, n_idx * bn
+
+    def ring_slot(consumer, local_tile, k):
+        return consumer * stages + lax.rem(local_tile * k_iters + k, stages)
+
+    @pl.when(wg == NUM_CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+        @pl.loop(0, my_tiles)
+        def _tile(j):
+            consumer, local = lax.rem(j, 2), lax.div(j, 2)
+            row0, col0 = tile_origin(j)
+
+            @pl.loop(0, k_iters)
+            def _step(k):
+                slot = ring_slot(consumer, local, k)
+
+                @pl.when(local * k_iters + k >= stages)  # a slot's first fill has nothing to wait for
+                def _():
+                    plgpu.barrier_wait(empty.at[slot])
+
+                ks = pl.ds(k * bk, bk)
+                a_src = a_gmem.at[ks, pl.ds(row0, bm)] if transpose_a else a_gmem.at[pl.ds(row0, bm), ks]
+                b_src = b_gmem.at[pl.ds(col0, bn), ks] if transpose_b else b_gmem.at[ks, pl.ds(col0, bn)]
+                plgpu.copy_gmem_to_smem(a_src, a_smem.at[slot], full.at[slot])
+                plgpu.copy_gmem_to_smem(b_src, b_smem.at[slot], full.at[slot])
+
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+        consumer = wg
+
+        @pl.loop(0, (my_tiles - consumer + 1) // 2)
+        def _tile(local):
+            row0, col0 = tile_origin(2 * local + consumer)
+            if bias_gmem is not None:  # fetched while the main loop runs
+                plgpu.copy_gmem_to_smem(bias_gmem.at[pl.ds(col0, bn)], bias_smem.at[consumer],
+                                        bias_barrier.at[consumer])
+
+            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+            def _accumulate(acc_ref):
+                def step(k, acc):
+                    slot = ring_slot(consumer, local, k)
+                    plgpu.barrier_wait(full.at[slot])
+                    a_op = transposed(a_smem.at[slot]) if transpose_a else a_smem.at[slot]
+                    b_op = transposed(b_smem.at[slot]) if transpose_b else b_smem.at[slot]
+                    plgpu.wgmma(acc, a_op, b_op)
+                    plgpu.wgmma_wait(in_flight)  # the step `in_flight` back has finished
+                    if in_flight:
+                        @pl.when(k > 0)
+                        def _():
+                            plgpu.barrier_arrive(empty.at[ring_slot(consumer, local, k - 1)])
+                    else:
+                        plgpu.barrier_arrive(empty.at[slot])
+                    return acc
+
+                lax.fori_loop(0, k_iters, step, acc_ref)
+                if in_flight:
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(empty.at[ring_slot(consumer, local, k_iters - 1)])
+                acc = acc_ref[...]
+                bias = None
+                if bias_gmem is not None:
+                    plgpu.barrier_wait(bias_barrier.at[consumer])
+                    bias = lax.broadcast_in_dim(load_bias(bias_smem.at[consumer]), (bm, bn), [1])
+                out = apply_epilogue(acc, bias, activation).astype(out_gmem.dtype)
+                store_epilogue(out, out_smem.at[consumer],
+                               out_gmem.at[pl.ds(row0, bm), pl.ds(col0, bn)])
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
