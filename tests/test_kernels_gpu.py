@@ -163,10 +163,14 @@ def test_mosaic_options_fused_epilogue(option, activation):
     _close(out, matmul_reference(a, b, bias=bias, activation=activation), 1e-2)
 
 
+_LAYOUTS = {"m": dict(wg_split="m"), "n": dict(wg_split="n"), "pingpong": dict(schedule="pingpong"),
+            "cluster_m": dict(cluster="m"), "cluster_n": dict(cluster="n")}
+
+
 @pytest.mark.parametrize("transposed", ["a", "b"])
 @pytest.mark.parametrize("shape", [(256, 256, 128), (127, 129, 65), (1000, 777, 513), (512, 768, 2048)],
                          ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("layout", ["m", "n", "pingpong"])
+@pytest.mark.parametrize("layout", ["m", "n", "pingpong", "cluster_m", "cluster_n"])
 def test_mosaic_transposed_operands_read_as_stored(transposed, shape, layout):
     """A.T @ B and A @ B.T without transposed copies (the backward pass's products)."""
     _backend_or_skip("mosaic_gpu")
@@ -174,7 +178,7 @@ def test_mosaic_transposed_operands_read_as_stored(transposed, shape, layout):
 
     m, k, n = shape
     config = MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=4, group_m=8,
-                          **(dict(schedule="pingpong") if layout == "pingpong" else dict(wg_split=layout)))
+                          **_LAYOUTS[layout])
     ka, kb = jax.random.split(jax.random.key(3))
     if transposed == "a":
         a = jax.random.normal(ka, (k, m), jnp.float32).astype(jnp.bfloat16)

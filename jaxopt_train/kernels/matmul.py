@@ -250,7 +250,7 @@ def _product_with_transpose(a, b, transposed: str, out_dtype, backend, config, b
         # Mosaic GPU: wgmma needs the two tiles' swizzles to match; a transposed tile is
         # swizzled over its M/N extent (128 B), so the K tile must span 128 B as well.
         if backend == "triton" or (cfg.block_k * jnp.dtype(a.dtype).itemsize == 128
-                                   and cfg.cluster == "none" and not cfg.warpgroup_lowering):
+                                   and not cfg.warpgroup_lowering):
             return _launch(a, b, bias, activation=activation, out_dtype=jnp.dtype(out_dtype),
                            backend=backend, config=cfg, transposed=transposed)
     return _forward_impl(lhs, rhs, bias, activation, out_dtype, backend, config)

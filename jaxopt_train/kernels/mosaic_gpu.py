@@ -299,8 +299,8 @@ def mosaic_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
     if bm % 64 or bn % 8 or bn > 256 or bk * jnp.dtype(a.dtype).itemsize % 32:
         raise ValueError(f"mosaic_gpu needs block_m % 64 == 0, block_n % 8 == 0 and <= 256, "
                          f"block_k * itemsize % 32 == 0; got {config}")
-    if (transpose_a or transpose_b) and (config.cluster != "none" or config.warpgroup_lowering):
-        raise ValueError(f"transposed operands need cluster='none' and warpgroup_lowering=False; got {config}")
+    if (transpose_a or transpose_b) and config.warpgroup_lowering:
+        raise ValueError(f"transposed operands need warpgroup_lowering=False; got {config}")
     unit_m, unit_n = cluster_tile(config)
     mp, np_, kp = _round_up(m, unit_m), _round_up(n, unit_n), _round_up(k, bk)
     a_shape, a_pad = ((kp, mp), ((0, kp - k), (0, mp - m))) if transpose_a else ((mp, kp), ((0, mp - m), (0, kp - k)))
