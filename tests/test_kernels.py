@@ -339,16 +339,17 @@ def test_mosaic_pipeline_depth_fits_shared_memory():
     assert fit_stages(pingpong, jnp.bfloat16, jnp.bfloat16, has_bias=True) == 3
 
 
-@pytest.mark.parametrize("layout", [{}, {"schedule": "pingpong"}, {"cluster": "m"}, {"cluster": "n"}],
-                         ids=["cooperative", "pingpong", "cluster_m", "cluster_n"])
+@pytest.mark.parametrize("layout", [{}, {"schedule": "pingpong"}, {"cluster": "m"}, {"cluster": "n"},
+                                    {"chain_tiles": True, "wgmma_in_flight": 0}],
+                         ids=["cooperative", "pingpong", "cluster_m", "cluster_n", "chained"])
 @pytest.mark.parametrize("transposed", [None, "a", "b"])
 def test_mosaic_gpu_kernel_lowers_for_cuda_on_cpu(layout, transposed):
     """The Pallas -> Mosaic GPU lowering runs without a GPU: it catches layout, barrier
     and ref errors of every schedule here (the GPU tests run the kernels)."""
     from jaxopt_train.kernels.mosaic_gpu import mosaic_matmul
 
-    config = MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=4, wgmma_in_flight=1,
-                          **layout)
+    config = MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=4,
+                          **{"wgmma_in_flight": 1, **layout})
     m, k, n = 1000, 384, 520
     shape = jax.ShapeDtypeStruct
     a = shape((k, m) if transposed == "a" else (m, k), jnp.bfloat16)

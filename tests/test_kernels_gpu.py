@@ -257,18 +257,27 @@ def test_triton_transposed_operands_read_as_stored(transposed, shape):
     _close(got, want, 1e-4)
 
 
+_SEVERAL_TILES = {
+    "pingpong": dict(schedule="pingpong"),
+    "pingpong_inflight": dict(schedule="pingpong", wgmma_in_flight=1),
+    "chained": dict(chain_tiles=True),
+}
+
+
 @pytest.mark.parametrize("transposed", [None, "a", "b"])
-@pytest.mark.parametrize("in_flight", [0, 1])
+@pytest.mark.parametrize("layout", _SEVERAL_TILES)
 @pytest.mark.parametrize("activation", [None, "gelu"])
-def test_mosaic_pingpong_several_tiles_per_sm(transposed, in_flight, activation):
-    """The ping-pong schedule where every CTA owns 4-5 tiles (both consumers, odd counts)
-    and K steps (10) wrap its 3-stage rings unevenly: barrier phases must stay in step."""
+@pytest.mark.parametrize("k", [640, 1024])
+def test_mosaic_several_tiles_per_sm(transposed, layout, activation, k):
+    """Schedules whose barriers carry state from tile to tile, where every SM owns several
+    tiles (ping-pong: 4-5 of 128 x 128, both consumers, odd counts; chained: 2-3 of
+    256 x 128) and the K steps (10 or 16) wrap the rings evenly or not."""
     _backend_or_skip("mosaic_gpu")
     from jaxopt_train.kernels.mosaic_gpu import mosaic_matmul
 
-    m, k, n = 4096, 640, 2176  # 32 x 17 = 544 tiles of 128 x 128 over 132 SMs
+    m, n = 4096, 2176
     config = MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=4, group_m=8,
-                          schedule="pingpong", wgmma_in_flight=in_flight)
+                          **_SEVERAL_TILES[layout])
     ka, kb, kc = jax.random.split(jax.random.key(11), 3)
     a = jax.random.normal(ka, (k, m) if transposed == "a" else (m, k), jnp.float32).astype(jnp.bfloat16)
     b = jax.random.normal(kb, (n, k) if transposed == "b" else (k, n), jnp.float32).astype(jnp.bfloat16)

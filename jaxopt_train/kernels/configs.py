@@ -60,6 +60,12 @@ class MatmulConfig:
             two alternate, so one's epilogue runs under the other's main loop).
             On an H200 ping-pong measured 12-15% slower on gpt-1b's products: two
             rings leave each consumer 3 stages, too shallow (BENCHMARKS.md).
+        chain_tiles: Mosaic GPU only: chain the pipelines of the tiles an SM
+            visits (Pallas's pipeline_state), so the producer loads the next
+            tile's first stages during the current tile's last steps and
+            epilogue instead of after it. Cooperative schedule with
+            wgmma_in_flight=0 only (ignored otherwise); the stage count drops to
+            the deepest one that divides the K steps (>= 2), else it runs unchained.
     """
 
     block_m: int = 128
@@ -76,6 +82,7 @@ class MatmulConfig:
     warpgroup_lowering: bool = False
     no_auto_barriers: bool = False
     schedule: str = "cooperative"
+    chain_tiles: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -109,7 +116,7 @@ class MatmulConfig:
                 or self.epilogue_tile < 16:
             raise ValueError(f"MatmulConfig.epilogue_tile={self.epilogue_tile!r} must be a "
                              f"power of two >= 16")
-        for name in ("warpgroup_lowering", "no_auto_barriers"):
+        for name in ("warpgroup_lowering", "no_auto_barriers", "chain_tiles"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MatmulConfig.{name}={getattr(self, name)!r} must be a bool")
 

@@ -99,12 +99,15 @@ def fit_stages(config: MatmulConfig, in_dtype, out_dtype, has_bias: bool) -> int
 
 def _matmul_kernel(a_gmem, b_gmem, bias_gmem, out_gmem, out_smem, bias_smem, bias_barrier, *,
                    config: MatmulConfig, activation: str | None, m_iters: int, n_iters: int,
-                   k_iters: int, transpose_a: bool = False, transpose_b: bool = False):
+                   k_iters: int, transpose_a: bool = False, transpose_b: bool = False,
+                   grid_size: int = 0, chain: bool = False):
     """Kernel body, run by 3 warpgroups ("wg") on every SM ("sm").
 
     `transpose_a`: a_gmem holds A^T (K, M); `transpose_b`: b_gmem holds B^T (N, K). The
     TMA then loads (bk, rows) / (cols, bk) tiles as stored and wgmma reads them
     transposed from shared memory, so the backward pass needs no transposed copies.
+    `chain`: the tiles' pipelines are chained (see `MatmulConfig.chain_tiles`); this SM
+    (or cluster, of `grid_size`) then visits tiles sm, sm + grid_size, ... itself.
     """
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -128,7 +131,7 @@ def _matmul_kernel(a_gmem, b_gmem, bias_gmem, out_gmem, out_smem, bias_smem, bia
     elif config.cluster == "m":
         b_kwargs["collective_axes"] = ("cluster",)
 
-    def make_pipeline(body, compute_context):
+    def make_pipeline(body, compute_context, state=None):
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(k_iters,),
@@ -143,6 +146,7 @@ def _matmul_kernel(a_gmem, b_gmem, bias_gmem, out_gmem, out_smem, bias_smem, bia
             num_compute_wgs=_NUM_CONSUMERS,
             max_concurrent_steps=config.num_stages,
             compute_context=compute_context,
+            **({} if state is None else dict(pipeline_state=state)),
         )
 
     def no_op(*_, **__):
@@ -157,9 +161,7 @@ def _matmul_kernel(a_gmem, b_gmem, bias_gmem, out_gmem, out_smem, bias_smem, bia
         wg = lax.axis_index("wg")
         minor = 0 if config.grid_minor == "m" else 1
 
-        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
-        def _tile_loop(loop_info):
-            (linear,) = getattr(loop_info, "index", loop_info)
+        def run_tile(linear, state=None):
             m_idx, n_idx = plgpu.planar_snake(linear, (m_iters, n_iters), minor, config.group_m)
             if config.cluster == "m":  # (m_iters, n_iters) count cluster tiles
                 m_idx = m_idx * 2 + lax.axis_index("cluster")
@@ -211,12 +213,50 @@ def _matmul_kernel(a_gmem, b_gmem, bias_gmem, out_gmem, out_smem, bias_smem, bia
                 plgpu.wgmma_wait(config.wgmma_in_flight)  # reading acc_ref waits for all
                 return acc_ref
 
-            make_pipeline(mma_body, compute_context)(
+            make_pipeline(mma_body, compute_context, state)(
                 a_gmem.at[:, cta_rows] if transpose_a else a_gmem.at[cta_rows, :],
                 b_gmem.at[cta_cols, :] if transpose_b else b_gmem.at[:, cta_cols],
                 allocations=pipeline_allocs)
 
+        if not chain:
+            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+            def _tile_loop(loop_info):
+                (linear,) = getattr(loop_info, "index", loop_info)
+                run_tile(linear)
+        else:
+            _chained_tiles(run_tile, m_iters * n_iters, grid_size)
+
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _chained_tiles(run_tile, num_tiles: int, grid_size: int):
+    """Runs this SM's tiles sm, sm + grid_size, ... as one chain of pipelines.
+
+    The pipeline state must be static (its prologue is unrolled), so the first tile
+    (START), the middle ones (STEADY) and the last (STOP) are traced apart; an SM with a
+    single tile runs an ordinary, self-contained pipeline.
+    """
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    pipeline = plgpu.PipelinePipeline
+    sm = lax.axis_index("sm")
+    count = (num_tiles - sm + grid_size - 1) // grid_size  # >= 1: grid_size <= num_tiles
+    tile = lambda i: sm + i * grid_size  # noqa: E731
+
+    @pl.when(count == 1)
+    def _single():
+        run_tile(tile(0))
+
+    @pl.when(count > 1)
+    def _chain():
+        run_tile(tile(0), pipeline.START)
+
+        @pl.loop(1, count - 1)
+        def _middle(i):
+            run_tile(tile(i), pipeline.STEADY)
+
+        run_tile(tile(count - 1), pipeline.STOP)
 
 
 def _transposed(plgpu, ref):
@@ -325,6 +365,11 @@ def mosaic_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
         config = dataclasses.replace(config, wgmma_in_flight=0)
     stages = max(fit_stages(config, a.dtype, out_dtype, bias is not None),
                  config.wgmma_in_flight + 1)
+    chain = config.chain_tiles and not config.wgmma_in_flight and config.schedule == "cooperative"
+    if chain:  # chained pipelines need the K steps to fill whole rounds of the ring
+        stages = next((s for s in range(stages, 1, -1) if k_iters % s == 0), 0)
+        chain = stages > 0
+        stages = stages or config.num_stages
     if stages != config.num_stages:
         config = dataclasses.replace(config, num_stages=stages)
     cluster = 1 if config.cluster == "none" else 2
@@ -346,7 +391,8 @@ def mosaic_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
     else:
         body = functools.partial(_matmul_kernel, config=config, activation=activation,
                                  m_iters=m_iters, n_iters=n_iters, k_iters=k_iters,
-                                 transpose_a=transpose_a, transpose_b=transpose_b)
+                                 transpose_a=transpose_a, transpose_b=transpose_b,
+                                 grid_size=grid[0], chain=chain)
         if bias is None:
             body = functools.partial(_without_bias, body)
     params = _compiler_params(plgpu, config, activation)
