@@ -206,7 +206,7 @@ def test_ablations_switch_one_technique_each():
     optimised = train_steps.RunConfig("optimised", policy="bf16", attention="cudnn",
                                       accumulation="scan", donate=True, remat="dots",
                                       grad_sync="ring", steps_per_dispatch=4, opt_state="bf16",
-                                      grad_dtype="compute")
+                                      grad_dtype="compute", zero=1)
     runs, skipped = train._ablation_runs(baseline, optimised, workload, num_devices=2)
     changed = {r.name: {k for k, v in r.describe().items() if k != "name" and v != getattr(baseline, k)}
                for r in runs}
@@ -217,7 +217,10 @@ def test_ablations_switch_one_technique_each():
     assert changed["+bf16+cudnn attention"] == {"policy", "attention"}
     assert changed["+bf16 optimizer state"] == {"opt_state"}
     assert changed["+bf16 gradients (+scan accumulation)"] == {"policy", "grad_dtype", "accumulation"}
+    assert changed["+zero=1 (+scan accumulation)"] == {"zero", "accumulation"}
     assert [s["name"] for s in skipped] == ["+xla flags"]
+    _, skipped = train._ablation_runs(baseline, optimised, workload, num_devices=1)
+    assert "+zero=1 (+scan accumulation)" in [s["name"] for s in skipped]
     with pytest.raises(ValueError, match="accumulation='scan'"):
         train_steps.RunConfig("bad", policy="bf16", grad_dtype="compute")
     with pytest.raises(ValueError, match="legal values"):

@@ -7,7 +7,9 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxopt_train.zero import leaf_spec, make_layout, make_zero_step, zero_shardings
+from jaxopt_train.zero import (gather_leaves, leaf_spec, leaf_specs, make_layout, make_zero_step,
+                               opt_state_leaf_specs, place_leaves, reduce_scatter_leaves, shard_dim,
+                               spec_dim, zero_shardings)
 
 N = 8
 STEPS = 2
@@ -106,3 +108,85 @@ def test_zero_shardings_for_jit(mesh):
     p1, o1 = zero_shardings(params, opt_state, mesh, stage=1)
     assert p1["w1"].spec == P() and o1[0].mu["w1"].spec == P("data") and o1[0].count.spec == P()
     assert leaf_spec((3, 16), N) == P(None, "data") and leaf_spec((3, 5), N) == P()
+
+
+# Per-leaf ZeRO-1 ------------------------------------------------------------
+
+LEAF_N = 4
+
+
+def _leaf_problem():
+    rng = np.random.default_rng(1)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    # w: dim 0 divisible by 4; v: only dim 1; odd and scale: no divisible dim (stay replicated).
+    params = {"w": normal(8, 6), "v": normal(6, 8), "odd": normal(3, 5), "scale": jnp.ones((), jnp.float32)}
+    return params, normal(LEAF_N * 2, 8)
+
+
+def _leaf_loss(params, x):
+    h = jnp.tanh(x @ params["w"] @ params["v"]) * params["scale"]
+    return jnp.mean((h[:, :3] @ params["odd"]) ** 2)
+
+
+def test_shard_dim_picks_the_first_divisible_dimension():
+    assert shard_dim((8, 6), 4) == 0 and shard_dim((3, 8), 4) == 1 and shard_dim((12, 16), 4) == 0
+    assert shard_dim((3, 5), 4) is None and shard_dim((), 4) is None and shard_dim((2, 8), 4) == 1
+    specs = leaf_specs(_leaf_problem()[0], LEAF_N)
+    assert specs == {"w": P("data"), "v": P(None, "data"), "odd": P(), "scale": P()}
+    assert {k: spec_dim(s) for k, s in specs.items()} == {"w": 0, "v": 1, "odd": None, "scale": None}
+    with pytest.raises(ValueError, match="num_shards=0 must be a positive int"):
+        leaf_specs(_leaf_problem()[0], 0)
+
+
+@pytest.mark.parametrize("method", ["psum", "ring"])
+def test_per_leaf_zero1_matches_replicated_adamw(method):
+    # Each device updates its shards (and the replicated leaves whole, after an
+    # all-reduce by `method`) with AdamW: the result must be the replicated update.
+    params, batch = _leaf_problem()
+    mesh = jax.make_mesh((LEAF_N,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:LEAF_N])
+    tx = optax.adamw(1e-2, weight_decay=0.1)
+    with jax.numpy_dtype_promotion("standard"):
+        opt_state = tx.init(params)
+    param_specs = leaf_specs(params, LEAF_N)
+    specs = (param_specs, opt_state_leaf_specs(tx, opt_state, params, param_specs))
+    assert specs[1][0].mu == param_specs and specs[1][0].count == P()
+    state = place_leaves((params, opt_state), specs, mesh)
+    assert state[1][0].mu["w"].addressable_shards[0].data.shape == (2, 6)
+    assert state[1][0].nu["v"].addressable_shards[0].data.shape == (6, 2)
+    assert state[1][0].mu["odd"].addressable_shards[0].data.shape == (3, 5)
+
+    def per_device(state, x):
+        shards, opt_state = state
+        grads = jax.grad(_leaf_loss)(gather_leaves(shards, param_specs), x)
+        grads = jax.tree.map(lambda g: g / LEAF_N, reduce_scatter_leaves(grads, param_specs, method=method))
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = tx.update(grads, opt_state, shards)
+        return (optax.apply_updates(shards, updates), opt_state)
+
+    step = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(specs, P("data")), out_specs=specs,
+                                 check_vma=False))
+
+    @jax.jit
+    def reference(params, opt_state):
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = tx.update(jax.grad(_leaf_loss)(params, batch), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    sharded_batch = jax.device_put(batch, jax.sharding.NamedSharding(mesh, P("data")))
+    ref = (params, opt_state)
+    for _ in range(STEPS):
+        state, ref = step(state, sharded_batch), reference(*ref)
+    assert jax.tree.map(lambda x: x.sharding.spec, state[0]) == param_specs  # layout kept
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), state, ref)
+
+
+def test_opt_state_leaf_specs_refuses_what_it_cannot_split():
+    params = {"w": jnp.zeros((8, 4), jnp.float32)}
+    specs = leaf_specs(params, LEAF_N)
+    factored = optax.adafactor(1e-3, min_dim_size_to_factor=2)  # row/column moments, not param-shaped
+    with pytest.raises(ValueError, match="do not have their parameter's shape"):
+        opt_state_leaf_specs(factored, factored.init(params), params, specs)
+    peeks = optax.GradientTransformation(lambda p: {"rows": jnp.zeros(p["w"].shape[:1])}, None)
+    with pytest.raises(ValueError, match="could not match the optimizer state"):
+        opt_state_leaf_specs(peeks, peeks.init(params), params, specs)

@@ -11,7 +11,9 @@ Configs run one after the other on the same model and global batch:
   `lax.scan` accumulation with one all-reduce after it, donated state, the
   first remat policy ("none", "dots", "full") whose compiled step fits
   `--memory-budget`, the fastest grad-sync method, `--steps-per-dispatch` steps
-  per compiled call, and the `--xla-preset` XLA flags;
+  per compiled call, and the `--xla-preset` XLA flags; with `--zero 1` (and
+  more than one device) its f32 master params and AdamW state are sharded per
+  leaf over the devices (ZeRO-1: all-gather params, reduce-scatter gradients);
 - with `--ablate`, each technique alone over the baseline.
 
 Timing: warm up, then bursts of back-to-back dispatches with one sync per
@@ -42,6 +44,7 @@ REMAT_ORDER = ("none", "dots", "full")
 
 
 def _parser() -> argparse.ArgumentParser:
+    from jaxopt_train.bench.train_steps import ZERO_STAGES  # noqa: PLC0415
     from jaxopt_train.collectives import METHODS  # noqa: PLC0415
     from jaxopt_train.models import GPT_PRESETS, VISION_PRESETS  # noqa: PLC0415
     from jaxopt_train.runtime.xla_flags import PRESETS  # noqa: PLC0415
@@ -76,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-dtype", choices=GRAD_DTYPES, default="compute",
                    help="optimised config: gradients in the f32 params' dtype or the bf16 "
                    "compute dtype (widened after the all-reduce)")
+    p.add_argument("--zero", type=int, choices=ZERO_STAGES, default=0,
+                   help="optimised config: 1 shards the f32 master params and AdamW state per "
+                   "leaf over the devices (ZeRO-1; a no-op on one device)")
     p.add_argument("--xla-preset", choices=sorted(PRESETS), default="gpu-throughput")
     p.add_argument("--xla-extra", default=None, help="more XLA flags, '--name=value ...'")
     p.add_argument("--devices", type=int, help="use the first N devices (default: all)")
@@ -296,6 +302,9 @@ def _ablation_runs(baseline, optimised, workload, num_devices):
         + (" (+scan accumulation)" if workload.microbatches > 1 else ""),
         None if optimised.steps_per_dispatch > 1 else "k = 1",
         steps_per_dispatch=optimised.steps_per_dispatch, accumulation="scan")
+    add("+zero=1" + (" (+scan accumulation)" if workload.microbatches > 1 else ""),
+        None if num_devices > 1 and optimised.zero else "--zero 0 (or 1 device: nothing to shard)",
+        zero=1, accumulation="scan")
     skipped.append({"name": "+xla flags", "reason": "XLA flags are process-wide; compare a run "
                     "with --xla-preset none"})
     return runs, skipped
@@ -323,7 +332,8 @@ def run_bench(args, xla_report) -> dict:
     optimised = train_steps.RunConfig("optimised", policy="bf16", attention=attention,
                                       accumulation="scan", donate=True,
                                       steps_per_dispatch=args.steps_per_dispatch,
-                                      opt_state=args.opt_state_dtype, grad_dtype=args.grad_dtype)
+                                      opt_state=args.opt_state_dtype, grad_dtype=args.grad_dtype,
+                                      zero=args.zero)
     baseline = train_steps.RunConfig("baseline")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "MFU omitted" is said in the table's header instead
@@ -398,7 +408,7 @@ def render(result) -> str:
     lines.append(f"optimised: remat={opt['config']['remat']}, grad_sync={opt['config']['grad_sync']}, "
                  f"attention={opt['attention_resolved']}, steps_per_dispatch={opt['steps_per_dispatch']}, "
                  f"optimizer state {opt['config']['opt_state']}, gradients in the "
-                 f"{opt['config']['grad_dtype']} dtype")
+                 f"{opt['config']['grad_dtype']} dtype, {_zero_note(opt)}")
     for skip in result["ablations_skipped"]:
         lines.append(f"ablation {skip['name']} skipped: {skip['reason']}")
     if "scaling" in result:
@@ -411,6 +421,14 @@ def render(result) -> str:
         lines += ["", "steps_per_dispatch (optimised config):",
                   train_report.dispatch_table(result["dispatch"])]
     return "\n".join(lines)
+
+
+def _zero_note(row) -> str:
+    if not row["config"]["zero"]:
+        return "zero=0 (params and optimizer state replicated)"
+    if row["num_devices"] == 1:
+        return "zero=1 (a no-op on 1 device: nothing to shard)"
+    return "zero=1 (master params and optimizer state sharded per leaf)"
 
 
 def _write_outputs(args, result, text) -> None:

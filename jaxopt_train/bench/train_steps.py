@@ -11,6 +11,17 @@ micro-batches, on a 1-D "data" mesh (params and optimizer state replicated):
   with `accumulate_gradients` (`lax.scan`) and reducing gradients across
   devices once, after the scan, with `all_reduce_tree(method=grad_sync)`.
 
+In-graph with `zero=1` (per-leaf ZeRO-1, `jaxopt_train.zero`): the f32 master
+params and AdamW's moments are split per leaf over the devices instead of
+replicated. The step all-gathers the params (in the compute dtype with
+`grad_dtype="compute"`) at its start, takes the gradient w.r.t. the gathered
+copy, reduce-scatters each gradient back to its shard after the scan, and
+each device updates only its shards. One collective per leaf lets XLA overlap
+the all-gathers with the forward and the reduce-scatters with the backward;
+with micro-batches (K > 1) they sit before and after the accumulation
+`lax.scan`, and XLA's scheduler does not move them into its loop, so that
+overlap needs K = 1.
+
 The bench writes its own lean step instead of the trainer's
 (`jaxopt_train.train.step`): the trainer also checks finiteness, selects
 between old and new state, clips and reports the gradient norm, which cost
@@ -45,9 +56,12 @@ from jaxopt_train.models.gpt import warn_if_cudnn_unavailable
 from jaxopt_train.precision import get_policy
 from jaxopt_train.train.config import GRAD_DTYPES, MATMULS, matmul_dot_general
 from jaxopt_train.train.optim import low_precision_state, state_dtype
+from jaxopt_train.zero import (gather_leaves, leaf_specs, opt_state_leaf_specs, place_leaves,
+                               reduce_scatter_leaves)
 
 AXIS = "data"
 ACCUMULATIONS = ("host", "scan")
+ZERO_STAGES = (0, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +131,7 @@ class RunConfig:
     opt_state: str = "f32"  # AdamW moments' storage dtype (jaxopt_train.train.optim)
     grad_dtype: str = "param"  # "compute": differentiate w.r.t. the compute-dtype params
     matmul: str = "xla"  # GPT dense layers: "xla", or our "pallas" / "triton" kernel
+    zero: int = 0  # 1: master params + optimizer state sharded per leaf (a no-op on 1 device)
 
     def __post_init__(self):
         if self.accumulation not in ACCUMULATIONS:
@@ -131,6 +146,12 @@ class RunConfig:
         if self.grad_dtype == "compute" and self.accumulation == "host":
             raise ValueError("grad_dtype='compute' is implemented by the in-graph step: it needs "
                              "accumulation='scan', got accumulation='host'")
+        if self.zero not in ZERO_STAGES:
+            raise ValueError(f"zero={self.zero!r}; legal values: {ZERO_STAGES} (0: replicated, "
+                             "1: master params and optimizer state sharded per leaf)")
+        if self.zero and self.accumulation != "scan":
+            raise ValueError(f"zero={self.zero} is implemented by the in-graph step: it needs "
+                             f"accumulation='scan', got accumulation={self.accumulation!r}")
         if self.accumulation == "host" and self.steps_per_dispatch > 1:
             raise ValueError("steps_per_dispatch > 1 runs the step in-graph: it needs "
                              "accumulation='scan', got accumulation='host'")
@@ -232,9 +253,20 @@ def host_batches(workload: Workload, count: int, run: RunConfig, seed: int = 0):
     return {k: v.reshape((count, workload.global_batch) + v.shape[1:]) for k, v in batch.items()}
 
 
-def _sync_grads(grads, params, run: RunConfig, num_devices: int):
-    """One all-reduce (skipped on one device), then widened to the params' dtype and averaged."""
-    if num_devices > 1:
+def zero_state_specs(state, optimizer, num_devices: int):
+    """PartitionSpecs of (params, model_state, opt_state) for per-leaf ZeRO-1 over AXIS."""
+    params, model_state, opt_state = state
+    param_specs = leaf_specs(params, num_devices, AXIS)
+    return (param_specs, jax.tree.map(lambda _: P(), model_state),
+            opt_state_leaf_specs(optimizer, opt_state, params, param_specs))
+
+
+def _sync_grads(grads, params, run: RunConfig, num_devices: int, param_specs=None):
+    """One all-reduce (skipped on one device), or with `param_specs` (ZeRO-1) a reduce-scatter
+    per leaf to this device's shard; then widened to the params' dtype and averaged."""
+    if param_specs is not None:
+        grads = reduce_scatter_leaves(grads, param_specs, AXIS, method=run.grad_sync)
+    elif num_devices > 1:
         grads = all_reduce_tree(grads, AXIS, method=run.grad_sync)
     return jax.tree.map(lambda g, p: g.astype(p.dtype) / num_devices, grads, params)
 
@@ -246,7 +278,9 @@ def _pmean_floating(tree, num_devices: int):
                         else x, tree)
 
 
-def _in_graph_step(loss, optimizer, workload: Workload, run: RunConfig, num_devices: int):
+def _in_graph_step(loss, optimizer, workload: Workload, run: RunConfig, num_devices: int,
+                   param_specs=None):
+    """The per-device step; `param_specs` (ZeRO-1) means params and state arrive as shards."""
     grad_fn = accumulate_gradients(loss, workload.microbatches, has_aux=True)
     policy = get_policy(run.policy)
 
@@ -255,8 +289,10 @@ def _in_graph_step(loss, optimizer, workload: Workload, run: RunConfig, num_devi
         # grad_dtype="compute": gradients w.r.t. the bf16 copy stay bf16 (half the
         # bytes to write, reduce and read); the loss's own cast is then a no-op.
         grad_params = policy.cast_to_compute(params) if run.grad_dtype == "compute" else params
+        if param_specs is not None:  # cast first: the all-gathers then move bf16
+            grad_params = gather_leaves(grad_params, param_specs, AXIS)
         (value, new_model_state), grads = grad_fn(grad_params, batch, model_state)
-        grads = _sync_grads(grads, params, run, num_devices)
+        grads = _sync_grads(grads, params, run, num_devices, param_specs)
         # optax mixes Python floats with int32 counts, which strict promotion rejects.
         with jax.numpy_dtype_promotion("standard"):
             updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -326,12 +362,18 @@ def build_runner(workload: Workload, run: RunConfig, mesh, *, seed: int = 0) -> 
         return _host_runner(workload, run, mesh, loss, optimizer, state, donate)
     batches = jax.device_put(host_batches(workload, run.steps_per_dispatch, run, seed),
                              NamedSharding(mesh, P(None, AXIS)))
-    per_device = _in_graph_step(loss, optimizer, workload, run, num_devices)
+    # zero=1 on one device has nothing to shard: it runs the zero=0 step.
+    state_specs, param_specs = P(), None
+    if run.zero and num_devices > 1:
+        state_specs = zero_state_specs(state, optimizer, num_devices)
+        param_specs = state_specs[0]
+        state = place_leaves(state, state_specs, mesh)
+    per_device = _in_graph_step(loss, optimizer, workload, run, num_devices, param_specs)
     # check_vma=False: ring reductions built from ppermute give values that are
     # equal on every device but typed varying, and the params' gradients must
     # stay per-device until our single all-reduce.
-    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(None, AXIS)),
-                            out_specs=(P(), P()), check_vma=False)
+    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(state_specs, P(None, AXIS)),
+                            out_specs=(state_specs, P()), check_vma=False)
     start = time.perf_counter()
     compiled = _compile(jax.jit(sharded, donate_argnums=donate), state, batches)
     compile_s = time.perf_counter() - start
