@@ -11,9 +11,10 @@ Configs run one after the other on the same model and global batch:
   `lax.scan` accumulation with one all-reduce after it, donated state, the
   first remat policy ("none", "dots", "full") whose compiled step fits
   `--memory-budget`, the fastest grad-sync method, `--steps-per-dispatch` steps
-  per compiled call, and the `--xla-preset` XLA flags; with `--zero 1` (and
-  more than one device) its f32 master params and AdamW state are sharded per
-  leaf over the devices (ZeRO-1: all-gather params, reduce-scatter gradients);
+  per compiled call, and the `--xla-preset` XLA flags; on more than one device
+  its f32 master params and AdamW state are sharded per leaf over the devices
+  (`--zero 1`, the default; ZeRO-1: all-gather params, reduce-scatter gradients;
+  on 2 H200s it lifted gpt-1b's scaling from 90.8% to 95.1%);
 - with `--ablate`, each technique alone over the baseline.
 
 Timing: warm up, then bursts of back-to-back dispatches with one sync per
@@ -79,9 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-dtype", choices=GRAD_DTYPES, default="compute",
                    help="optimised config: gradients in the f32 params' dtype or the bf16 "
                    "compute dtype (widened after the all-reduce)")
-    p.add_argument("--zero", type=int, choices=ZERO_STAGES, default=0,
-                   help="optimised config: 1 shards the f32 master params and AdamW state per "
-                   "leaf over the devices (ZeRO-1; a no-op on one device)")
+    p.add_argument("--zero", type=int, choices=ZERO_STAGES, default=1,
+                   help="optimised config: 1 (default) shards the f32 master params and AdamW "
+                   "state per leaf over the devices (ZeRO-1; a no-op on one device); 0 "
+                   "replicates them")
     p.add_argument("--xla-preset", choices=sorted(PRESETS), default="gpu-throughput")
     p.add_argument("--xla-extra", default=None, help="more XLA flags, '--name=value ...'")
     p.add_argument("--devices", type=int, help="use the first N devices (default: all)")
