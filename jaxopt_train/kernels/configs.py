@@ -146,9 +146,11 @@ def as_config(config: MatmulConfig | dict | None) -> MatmulConfig | None:
 # stacked along M, so one CTA covers 2*block_m rows. Measured on an H200 (jax
 # 0.11.2, BENCHMARKS.md): 128x128x64, 4 stages, snake width 16 won or tied
 # (within 1%) on all four large shapes; wgmma_in_flight=1 won 3 of 4 by <= 1%,
-# inside run-to-run noise, so the default keeps the simpler schedule.
+# inside run-to-run noise, so the default keeps the simpler schedule. Chained tile
+# pipelines took the gpt-1b training step with our kernel from 1.043-1.047x XLA's
+# to 1.029-1.031x (paired runs, fifth session); they cost ~2x the kernel's compile.
 _HOPPER_MOSAIC = MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=4,
-                              group_m=16, grid_minor="n")
+                              group_m=16, grid_minor="n", chain_tiles=True)
 # A common Hopper Triton tile (0.96x XLA at 8192^3 on an H200); not yet swept there.
 _HOPPER_TRITON = MatmulConfig(block_m=128, block_n=256, block_k=64, num_stages=3,
                               num_warps=8, group_m=8)
