@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import flax.linen as linen
@@ -337,6 +338,22 @@ def test_mosaic_pipeline_depth_fits_shared_memory():
     # Ping-pong: one ring per consumer, each of 128x64 + 64x128 bf16 tiles (32 KiB a stage).
     pingpong = MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=4, schedule="pingpong")
     assert fit_stages(pingpong, jnp.bfloat16, jnp.bfloat16, has_bias=True) == 3
+
+
+def test_chained_pipeline_depth_divides_the_k_steps():
+    from jaxopt_train.kernels.mosaic_gpu import chained_depth
+
+    chained = MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=4, chain_tiles=True)
+    assert chained_depth(chained, 32, 4) == (4, True)  # gpt-1b's K = 2048
+    assert chained_depth(chained, 786, 4) == (3, True)  # K = 50304 (the LM head's dA)
+    assert chained_depth(chained, 9, 3) == (3, True)
+    # No divisor >= 2 within the fitted depth: unchained, and never deeper than what fits
+    # (the H200 rejected 4 stages of f32 output at K = 777 before this rule).
+    assert chained_depth(chained, 13, 3) == (3, False)
+    assert chained_depth(chained, 1, 3) == (3, False)
+    unchained = dataclasses.replace(chained, chain_tiles=False)
+    assert chained_depth(unchained, 32, 4) == (4, False)
+    assert chained_depth(dataclasses.replace(chained, wgmma_in_flight=1), 32, 4) == (4, False)
 
 
 @pytest.mark.parametrize("layout", [{}, {"schedule": "pingpong"}, {"cluster": "m"}, {"cluster": "n"},

@@ -97,6 +97,19 @@ def fit_stages(config: MatmulConfig, in_dtype, out_dtype, has_bias: bool) -> int
     return int(stages)
 
 
+def chained_depth(config: MatmulConfig, k_iters: int, fitted: int) -> tuple[int, bool]:
+    """(stages, chained) for a launch of `k_iters` K steps whose buffers fit `fitted` stages.
+
+    Chained pipelines need the K steps to fill whole rounds of the ring, so the depth
+    drops to the deepest divisor of k_iters (>= 2); with none (k_iters prime, say) the
+    launch runs unchained at the fitted depth.
+    """
+    if not (config.chain_tiles and not config.wgmma_in_flight and config.schedule == "cooperative"):
+        return fitted, False
+    depth = next((s for s in range(fitted, 1, -1) if k_iters % s == 0), None)
+    return (fitted, False) if depth is None else (depth, True)
+
+
 def _matmul_kernel(a_gmem, b_gmem, bias_gmem, out_gmem, out_smem, bias_smem, bias_barrier, *,
                    config: MatmulConfig, activation: str | None, m_iters: int, n_iters: int,
                    k_iters: int, transpose_a: bool = False, transpose_b: bool = False,
@@ -365,11 +378,7 @@ def mosaic_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
         config = dataclasses.replace(config, wgmma_in_flight=0)
     stages = max(fit_stages(config, a.dtype, out_dtype, bias is not None),
                  config.wgmma_in_flight + 1)
-    chain = config.chain_tiles and not config.wgmma_in_flight and config.schedule == "cooperative"
-    if chain:  # chained pipelines need the K steps to fill whole rounds of the ring
-        stages = next((s for s in range(stages, 1, -1) if k_iters % s == 0), 0)
-        chain = stages > 0
-        stages = stages or config.num_stages
+    stages, chain = chained_depth(config, k_iters, stages)
     if stages != config.num_stages:
         config = dataclasses.replace(config, num_stages=stages)
     cluster = 1 if config.cluster == "none" else 2
