@@ -16,7 +16,10 @@ Options of `MatmulConfig` (defaults give the layout above): `wg_split="n"`
 puts the consumers side by side (CTA tile block_m x 2*block_n, one shared A
 tile); `cluster="m"|"n"` pairs CTAs in a 2-CTA cluster that TMA-multicasts the
 shared B (resp. A) tile; `epilogue_tile` sets the output sub-tile edge;
-`warpgroup_lowering` and `no_auto_barriers` are Mosaic GPU compiler switches.
+`warpgroup_lowering` and `no_auto_barriers` are Mosaic GPU compiler switches;
+`chain_tiles` (the Hopper default) chains the pipelines of the tiles an SM visits
+so loads never stop at a tile boundary; `schedule="pingpong"` is the alternative
+layout of `mosaic_gpu_pingpong` (measured slower, kept as an option).
 
 Shapes are zero-padded by the wrapper to multiples of the cluster tile (by
 default (2*bm, bn)) and of bk: exact, and it keeps the kernel free of masks.
