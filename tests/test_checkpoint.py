@@ -91,6 +91,17 @@ def test_restore_without_checkpoint_raises(tmp_path):
     ckpt.close()
 
 
+def test_restore_into_other_shapes_names_each_array(tmp_path):
+    """Orbax refuses it too, but without naming the array; ours says expected and found."""
+    state = _state(NoOpLossScale())
+    ckpt = Checkpointer(str(tmp_path), async_save=False)
+    ckpt.save(1, state, {})
+    other = state._replace(params={"w": jnp.zeros((4, 3)), "b": jnp.zeros(4)})
+    with pytest.raises(RunDirError, match=r"1 array\(s\).*params/w: expected \(4, 3\), found \(3, 4\)"):
+        ckpt.restore(other)
+    ckpt.close()
+
+
 def test_bad_keep():
     with pytest.raises(ValueError, match="keep=0"):
         Checkpointer("/tmp/unused", keep=0)

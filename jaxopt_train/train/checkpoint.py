@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 CHECKPOINT_SUBDIR = "checkpoints"
 
@@ -69,10 +70,38 @@ class Checkpointer:
         if step is None:
             raise FileNotFoundError(f"no checkpoint to restore in {self.directory}")
         target = jax.tree.map(_as_abstract, abstract_state)
+        self._check_saved_shapes(step, target)
         args = ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                   meta=ocp.args.JsonRestore())
         restored = self._manager.restore(step, args=args)
         return restored["state"], dict(restored["meta"] or {})
+
+    def _check_saved_shapes(self, step: int, target: Any) -> None:
+        """Raises RunDirError naming the arrays whose saved shape differs from `target`'s.
+
+        Orbax refuses such a restore too, but with a message that names no
+        array and suggests padding/truncation. One case that must not load:
+        a zero=1 checkpoint from before the per-leaf layout, whose optimizer
+        state holds per-device chunks ([n, ..., chunk]) where the moments now
+        have their parameter's shape. (Where those shapes coincide, the chunks
+        are the same elements in the same order, so loading them is right.)
+        """
+        saved = _saved_shapes(os.path.join(self.directory, str(step), "state"))
+        if saved is None:  # no readable metadata: orbax's own shape check still applies
+            return
+        found = []
+        for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
+            name = _path_name(path)
+            if name in saved and saved[name] != tuple(leaf.shape):
+                found.append(f"{name}: expected {tuple(leaf.shape)}, found {saved[name]}")
+        if found:
+            shown = "; ".join(found[:4]) + (f"; and {len(found) - 4} more" if len(found) > 4 else "")
+            raise RunDirError(
+                f"cannot restore the checkpoint at step {step} in {self.directory}: {len(found)} "
+                f"array(s) have another shape than this run's state ({shown}). It was written with "
+                "another layout of the state, e.g. by a zero=1 run from before the per-leaf "
+                "optimizer-state layout (moments stored as per-device chunks). Resume it with the "
+                "version and settings that wrote it, or start a new --run-dir.")
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
         """The JSON record of a checkpoint, without touching its arrays."""
@@ -95,6 +124,31 @@ def _as_abstract(x):
         return x
     sharding = getattr(x, "sharding", None)
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def _path_name(path) -> str:
+    """'opt_state/0/mu/...' from a key path (orbax stores namedtuples as dicts by field name)."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+    return "/".join(parts)
+
+
+def _saved_shapes(directory: str) -> dict[str, tuple[int, ...]] | None:
+    """{array path: shape} from a saved state item's metadata, or None if it cannot be read."""
+    handler = ocp.StandardCheckpointHandler()
+    try:
+        tree = handler.metadata(epath.Path(directory)).tree
+    except (AttributeError, KeyError, OSError, TypeError, ValueError):
+        return None
+    finally:
+        handler.close()
+    return {_path_name(path): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if getattr(leaf, "shape", None) is not None}
 
 
 def existing_checkpoint_steps(run_dir: str) -> list[int]:

@@ -62,12 +62,14 @@ class TrainConfig:
       grad_sync: cross-device gradient reduction (`GRAD_SYNCS`).
       grad_compression: wire format of the gradient reduction.
       zero: ZeRO stage over the data axis (`ZERO_STAGES`): 0 replicated, 1
-        optimizer state sharded, 3 parameters sharded too. Needs grad_sync
-        "psum" or "ring" and no grad_compression.
+        optimizer state sharded per leaf (each gradient leaf reduce-scattered
+        on its own, overlapping the backward), 3 parameters sharded too (one
+        flat reduce-scatter). Needs grad_sync "psum" or "ring" and no
+        grad_compression.
       grad_dtype: "param" (gradients in the params' dtype) or "compute" (in the
         compute dtype, e.g. bf16 under --precision bf16, widened after the one
         cross-device reduction: half the gradient memory and reduction bytes).
-        Needs zero=0 and no grad_compression.
+        Needs zero 0 or 1 and no grad_compression.
       opt_state_dtype: storage dtype of AdamW's moments, "f32" or "bf16" (half
         their memory and traffic; the update math stays f32).
       steps_per_dispatch: optimizer steps run by one compiled call (lax.scan

@@ -40,9 +40,11 @@ from jaxopt_train.train.state import TrainState, default_optimizer, init_train_s
 from jaxopt_train.train.step import (AXIS, build_eval_step, build_train_step,
                                      init_sharded_error_feedback, jit_steps, make_data_mesh,
                                      memory_summary, place_batch, replicate)
-from jaxopt_train.train.zero_step import (check_zero, gather_full_params, init_zero_state,
-                                          make_chunked_layout, make_zero_step_body,
-                                          opt_state_specs, zero_state_specs)
+from jaxopt_train.train.zero_step import (check_zero, gather_full_params,
+                                          init_zero1_state, init_zero3_state,
+                                          make_chunked_layout, make_zero1_step_body,
+                                          make_zero3_step_body, opt_state_specs, zero1_specs,
+                                          zero_state_specs)
 
 GRAD_SYNCS = config_lib.GRAD_SYNCS
 GRAD_COMPRESSIONS = (None, *config_lib.GRAD_COMPRESSIONS)
@@ -65,9 +67,13 @@ def check_grad_dtype(grad_dtype: str, zero: int, grad_compression: str | None) -
     """Raises ValueError for an unknown `grad_dtype` or one the other options exclude."""
     if grad_dtype not in config_lib.GRAD_DTYPES:
         raise ValueError(f"grad_dtype={grad_dtype!r}; expected one of {list(config_lib.GRAD_DTYPES)}")
-    if grad_dtype == "compute" and (zero or grad_compression not in (None, "none")):
-        raise ValueError(f"grad_dtype='compute' needs zero=0 and no grad compression (the "
-                         f"gradients are already narrow), got {zero=}, {grad_compression=}")
+    if grad_dtype == "compute" and grad_compression not in (None, "none"):
+        raise ValueError(f"grad_dtype='compute' needs no grad compression (the gradients are "
+                         f"already narrow), got {grad_compression=}; use grad_compression='none'")
+    if grad_dtype == "compute" and zero == 3:
+        raise ValueError("grad_dtype='compute' is not implemented for zero=3 (its flat "
+                         "reduce-scatter moves the params' dtype); use zero=1 (per-leaf "
+                         "reduce-scatters in the compute dtype) or grad_dtype='param'")
 
 
 class Trainer:
@@ -87,16 +93,20 @@ class Trainer:
       steps_per_dispatch: optimizer steps per compiled call; `step()` then
         takes batches with a leading axis of this size.
       zero: ZeRO stage: 0 (replicated), 1 (optimizer state sharded over the
-        data axis) or 3 (parameters too, gathered for forward/backward). At
-        stages 1 and 3 the optimizer updates pytrees of per-device chunks of
-        each leaf (rank kept), so it must be elementwise apart from per-leaf
-        masks; global-norm clipping is done by the step over the whole
-        gradient (`clip_norm`, default optimizer only: a user optimizer must
-        not clip by global norm itself).
+        data axis, per leaf) or 3 (parameters too, flat, gathered for
+        forward/backward). Stage 1 splits each leaf (and its Adam moments)
+        along its first dimension divisible by the device count, leaves
+        without one stay replicated, and reduce-scatters each gradient leaf
+        on its own, so the reductions overlap the rest of the backward; the
+        params stay replicated. Stage 3 gives each device a chunk of every
+        leaf (rank kept). The optimizer then updates shards, so it must be
+        elementwise apart from per-leaf masks; global-norm clipping is done
+        by the step over the whole gradient (`clip_norm`, default optimizer
+        only: a user optimizer must not clip by global norm itself).
       grad_dtype: "param" (gradients in the params' dtype, e.g. f32 master
         weights) or "compute" (gradients in the policy's compute dtype, e.g.
         bf16, widened after the cross-device reduction: half the gradient
-        memory and reduction bytes; zero=0 without compression only).
+        memory and reduction bytes; zero=0 or 1, without compression).
       opt_state_dtype: "f32" or "bf16": storage dtype of the optimizer's
         floating state (`jaxopt_train.train.optim.low_precision_state`).
       devices: devices of the data mesh (default: all).
@@ -169,8 +179,12 @@ class Trainer:
                                  loss_scale_for(policy))
         self.state: TrainState = replicate(state, self.mesh)
         self.zero = zero
-        if zero:
-            self._setup_zero(fns, optimizer, zero, grad_sync, zero_clip_norm)
+        if zero == 1:
+            self._setup_zero1(fns, optimizer, grad_sync, zero_clip_norm,
+                              grad_cast=policy.cast_to_compute if grad_dtype == "compute" else None)
+            return
+        if zero == 3:
+            self._setup_zero3(fns, optimizer, grad_sync, zero_clip_norm)
             return
         error_feedback = grad_compression not in (None, "none")
         if error_feedback:
@@ -184,17 +198,28 @@ class Trainer:
             grad_cast=policy.cast_to_compute if grad_dtype == "compute" else None)
         self._finish_setup()
 
-    def _setup_zero(self, fns: ModelFns, optimizer, zero: int, grad_sync: str,
-                    clip_norm: float) -> None:
+    def _setup_zero1(self, fns: ModelFns, optimizer, grad_sync: str, clip_norm: float,
+                     grad_cast: Callable | None) -> None:
+        param_specs, opt_specs = zero1_specs(optimizer, fns.params, self.num_devices)
+        self.state = init_zero1_state(self.state, optimizer, opt_specs, self.mesh)
+        one_step = make_zero1_step_body(fns.loss, optimizer, param_specs,
+                                        microbatches=self.microbatches,
+                                        num_devices=self.num_devices, grad_sync=grad_sync,
+                                        clip_norm=clip_norm, grad_cast=grad_cast)
+        self._train_step = jit_steps(one_step, zero_state_specs(opt_specs), self.mesh,
+                                     self.steps_per_dispatch)
+        self._finish_setup()
+
+    def _setup_zero3(self, fns: ModelFns, optimizer, grad_sync: str, clip_norm: float) -> None:
         self.layout = make_chunked_layout(fns.params, self.num_devices)
         opt_specs = opt_state_specs(optimizer, self.layout)
-        self.state = init_zero_state(self.state, optimizer, self.layout, self.mesh, zero, opt_specs)
-        one_step = make_zero_step_body(fns.loss, optimizer, self.layout, stage=zero,
-                                       microbatches=self.microbatches,
-                                       num_devices=self.num_devices, grad_sync=grad_sync,
-                                       clip_norm=clip_norm)
-        self._train_step = jit_steps(one_step, zero_state_specs(zero, opt_specs), self.mesh,
-                                     self.steps_per_dispatch)
+        self.state = init_zero3_state(self.state, optimizer, self.layout, self.mesh, opt_specs)
+        one_step = make_zero3_step_body(fns.loss, optimizer, self.layout,
+                                        microbatches=self.microbatches,
+                                        num_devices=self.num_devices, grad_sync=grad_sync,
+                                        clip_norm=clip_norm)
+        self._train_step = jit_steps(one_step, zero_state_specs(opt_specs, P(AXIS)),
+                                     self.mesh, self.steps_per_dispatch)
         self._finish_setup()
 
     def _finish_setup(self) -> None:
