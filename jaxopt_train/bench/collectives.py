@@ -204,6 +204,7 @@ def bench_gpt(args, record: Callable[[dict], None]) -> list[dict]:
 
     from jaxopt_train.collectives import all_reduce_tree  # noqa: PLC0415
     from jaxopt_train.models import GPT, get_gpt_config, gpt_loss  # noqa: PLC0415
+    from jaxopt_train.zero import gather_leaves, leaf_specs, place_leaves, reduce_scatter_leaves  # noqa: PLC0415
 
     overrides = dict(kv.split("=") for kv in args.gpt_overrides.split(",") if kv)
     overrides = {k: (int(v) if v.isdigit() else v) for k, v in overrides.items()}
@@ -250,14 +251,24 @@ def bench_gpt(args, record: Callable[[dict], None]) -> list[dict]:
     one = time_burst(single, (jax.device_put(params, devices[0]), jax.device_put(tokens[:batch], devices[0])),
                      **timing)
     rows = []
-    runs = [(m, m, step_body(m)) for m in args.gpt_methods]
+    # (row name, all-reduce method, step body, params' specs, params as the step takes them)
+    runs = [(m, m, step_body(m), P(), replicated) for m in args.gpt_methods]
     if args.gpt_embedding_exchange:
-        runs += [(m + "+embx", m, step_body(m, exchange=True)) for m in args.gpt_methods]
-    for name, method, body in runs:
-        step_fn = smap(body, (P(), P("data")), (P(), P()))
-        step = time_burst(step_fn, (replicated, sharded), **timing)
-        comm = time_burst(smap(lambda g, m=method: all_reduce_tree(g, "data", method=m, bucket_mb=args.bucket_mb),
-                               P(), P()), (narrow(replicated),), **timing)
+        runs += [(m + "+embx", m, step_body(m, exchange=True), P(), replicated) for m in args.gpt_methods]
+    if args.gpt_zero1:
+        specs = leaf_specs(params, n)
+        runs.append(("zero1", "psum", zero1_step_body(graphdef, specs, grad_dtype), specs,
+                     place_leaves(params, specs, mesh)))
+
+    def comm_fn(method, specs):  # the step's collectives alone, on gradient-sized data
+        if specs == P():
+            return lambda g: all_reduce_tree(g, "data", method=method, bucket_mb=args.bucket_mb)
+        return lambda g: gather_leaves(reduce_scatter_leaves(g, specs, "data", method=method), specs)
+
+    for name, method, body, specs, state in runs:
+        step_fn = smap(body, (specs, P("data")), (specs, P()))
+        step = time_burst(step_fn, (state, sharded), **timing)
+        comm = time_burst(smap(comm_fn(method, specs), P(), P()), (narrow(replicated),), **timing)
         hidden = 1.0 - (step - compute_only) / comm if comm > 0 else None
         row = {"kind": "gpt_step", "config": args.gpt_config, "overrides": overrides,
                "grad_dtype": str(jnp.dtype(grad_dtype or cfg.param_dtype)),
@@ -267,7 +278,7 @@ def bench_gpt(args, record: Callable[[dict], None]) -> list[dict]:
         if args.gpt_trace:
             # From the profile: how much reduction time ran alongside compute, how much was
             # exposed, and how much slower the compute itself got next to the collectives.
-            traced = trace_overlap(step_fn, (replicated, sharded), os.path.join(args.gpt_trace, name),
+            traced = trace_overlap(step_fn, (state, sharded), os.path.join(args.gpt_trace, name),
                                    iters=args.gpt_iters)
             slowdown = (None if traced["compute_ms"] is None
                         else traced["compute_ms"] - traced_compute["compute_ms"])
@@ -276,6 +287,31 @@ def bench_gpt(args, record: Callable[[dict], None]) -> list[dict]:
         rows.append(row)
         record(row)
     return rows
+
+
+def zero1_step_body(graphdef, specs, grad_dtype=None, axis_name="data"):
+    """The `--gpt-zero1` DP step: per-leaf ZeRO-1 (`jaxopt_train.zero`) inside shard_map.
+
+    `p` holds this device's shards of the params (`specs`, from `leaf_specs`). The
+    step gathers them (in `grad_dtype` when given, so the all-gathers move bf16) at
+    its start, where XLA can overlap the gathers with the forward; reduce-scatters
+    each leaf's gradient as the backward produces it; and updates only its shards.
+    """
+    import jax  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+    from jax import lax  # noqa: PLC0415
+
+    from jaxopt_train.models import gpt_loss  # noqa: PLC0415
+    from jaxopt_train.zero import gather_leaves, reduce_scatter_leaves  # noqa: PLC0415
+
+    def body(p, toks):
+        narrow = p if grad_dtype is None else jax.tree.map(lambda x: x.astype(grad_dtype), p)
+        full = gather_leaves(narrow, specs, axis_name)
+        loss, g = jax.value_and_grad(
+            lambda q: gpt_loss(nnx.merge(graphdef, q)(toks[:, :-1]), toks[:, 1:]))(full)
+        g = reduce_scatter_leaves(g, specs, axis_name, method="psum")
+        return _sgd_update(p, g), lax.pmean(loss, axis_name)
+    return body
 
 
 def exchange_gradients(graphdef, params, tokens, *, method: str, bucket_mb: float, axis_name="data"):
@@ -399,6 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpt-embedding-exchange", action="store_true",
                    help="also time each method with the embedding lookup's gradient exchanged as "
                         "gathered rows (collectives.embedding_grad_exchange) instead of a dense table")
+    p.add_argument("--gpt-zero1", action="store_true",
+                   help="also time the step with per-leaf ZeRO-1 (params sharded, gathered at the "
+                        "step's start; gradients reduce-scattered per leaf: jaxopt_train.zero)")
     p.add_argument("--gpt-trace", default=None, metavar="DIR",
                    help="also profile each DP step into DIR/<method> and report the reduction time "
                         "concurrent with compute, exposed, and the compute slowdown (GPU traces)")
