@@ -19,10 +19,10 @@ Reduce-scatter and all-gather are the ring collectives of
 (`method="psum"`: `lax.psum_scatter` / `lax.all_gather`).
 
 Per-leaf layout (the end of this module, used by `jaxopt-train bench train
---zero 1` and by the trainer's `--zero 1`): instead of one flat vector, each
-leaf is split along one of its own dimensions (`shard_dim`), so every leaf
-has its own all-gather and reduce-scatter, which XLA can overlap with the
-forward and backward passes; leaves with no divisible dimension stay
+--zero 1` and by the trainer's `--zero 1` and `--zero 3`): instead of one flat
+vector, each leaf is split along one of its own dimensions (`shard_dim`), so
+every leaf has its own all-gather and reduce-scatter, which XLA can overlap
+with the forward and backward passes; leaves with no divisible dimension stay
 replicated.
 """
 

@@ -80,28 +80,34 @@ class Checkpointer:
         """Raises RunDirError naming the arrays whose saved shape differs from `target`'s.
 
         Orbax refuses such a restore too, but with a message that names no
-        array and suggests padding/truncation. One case that must not load:
-        a zero=1 checkpoint from before the per-leaf layout, whose optimizer
-        state holds per-device chunks ([n, ..., chunk]) where the moments now
-        have their parameter's shape. (Where those shapes coincide, the chunks
-        are the same elements in the same order, so loading them is right.)
+        array and suggests padding/truncation. Cases that must not load: a
+        zero=1 or zero=3 checkpoint from before the per-leaf layout, whose
+        optimizer state holds per-device chunks ([n, ..., chunk]) where the
+        moments now have their parameter's shape, and (zero=3) whose params
+        are one flat vector where they are now a tree of per-leaf shards.
+        (Where the moment shapes coincide, the chunks are the same elements in
+        the same order, so loading them is right.)
         """
         saved = _saved_shapes(os.path.join(self.directory, str(step), "state"))
         if saved is None:  # no readable metadata: orbax's own shape check still applies
             return
-        found = []
-        for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
-            name = _path_name(path)
-            if name in saved and saved[name] != tuple(leaf.shape):
-                found.append(f"{name}: expected {tuple(leaf.shape)}, found {saved[name]}")
+        expected = {_path_name(path): tuple(leaf.shape)
+                    for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]}
+        # One saved array where this run has a tree of them (stage 3's old flat params).
+        found = [f"{name}: expected a tree of arrays, found one array of shape {shape}"
+                 for name, shape in saved.items() if name not in expected
+                 and any(other.startswith(name + "/") for other in expected)]
+        found += [f"{name}: expected {shape}, found {saved[name]}"
+                  for name, shape in expected.items() if name in saved and saved[name] != shape]
         if found:
             shown = "; ".join(found[:4]) + (f"; and {len(found) - 4} more" if len(found) > 4 else "")
             raise RunDirError(
                 f"cannot restore the checkpoint at step {step} in {self.directory}: {len(found)} "
                 f"array(s) have another shape than this run's state ({shown}). It was written with "
-                "another layout of the state, e.g. by a zero=1 run from before the per-leaf "
-                "optimizer-state layout (moments stored as per-device chunks). Resume it with the "
-                "version and settings that wrote it, or start a new --run-dir.")
+                "another layout of the state, e.g. by a zero=1 or zero=3 run from before the "
+                "per-leaf layout (moments stored as per-device chunks; at zero=3 the params as "
+                "one flat vector). Resume it with the version and settings that wrote it, or "
+                "start a new --run-dir.")
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
         """The JSON record of a checkpoint, without touching its arrays."""

@@ -71,13 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
                    default=d.grad_compression)
     x.add_argument("--grad-dtype", choices=config_lib.GRAD_DTYPES, default=d.grad_dtype,
                    help="gradients in the params' dtype, or in the compute dtype (bf16: half "
-                   "the gradient memory and all-reduce bytes; --zero 0 or 1)")
+                   "the gradient memory and all-reduce bytes; at --zero 3 also the param all-gathers)")
     x.add_argument("--opt-state-dtype", choices=STATE_DTYPES,
                    default=d.opt_state_dtype, help="storage dtype of AdamW's moments")
     x.add_argument("--zero", type=int, default=d.zero,
                    help="ZeRO stage: 0 replicated; 1 optimizer state sharded per leaf (each "
                    "gradient leaf reduce-scattered as soon as the backward makes it, overlapping "
-                   "the rest of the backward); 3 parameters sharded too (one flat reduce-scatter)")
+                   "the rest of the backward); 3 parameters sharded per leaf too (FSDP-style: "
+                   "each leaf all-gathered at the step's start, in the compute dtype under "
+                   "--grad-dtype compute, overlapping the forward)")
     x.add_argument("--steps-per-dispatch", type=int, default=d.steps_per_dispatch,
                    help="optimizer steps per compiled call")
     x.add_argument("--peak-tflops", type=float, default=None,

@@ -63,13 +63,15 @@ class TrainConfig:
       grad_compression: wire format of the gradient reduction.
       zero: ZeRO stage over the data axis (`ZERO_STAGES`): 0 replicated, 1
         optimizer state sharded per leaf (each gradient leaf reduce-scattered
-        on its own, overlapping the backward), 3 parameters sharded too (one
-        flat reduce-scatter). Needs grad_sync "psum" or "ring" and no
-        grad_compression.
+        on its own, overlapping the backward), 3 parameters sharded per leaf
+        too (FSDP-style: each leaf all-gathered at the step's start, in the
+        compute dtype with grad_dtype "compute", overlapping the forward).
+        Needs grad_sync "psum" or "ring" and no grad_compression.
       grad_dtype: "param" (gradients in the params' dtype) or "compute" (in the
         compute dtype, e.g. bf16 under --precision bf16, widened after the one
-        cross-device reduction: half the gradient memory and reduction bytes).
-        Needs zero 0 or 1 and no grad_compression.
+        cross-device reduction: half the gradient memory and reduction bytes;
+        at zero 3 the parameter all-gathers move it too). Needs no
+        grad_compression.
       opt_state_dtype: storage dtype of AdamW's moments, "f32" or "bf16" (half
         their memory and traffic; the update math stays f32).
       steps_per_dispatch: optimizer steps run by one compiled call (lax.scan
@@ -164,7 +166,7 @@ class TrainConfig:
         from jaxopt_train.train.optim import STATE_DTYPES  # noqa: PLC0415
         from jaxopt_train.train.trainer import check_grad_dtype  # noqa: PLC0415
 
-        check_grad_dtype(self.grad_dtype, self.zero, self.grad_compression)
+        check_grad_dtype(self.grad_dtype, self.grad_compression)
         _check_choice("opt_state_dtype", self.opt_state_dtype, STATE_DTYPES)
         _check_choice("matmul", self.matmul, MATMULS)
         _check_choice("attention", self.attention, ATTENTIONS)

@@ -40,11 +40,8 @@ from jaxopt_train.train.state import TrainState, default_optimizer, init_train_s
 from jaxopt_train.train.step import (AXIS, build_eval_step, build_train_step,
                                      init_sharded_error_feedback, jit_steps, make_data_mesh,
                                      memory_summary, place_batch, replicate)
-from jaxopt_train.train.zero_step import (check_zero, gather_full_params,
-                                          init_zero1_state, init_zero3_state,
-                                          make_chunked_layout, make_zero1_step_body,
-                                          make_zero3_step_body, opt_state_specs, zero1_specs,
-                                          zero_state_specs)
+from jaxopt_train.train.zero_step import (check_zero, init_zero_state, make_zero_step_body,
+                                          replicated_params, zero_specs, zero_state_specs)
 
 GRAD_SYNCS = config_lib.GRAD_SYNCS
 GRAD_COMPRESSIONS = (None, *config_lib.GRAD_COMPRESSIONS)
@@ -63,17 +60,13 @@ def build_optimizer(zero: int, opt_state_dtype: str, *, clip_norm: float, **sche
     return low_precision_state(optimizer, opt_state_dtype), (clip_norm if zero else 0.0)
 
 
-def check_grad_dtype(grad_dtype: str, zero: int, grad_compression: str | None) -> None:
+def check_grad_dtype(grad_dtype: str, grad_compression: str | None) -> None:
     """Raises ValueError for an unknown `grad_dtype` or one the other options exclude."""
     if grad_dtype not in config_lib.GRAD_DTYPES:
         raise ValueError(f"grad_dtype={grad_dtype!r}; expected one of {list(config_lib.GRAD_DTYPES)}")
     if grad_dtype == "compute" and grad_compression not in (None, "none"):
         raise ValueError(f"grad_dtype='compute' needs no grad compression (the gradients are "
                          f"already narrow), got {grad_compression=}; use grad_compression='none'")
-    if grad_dtype == "compute" and zero == 3:
-        raise ValueError("grad_dtype='compute' is not implemented for zero=3 (its flat "
-                         "reduce-scatter moves the params' dtype); use zero=1 (per-leaf "
-                         "reduce-scatters in the compute dtype) or grad_dtype='param'")
 
 
 class Trainer:
@@ -93,20 +86,24 @@ class Trainer:
       steps_per_dispatch: optimizer steps per compiled call; `step()` then
         takes batches with a leading axis of this size.
       zero: ZeRO stage: 0 (replicated), 1 (optimizer state sharded over the
-        data axis, per leaf) or 3 (parameters too, flat, gathered for
-        forward/backward). Stage 1 splits each leaf (and its Adam moments)
-        along its first dimension divisible by the device count, leaves
-        without one stay replicated, and reduce-scatters each gradient leaf
-        on its own, so the reductions overlap the rest of the backward; the
-        params stay replicated. Stage 3 gives each device a chunk of every
-        leaf (rank kept). The optimizer then updates shards, so it must be
-        elementwise apart from per-leaf masks; global-norm clipping is done
-        by the step over the whole gradient (`clip_norm`, default optimizer
-        only: a user optimizer must not clip by global norm itself).
+        data axis, per leaf) or 3 (parameters too, per leaf, FSDP-style).
+        Both split each leaf (and its Adam moments) along its first
+        dimension divisible by the device count, leaves without one stay
+        replicated, and reduce-scatter each gradient leaf on its own, so the
+        reductions overlap the rest of the backward. At stage 1 the params
+        stay replicated; at stage 3 `state.params` holds the shards, each
+        leaf all-gathered at the step's start (in the compute dtype with
+        grad_dtype="compute": half the gather bytes in bf16) so the gathers
+        overlap the forward; `params` returns a replicated copy. The
+        optimizer then updates shards, so it must be elementwise apart from
+        per-leaf masks; global-norm clipping is done by the step over the
+        whole gradient (`clip_norm`, default optimizer only: a user
+        optimizer must not clip by global norm itself).
       grad_dtype: "param" (gradients in the params' dtype, e.g. f32 master
         weights) or "compute" (gradients in the policy's compute dtype, e.g.
         bf16, widened after the cross-device reduction: half the gradient
-        memory and reduction bytes; zero=0 or 1, without compression).
+        memory and reduction bytes; at zero=3 the params are gathered in it
+        too; without compression).
       opt_state_dtype: "f32" or "bf16": storage dtype of the optimizer's
         floating state (`jaxopt_train.train.optim.low_precision_state`).
       devices: devices of the data mesh (default: all).
@@ -164,7 +161,7 @@ class Trainer:
             raise ValueError(f"grad_compression={grad_compression!r}; expected one of "
                              f"{list(GRAD_COMPRESSIONS)}")
         check_zero(zero, grad_sync, grad_compression)
-        check_grad_dtype(grad_dtype, zero, grad_compression)
+        check_grad_dtype(grad_dtype, grad_compression)
         if zero_clip_norm and not zero:
             raise ValueError(f"{zero_clip_norm=} applies to zero=1|3 only; at zero=0 clip in the optimizer")
         for name, value in (("microbatches", microbatches), ("steps_per_dispatch", steps_per_dispatch)):
@@ -179,12 +176,9 @@ class Trainer:
                                  loss_scale_for(policy))
         self.state: TrainState = replicate(state, self.mesh)
         self.zero = zero
-        if zero == 1:
-            self._setup_zero1(fns, optimizer, grad_sync, zero_clip_norm,
-                              grad_cast=policy.cast_to_compute if grad_dtype == "compute" else None)
-            return
-        if zero == 3:
-            self._setup_zero3(fns, optimizer, grad_sync, zero_clip_norm)
+        if zero:
+            self._setup_zero(fns, optimizer, grad_sync, zero_clip_norm,
+                             grad_cast=policy.cast_to_compute if grad_dtype == "compute" else None)
             return
         error_feedback = grad_compression not in (None, "none")
         if error_feedback:
@@ -198,28 +192,17 @@ class Trainer:
             grad_cast=policy.cast_to_compute if grad_dtype == "compute" else None)
         self._finish_setup()
 
-    def _setup_zero1(self, fns: ModelFns, optimizer, grad_sync: str, clip_norm: float,
-                     grad_cast: Callable | None) -> None:
-        param_specs, opt_specs = zero1_specs(optimizer, fns.params, self.num_devices)
-        self.state = init_zero1_state(self.state, optimizer, opt_specs, self.mesh)
-        one_step = make_zero1_step_body(fns.loss, optimizer, param_specs,
-                                        microbatches=self.microbatches,
-                                        num_devices=self.num_devices, grad_sync=grad_sync,
-                                        clip_norm=clip_norm, grad_cast=grad_cast)
-        self._train_step = jit_steps(one_step, zero_state_specs(opt_specs), self.mesh,
-                                     self.steps_per_dispatch)
-        self._finish_setup()
-
-    def _setup_zero3(self, fns: ModelFns, optimizer, grad_sync: str, clip_norm: float) -> None:
-        self.layout = make_chunked_layout(fns.params, self.num_devices)
-        opt_specs = opt_state_specs(optimizer, self.layout)
-        self.state = init_zero3_state(self.state, optimizer, self.layout, self.mesh, opt_specs)
-        one_step = make_zero3_step_body(fns.loss, optimizer, self.layout,
-                                        microbatches=self.microbatches,
-                                        num_devices=self.num_devices, grad_sync=grad_sync,
-                                        clip_norm=clip_norm)
-        self._train_step = jit_steps(one_step, zero_state_specs(opt_specs, P(AXIS)),
-                                     self.mesh, self.steps_per_dispatch)
+    def _setup_zero(self, fns: ModelFns, optimizer, grad_sync: str, clip_norm: float,
+                    grad_cast: Callable | None) -> None:
+        param_specs, opt_specs = zero_specs(optimizer, fns.params, self.num_devices)
+        self.state = init_zero_state(self.state, optimizer, param_specs, opt_specs, self.mesh,
+                                     zero=self.zero)
+        one_step = make_zero_step_body(fns.loss, optimizer, param_specs, zero=self.zero,
+                                       microbatches=self.microbatches,
+                                       num_devices=self.num_devices, grad_sync=grad_sync,
+                                       clip_norm=clip_norm, grad_cast=grad_cast)
+        specs = zero_state_specs(opt_specs, param_specs if self.zero == 3 else P())
+        self._train_step = jit_steps(one_step, specs, self.mesh, self.steps_per_dispatch)
         self._finish_setup()
 
     def _finish_setup(self) -> None:
@@ -296,9 +279,9 @@ class Trainer:
 
     @property
     def params(self):
-        """The parameter tree (at zero=3 gathered from the shards into a replicated copy)."""
+        """The parameter tree (at zero=3 gathered from the per-leaf shards into a replicated copy)."""
         if self.zero == 3:
-            return gather_full_params(self.state.params, self.layout, self.mesh)
+            return replicated_params(self.state.params, self.mesh)
         return self.state.params
 
     @property
