@@ -3,7 +3,7 @@
 #   PHASE=A  lane 0: the GPU kernel tests except the option sweeps and Triton, then
 #                    `bench matmul` (issue 5's 8192^3 / geomean rows, chained default);
 #            lane 1: the option sweeps and Triton kernel tests (jax-triton on PYTHONPATH).
-#   PHASE=B  both GPUs: the trainer's gpt-1b step with --zero 1 vs --zero 0 (bf16 gradients
+#   PHASE=B  both GPUs: the trainer's gpt-1b step with --zero 3 / 1 / 0 (bf16 gradients
 #            and moments as in GPT1B_TRAIN) (8 sequences per GPU), then `bench collectives --gpt --gpt-zero1`
 #            (issue 4's DP step, gpt-124m with 2 layers).
 #   PHASE=A bash tools/gpu_next.sh   # results in $OUT/next_A.tar.gz and $OUT/summary.txt
@@ -27,8 +27,8 @@ if [ "$PHASE" = A ]; then
   ) & B=$!
   wait $A $B
 else
-  for z in 1 0; do  # GPT1B_TRAIN already asks for --grad-dtype compute --opt-state-dtype bf16
-    step "train_zero$z" ${T_TRAIN:-120} $PY $GPT1B_TRAIN --batch-size 16 --zero "$z" --run-dir "/tmp/run_zero$z"
+  for z in 3 1 0; do  # GPT1B_TRAIN already asks for --grad-dtype compute --opt-state-dtype bf16
+    step "train_zero$z" ${T_TRAIN:-100} $PY $GPT1B_TRAIN --batch-size 16 --zero "$z" --run-dir "/tmp/run_zero$z"
   done
   step coll_gpt ${T_COLL:-150} $PY -m jaxopt_train.bench.collectives --sizes 1M --dtypes f32 --chunks 1 \
     --methods ring --gpt --gpt-grad-dtype compute --gpt-zero1 --gpt-config gpt-124m \
