@@ -81,6 +81,23 @@ def _epilogue_tile(config: MatmulConfig) -> tuple[int, int]:
     return min(edge, config.block_m), min(edge, config.block_n)
 
 
+def _epilogue_slots(config: MatmulConfig) -> int:
+    """SMEM output slots per consumer: two, so one is filled while the other is stored."""
+    epi_m, epi_n = _epilogue_tile(config)
+    return min(2, (config.block_m * config.block_n) // (epi_m * epi_n))
+
+
+def epilogue_scratch(plgpu, config: MatmulConfig, out_dtype, has_bias: bool) -> list:
+    """Each consumer's output slots, then (with a bias) its bias row and that row's barrier."""
+    epi_m, epi_n = _epilogue_tile(config)
+    scratch = [plgpu.SMEM((_NUM_CONSUMERS, _epilogue_slots(config), epi_m, epi_n), out_dtype,
+                          transforms=_swizzled(plgpu, epi_n, out_dtype))]
+    if has_bias:
+        scratch += [plgpu.SMEM((_NUM_CONSUMERS, config.block_n), jnp.float32),
+                    plgpu.Barrier(num_barriers=_NUM_CONSUMERS)]
+    return scratch
+
+
 def fit_stages(config: MatmulConfig, in_dtype, out_dtype, has_bias: bool) -> int:
     """The deepest pipeline <= config.num_stages whose buffers fit in shared memory
     (per consumer with the ping-pong schedule, which gives each its own ring)."""
@@ -89,8 +106,7 @@ def fit_stages(config: MatmulConfig, in_dtype, out_dtype, has_bias: bool) -> int
     rows, cols = cta_tile(config)
     per_stage = (rows * bk + bk * cols) * jnp.dtype(in_dtype).itemsize
     epi_m, epi_n = _epilogue_tile(config)
-    slots = min(2, (bm * bn) // (epi_m * epi_n))
-    fixed = _NUM_CONSUMERS * slots * epi_m * epi_n * jnp.dtype(out_dtype).itemsize + _SMEM_SLACK
+    fixed = _NUM_CONSUMERS * _epilogue_slots(config) * epi_m * epi_n * jnp.dtype(out_dtype).itemsize + _SMEM_SLACK
     fixed += _NUM_CONSUMERS * bn * 4 if has_bias else 0
     rings = _NUM_CONSUMERS if config.schedule == "pingpong" else 1  # one ring per consumer
     stages = min(config.num_stages, (_SMEM_BYTES - fixed) // (rings * per_stage))
@@ -209,8 +225,7 @@ def _matmul_kernel(a_gmem, b_gmem, bias_gmem, out_gmem, out_smem, bias_smem, bia
                         if config.warpgroup_lowering:  # layouts are inferred there
                             row = bias_smem.at[wg][...]
                         else:
-                            row = plgpu.load(bias_smem.at[wg], (),
-                                             layout=plgpu.Layout.WGMMA.reduce(0))
+                            row = _load_bias(bias_smem.at[wg])
                         bias = lax.broadcast_in_dim(row, (bm, bn), [1])
                     out = apply_epilogue(acc, bias, activation).astype(out_gmem.dtype)
                     _store_epilogue(out, out_smem.at[wg], out_tile(), epi_m, epi_n)
@@ -363,18 +378,9 @@ def mosaic_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
     b_shape, b_pad = ((np_, kp), ((0, np_ - n), (0, kp - k))) if transpose_b else ((kp, np_), ((0, kp - k), (0, np_ - n)))
     a_p = a if a.shape == a_shape else jnp.pad(a, a_pad)
     b_p = b if b.shape == b_shape else jnp.pad(b, b_pad)
-    epi_m, epi_n = _epilogue_tile(config)
-    slots = min(2, (bm * bn) // (epi_m * epi_n))
-    scratch = [
-        plgpu.SMEM((_NUM_CONSUMERS, slots, epi_m, epi_n), out_dtype,
-                   transforms=_swizzled(plgpu, epi_n, out_dtype)),
-    ]
     operands = [a_p, b_p]
     if bias is not None:
-        bias_p = jnp.pad(bias.astype(jnp.float32), (0, np_ - n))
-        operands.append(bias_p)
-        scratch += [plgpu.SMEM((_NUM_CONSUMERS, bn), jnp.float32),
-                    plgpu.Barrier(num_barriers=_NUM_CONSUMERS)]
+        operands.append(jnp.pad(bias.astype(jnp.float32), (0, np_ - n)))
     m_iters, n_iters, k_iters = mp // unit_m, np_ // unit_n, kp // bk
     if k_iters == 1 and config.wgmma_in_flight:
         # One K step has nothing to overlap; keep the simplest barrier schedule.
@@ -389,35 +395,27 @@ def mosaic_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
     if config.schedule == "pingpong":
         from jaxopt_train.kernels import mosaic_gpu_pingpong as pingpong
 
-        scratch = pingpong.scratch(plgpu, config, a.dtype, out_dtype, stages, bias is not None,
-                                   transpose_a, transpose_b, functools.partial(_swizzled, plgpu),
-                                   (epi_m, epi_n))
+        scratch = pingpong.ring_scratch(plgpu, config, a.dtype, stages, transpose_a, transpose_b)
         body = functools.partial(
             pingpong.kernel, config=config, activation=activation, m_iters=m_iters,
             n_iters=n_iters, k_iters=k_iters, stages=stages, grid_size=grid[0],
-            transpose_a=transpose_a, transpose_b=transpose_b,
-            store_epilogue=functools.partial(_store_epilogue, epi_m=epi_m, epi_n=epi_n),
-            transposed=functools.partial(_transposed, plgpu), load_bias=_load_bias)
-        if bias is None:
-            body = functools.partial(_pingpong_without_bias, body)
+            transpose_a=transpose_a, transpose_b=transpose_b)
     else:
+        scratch = []
         body = functools.partial(_matmul_kernel, config=config, activation=activation,
                                  m_iters=m_iters, n_iters=n_iters, k_iters=k_iters,
                                  transpose_a=transpose_a, transpose_b=transpose_b,
                                  grid_size=grid[0], chain=chain)
-        if bias is None:
-            body = functools.partial(_without_bias, body)
+    scratch += epilogue_scratch(plgpu, config, out_dtype, bias is not None)
+    if bias is None:
+        body = functools.partial(_without_bias, body)
     params = _compiler_params(plgpu, config, activation)
     out = _kernel_fn(plgpu, body, jax.ShapeDtypeStruct((mp, np_), out_dtype), scratch, grid,
                      params, cluster)(*operands)
     return out[:m, :n] if (mp, np_) != (m, n) else out
 
 
-def _without_bias(body, a_gmem, b_gmem, out_gmem, out_smem):
-    body(a_gmem, b_gmem, None, out_gmem, out_smem, None, None)
-
-
-def _pingpong_without_bias(body, a_gmem, b_gmem, out_gmem, *scratch):
+def _without_bias(body, a_gmem, b_gmem, out_gmem, *scratch):
     body(a_gmem, b_gmem, None, out_gmem, *scratch, None, None)
 
 

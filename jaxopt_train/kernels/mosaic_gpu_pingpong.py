@@ -32,39 +32,34 @@ from jax import lax
 
 from jaxopt_train.kernels.configs import MatmulConfig
 from jaxopt_train.kernels.epilogue import apply_epilogue
+from jaxopt_train.kernels.mosaic_gpu import _NUM_CONSUMERS as NUM_CONSUMERS
+from jaxopt_train.kernels.mosaic_gpu import (_epilogue_tile, _load_bias, _store_epilogue,
+                                             _swizzled, _transposed)
 
-NUM_CONSUMERS = 2
 _PRODUCER_REGISTERS = 40
 _CONSUMER_REGISTERS = 232  # (512 - 40) / 2 rounded down to a multiple of 8
 
 
-def scratch(plgpu, config: MatmulConfig, in_dtype, out_dtype, stages: int, has_bias: bool,
-            transpose_a: bool, transpose_b: bool, swizzled, epilogue_tile) -> list:
-    """SMEM rings (one per consumer, `stages` deep), their barriers, output and bias slots."""
+def ring_scratch(plgpu, config: MatmulConfig, in_dtype, stages: int, transpose_a: bool,
+                 transpose_b: bool) -> list:
+    """The SMEM rings (one per consumer, `stages` deep) and their barriers; the
+    epilogue's slots follow them (`mosaic_gpu.epilogue_scratch`)."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    epi_m, epi_n = epilogue_tile
-    slots = min(2, (bm * bn) // (epi_m * epi_n))
     ring = NUM_CONSUMERS * stages
     a_tile = (bk, bm) if transpose_a else (bm, bk)
     b_tile = (bn, bk) if transpose_b else (bk, bn)
-    out = [
-        plgpu.SMEM((ring, *a_tile), in_dtype, transforms=swizzled(a_tile[1], in_dtype)),
-        plgpu.SMEM((ring, *b_tile), in_dtype, transforms=swizzled(bk, in_dtype)),
+    return [
+        plgpu.SMEM((ring, *a_tile), in_dtype, transforms=_swizzled(plgpu, a_tile[1], in_dtype)),
+        plgpu.SMEM((ring, *b_tile), in_dtype, transforms=_swizzled(plgpu, bk, in_dtype)),
         plgpu.Barrier(num_arrivals=2, num_barriers=ring),  # "full": the A and B copies landed
         plgpu.Barrier(num_arrivals=1, num_barriers=ring),  # "empty": the consumer is done with it
-        plgpu.SMEM((NUM_CONSUMERS, slots, epi_m, epi_n), out_dtype,
-                   transforms=swizzled(epi_n, out_dtype)),
     ]
-    if has_bias:
-        out += [plgpu.SMEM((NUM_CONSUMERS, bn), jnp.float32),
-                plgpu.Barrier(num_arrivals=1, num_barriers=NUM_CONSUMERS)]
-    return out
 
 
 def kernel(a_gmem, b_gmem, bias_gmem, out_gmem, a_smem, b_smem, full, empty, out_smem,
            bias_smem, bias_barrier, *, config: MatmulConfig, activation: str | None,
            m_iters: int, n_iters: int, k_iters: int, stages: int, grid_size: int,
-           transpose_a: bool, transpose_b: bool, store_epilogue, transposed, load_bias):
+           transpose_a: bool, transpose_b: bool):
     """Kernel body, run by 3 warpgroups on each of `grid_size` SMs (persistent)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -125,8 +120,8 @@ def kernel(a_gmem, b_gmem, bias_gmem, out_gmem, a_smem, b_smem, full, empty, out
                 def step(k, acc):
                     slot = ring_slot(consumer, local, k)
                     plgpu.barrier_wait(full.at[slot])
-                    a_op = transposed(a_smem.at[slot]) if transpose_a else a_smem.at[slot]
-                    b_op = transposed(b_smem.at[slot]) if transpose_b else b_smem.at[slot]
+                    a_op = _transposed(plgpu, a_smem.at[slot]) if transpose_a else a_smem.at[slot]
+                    b_op = _transposed(plgpu, b_smem.at[slot]) if transpose_b else b_smem.at[slot]
                     plgpu.wgmma(acc, a_op, b_op)
                     plgpu.wgmma_wait(in_flight)  # the step `in_flight` back has finished
                     if in_flight:
@@ -145,9 +140,9 @@ def kernel(a_gmem, b_gmem, bias_gmem, out_gmem, a_smem, b_smem, full, empty, out
                 bias = None
                 if bias_gmem is not None:
                     plgpu.barrier_wait(bias_barrier.at[consumer])
-                    bias = lax.broadcast_in_dim(load_bias(bias_smem.at[consumer]), (bm, bn), [1])
+                    bias = lax.broadcast_in_dim(_load_bias(bias_smem.at[consumer]), (bm, bn), [1])
                 out = apply_epilogue(acc, bias, activation).astype(out_gmem.dtype)
-                store_epilogue(out, out_smem.at[consumer],
-                               out_gmem.at[pl.ds(row0, bm), pl.ds(col0, bn)])
+                _store_epilogue(out, out_smem.at[consumer],
+                                out_gmem.at[pl.ds(row0, bm), pl.ds(col0, bn)], *_epilogue_tile(config))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)

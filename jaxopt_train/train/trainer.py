@@ -89,12 +89,12 @@ class Trainer:
         data axis, per leaf) or 3 (parameters too, per leaf, FSDP-style).
         Both split each leaf (and its Adam moments) along its first
         dimension divisible by the device count, leaves without one stay
-        replicated, and reduce-scatter each gradient leaf on its own, so the
-        reductions overlap the rest of the backward. At stage 1 the params
+        replicated, and reduce-scatter each gradient leaf on its own, so XLA
+        can overlap the reductions with the rest of the backward. At stage 1 the params
         stay replicated; at stage 3 `state.params` holds the shards, each
         leaf all-gathered at the step's start (in the compute dtype with
         grad_dtype="compute": half the gather bytes in bf16) so the gathers
-        overlap the forward; `params` returns a replicated copy. The
+        can overlap the forward; `params` returns a replicated copy. The
         optimizer then updates shards, so it must be elementwise apart from
         per-leaf masks; global-norm clipping is done by the step over the
         whole gradient (`clip_norm`, default optimizer only: a user

@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 from jaxopt_train.accumulation import accumulate_gradients
 from jaxopt_train.precision import all_finite, select_tree
 from jaxopt_train.train.state import TrainState
-from jaxopt_train.zero import (gather_leaves, leaf_specs, opt_state_leaf_specs,
+from jaxopt_train.zero import (gather_leaves, leaf_specs, opt_state_leaf_specs, place_leaves,
                                reduce_scatter_leaves, spec_dim)
 
 AXIS = "data"
@@ -136,14 +136,17 @@ def init_zero_state(state: TrainState, optimizer, param_specs, opt_specs, mesh, 
     shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), opt_specs)
     state = state._replace(opt_state=jax.jit(optimizer.init, out_shardings=shardings)(state.params))
     if zero == 3:
-        params = jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs)
-        state = state._replace(params=jax.jit(lambda p: p, out_shardings=params)(state.params))
+        state = state._replace(params=place_leaves(state.params, param_specs, mesh))
     return state
 
 
 def replicated_params(params, mesh):
-    """The full parameter tree, replicated on `mesh`, from stage 3's per-leaf shards."""
-    return jax.jit(lambda p: p, out_shardings=NamedSharding(mesh, P()))(params)
+    """The full parameter tree, replicated on `mesh`, from stage 3's per-leaf shards.
+
+    A device_put, not a fresh `jax.jit` per call: evaluation asks for this once
+    per batch, and a new jitted lambda would be traced and compiled each time.
+    """
+    return jax.device_put(params, NamedSharding(mesh, P()))
 
 
 def own_shards(tree, specs, num_devices: int):
