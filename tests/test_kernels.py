@@ -378,6 +378,23 @@ def test_mosaic_gpu_kernel_lowers_for_cuda_on_cpu(layout, transposed):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("index", range(len(autotune_mod.default_candidates("mosaic_gpu", quick=True))))
+def test_quick_mosaic_gpu_candidates_lower_for_cuda(index):
+    """Every config of `autotune --quick` builds (a candidate failing on the GPU would
+    only be skipped there, silently shrinking the sweep); the shipped default leads."""
+    from jaxopt_train.kernels.mosaic_gpu import mosaic_matmul
+
+    candidates = autotune_mod.default_candidates("mosaic_gpu", quick=True)
+    assert candidates[0] == configs.default_config("mosaic_gpu", "NVIDIA H200", 8192, 8192, 8192)
+    assert any(c.chain_tiles for c in candidates) and any(not c.chain_tiles for c in candidates)
+    assert {c.cluster for c in candidates} == {"none", "m", "n"}
+    shape = jax.ShapeDtypeStruct
+    fn = jax.jit(lambda a, b: mosaic_matmul(a, b, None, activation=None, out_dtype=jnp.bfloat16,
+                                            config=candidates[index]))
+    lowered = fn.trace(shape((2048, 1024), jnp.bfloat16), shape((1024, 2048), jnp.bfloat16))
+    assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
+
+
 def test_autotune_budget_keeps_best_so_far():
     first, second = (MatmulConfig(block_m=16, block_n=16, block_k=16, num_stages=1),
                      MatmulConfig(block_m=32, block_n=32, block_k=32, num_stages=1))
