@@ -5,15 +5,16 @@
 #   LANE0, LANE1  space-separated TAG=JSON specs, run in order on GPU 0 / GPU 1: JSON holds
 #                 MatmulConfig fields over the shipped default (empty: the shipped config
 #                 itself; the word xla: XLA's dot instead of our kernel). No spaces in JSON.
-#                 Defaults: the fourth session's sweep, each lane re-running the default.
+#                 Unset: the fourth session's sweep, each lane re-running the default; set but
+#                 empty: that GPU runs nothing.
 #   TESTS_K       optional pytest -k expression: those GPU kernel tests run first on GPU 0.
 #   bash tools/gpu_matmul_configs.sh   # results in $OUT/mmcfg.tar.gz and $OUT/summary.txt
 set -u
 OUT=${OUT:-/tmp/mmcfg_out}; R=/tmp/mmcfg; mkdir -p "$R" "$OUT"
 export DEADLINE=${DEADLINE:-330}
 source "$(dirname "$0")/gpu_common.sh"
-LANE0=${LANE0:-'_base0= _64x256={"block_m":64,"block_n":256} _wgn={"wg_split":"n"} _inflight={"wgmma_in_flight":1}'}
-LANE1=${LANE1:-'_base1= _g8={"group_m":8} _noab={"no_auto_barriers":true} _64x256f1={"block_m":64,"block_n":256,"wgmma_in_flight":1}'}
+LANE0=${LANE0-'_base0= _64x256={"block_m":64,"block_n":256} _wgn={"wg_split":"n"} _inflight={"wgmma_in_flight":1}'}
+LANE1=${LANE1-'_base1= _g8={"group_m":8} _noab={"no_auto_barriers":true} _64x256f1={"block_m":64,"block_n":256,"wgmma_in_flight":1}'}
 probe() {  # probe TAG JSON|xla|(empty)
   local kernel=(--matmul pallas ${2:+--matmul-config "$2"})
   if [ "$2" = xla ]; then kernel=(); fi
