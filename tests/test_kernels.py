@@ -395,6 +395,30 @@ def test_quick_mosaic_gpu_candidates_lower_for_cuda(index):
     assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 
+def test_burst_timer_warms_up_then_times_rotating_inputs():
+    seen = []
+    fn = autotune_mod.rotating(lambda x: (seen.append(x), jnp.zeros(()))[1], [(1,), (2,), (3,)])
+    assert autotune_mod.burst_timer(fn, calls=2, repeats=3, warmup_s=0.05) >= 0
+    assert seen[:4] == [1, 2, 3, 1]
+    assert len(seen) > 1 + 2 * 3  # the warm-up ran calls besides the compile and the bursts
+
+
+def test_autotune_times_each_candidate_over_rotating_input_sets():
+    outputs = []
+
+    def timer(fn):
+        outputs.extend(np.asarray(fn(), np.float32) for _ in range(3))
+        return 1.0
+
+    config = MatmulConfig(block_m=16, block_n=16, block_k=16, num_stages=1)
+    autotune([(16, 16, 16)], backend="interpret", candidates=[config], timer=timer,
+             write_cache=False, input_sets=2)
+    assert not np.array_equal(outputs[0], outputs[1]) and np.array_equal(outputs[0], outputs[2])
+    with pytest.raises(ValueError, match="input_sets"):
+        autotune([(16, 16, 16)], backend="interpret", candidates=[config], timer=timer,
+                 input_sets=0)
+
+
 def test_autotune_budget_keeps_best_so_far():
     first, second = (MatmulConfig(block_m=16, block_n=16, block_k=16, num_stages=1),
                      MatmulConfig(block_m=32, block_n=32, block_k=32, num_stages=1))

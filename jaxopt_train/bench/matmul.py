@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxopt_train.kernels import available_backends, matmul, matmul_reference
+from jaxopt_train.kernels.autotune import burst_timer, rotating
+from jaxopt_train.kernels.configs import BACKENDS
 from jaxopt_train.kernels.matmul import resolve_config
 from jaxopt_train.train.mfu import peak_tflops
 
@@ -49,23 +49,10 @@ def _input_sets(m, n, k, dtype, count, seed=0):
 
 
 def time_fn(fn, sets, *, calls: int, bursts: int, warmup_s: float) -> float:
-    """Median seconds per call over `bursts` bursts of `calls` back-to-back calls."""
-    jax.block_until_ready(fn(*sets[0]))
-    deadline = time.perf_counter() + warmup_s  # let the GPU clocks ramp up
-    while time.perf_counter() < deadline:
-        out = None
-        for i in range(len(sets)):
-            out = fn(*sets[i])
-        jax.block_until_ready(out)
-    per_call = []
-    for _ in range(bursts):
-        start = time.perf_counter()
-        out = None
-        for i in range(calls):
-            out = fn(*sets[i % len(sets)])
-        jax.block_until_ready(out)
-        per_call.append((time.perf_counter() - start) / calls)
-    return statistics.median(per_call)
+    """Median seconds per call over `bursts` bursts of `calls` back-to-back calls,
+    rotating over the input `sets`, after `warmup_s` seconds of warm-up (the
+    autotuner's timer, so tuning and benchmark time alike)."""
+    return burst_timer(rotating(fn, sets), calls=calls, repeats=bursts, warmup_s=warmup_s)
 
 
 def _plain_fn(backend):
@@ -113,7 +100,7 @@ def _measure(make_fn, backends, shape, dtype, args, peak, fused: bool):
 
 def _table(rows, title):
     lines = [f"\n{title}", f"{'shape (MxNxK)':<20} {'backend':<11} {'TFLOP/s':>8} {'vs XLA':>7} "
-             f"{'% peak':>7} {'ms':>8} {'rel err':>8}  config (bm x bn x bk, stages, warps, group, in-flight)"]
+             f"{'% peak':>7} {'ms':>8} {'rel err':>8}  config (bm x bn x bk, stages, warps, group, in-flight, layout)"]
     for r in rows:
         shape = "x".join(map(str, r["shape"]))
         if "error" in r:
@@ -127,11 +114,20 @@ def _table(rows, title):
 
 
 def _short(config: dict | None) -> str:
+    """bm x bn x bk, stages, warps, snake width + minor axis, wgmma groups in flight; then
+    the Mosaic GPU layout knobs only where they differ from the plain cooperative kernel."""
     if not config:
         return ""
     text = f"{config['block_m']}x{config['block_n']}x{config['block_k']} s{config['num_stages']}"
     text += f" w{config['num_warps']} g{config['group_m']}{config['grid_minor']}"
-    return text + f" f{config.get('wgmma_in_flight', 0)}"
+    text += f" f{config.get('wgmma_in_flight', 0)}"
+    if config.get("chain_tiles"):
+        text += " chained"
+    if config.get("cluster", "none") != "none":
+        text += f" cluster-{config['cluster']}"
+    if config.get("schedule", "cooperative") != "cooperative":
+        text += f" {config['schedule']}"
+    return text
 
 
 def _geomean_large(rows, backend):
@@ -152,6 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-s", type=float, default=1.0)
     parser.add_argument("--no-fused", action="store_true", help="skip the bias+gelu table")
     args = parser.parse_args(argv)
+    for name in ("calls", "bursts", "input_sets"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    if args.warmup_s < 0:
+        parser.error(f"--warmup-s must be >= 0; got {args.warmup_s}")
+    known = [b for b in BACKENDS if b != "auto"] + ["xla_dot"]
+    if args.backends and (unknown := [b for b in args.backends.split(",") if b not in known]):
+        parser.error(f"--backends: unknown {unknown}; expected a comma list of {known}")
 
     device = jax.devices()[0]
     if args.backends:

@@ -134,9 +134,18 @@ def default_candidates(backend: str, *, quick: bool = False) -> list[MatmulConfi
                      f"pallas_tpu or interpret")
 
 
-def burst_timer(fn: Callable[[], jax.Array], *, calls: int = 10, repeats: int = 3) -> float:
-    """Median seconds per call over `repeats` bursts of back-to-back calls."""
-    jax.block_until_ready(fn())  # compile and warm up
+def burst_timer(fn: Callable[[], jax.Array], *, calls: int = 10, repeats: int = 3,
+                warmup_s: float = 0.3) -> float:
+    """Median seconds per call over `repeats` bursts of `calls` back-to-back calls.
+
+    The first call compiles; then `fn` runs for `warmup_s` seconds before timing,
+    because GPU clocks idle low and ramp up under load: without it the first
+    candidates of a sweep are timed at lower clocks than the later ones.
+    """
+    jax.block_until_ready(fn())  # compile
+    deadline = time.perf_counter() + warmup_s
+    while time.perf_counter() < deadline:
+        jax.block_until_ready([fn() for _ in range(calls)])
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -148,6 +157,13 @@ def burst_timer(fn: Callable[[], jax.Array], *, calls: int = 10, repeats: int = 
     return statistics.median(times)
 
 
+def rotating(fn: Callable[..., jax.Array], sets: Sequence[tuple]) -> Callable[[], jax.Array]:
+    """A zero-argument call of `fn` on the next input set, so successive timed calls
+    read operands that are not already in L2."""
+    cycle = itertools.cycle(sets)
+    return lambda: fn(*next(cycle))
+
+
 def _tolerance(dtype) -> float:
     return 2e-2 if jnp.dtype(dtype) in (jnp.bfloat16, jnp.float32) else 5e-3
 
@@ -155,7 +171,7 @@ def _tolerance(dtype) -> float:
 def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: str = "auto",
              candidates: Sequence[MatmulConfig] | None = None, timer: Timer | None = None,
              write_cache: bool = True, seed: int = 0,
-             budget_s: float | None = None) -> dict[tuple[int, int, int], MatmulConfig]:
+             budget_s: float | None = None, input_sets: int = 4) -> dict[tuple[int, int, int], MatmulConfig]:
     """Finds the fastest correct config for each (M, N, K) and caches it.
 
     Every candidate first runs on random data and must match `matmul_reference`
@@ -171,6 +187,8 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
         write_cache: store winners in the cache file.
         budget_s: per shape: stop trying further candidates once this many
             seconds have passed on the shape (the best so far wins).
+        input_sets: random operand pairs each candidate's timed calls rotate over
+            (together larger than L2 on large shapes, as in `bench matmul`).
 
     Returns:
         {(M, N, K): winning config}.
@@ -183,6 +201,8 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
     backend = resolve_backend(backend)
     if backend == "xla":
         raise ValueError("backend resolved to 'xla', which has nothing to tune; pass a kernel backend")
+    if not isinstance(input_sets, int) or input_sets < 1:
+        raise ValueError(f"input_sets={input_sets!r} must be an int >= 1")
     candidates = list(candidates or default_candidates(backend))
     timer = timer or burst_timer
     device_kind = jax.devices()[0].device_kind
@@ -190,9 +210,11 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
     for shape in shapes:
         deadline = None if budget_s is None else time.perf_counter() + budget_s
         m, n, k = (int(x) for x in shape)
-        key_a, key_b = jax.random.split(jax.random.key(seed))
-        a = jax.random.normal(key_a, (m, k), jnp.float32).astype(dtype)
-        b = jax.random.normal(key_b, (k, n), jnp.float32).astype(dtype)
+        keys = jax.random.split(jax.random.key(seed), 2 * input_sets)
+        sets = [(jax.random.normal(keys[2 * i], (m, k), jnp.float32).astype(dtype),
+                 jax.random.normal(keys[2 * i + 1], (k, n), jnp.float32).astype(dtype))
+                for i in range(input_sets)]
+        a, b = sets[0]
         reference = np.asarray(matmul_reference(a, b, out_dtype=jnp.float32))
         scale = float(np.max(np.abs(reference))) or 1.0
         best: tuple[float, MatmulConfig] | None = None
@@ -212,7 +234,7 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
                 logger.warning("autotune %s %s: %s rejected, relative error %.3g",
                                backend, (m, n, k), config, error)
                 continue
-            seconds = timer(lambda fn=fn: fn(a, b))
+            seconds = timer(rotating(fn, sets))
             logger.info("autotune %s %s: %s %.1f us", backend, (m, n, k), config, seconds * 1e6)
             if best is None or seconds < best[0]:
                 best = (seconds, config)

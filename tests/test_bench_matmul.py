@@ -1,0 +1,51 @@
+"""`jaxopt-train bench matmul` in its CPU mode: rows, ratios, JSON, the config column, bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from jaxopt_train.bench import matmul as bench
+from jaxopt_train.kernels import MatmulConfig
+
+
+def test_quick_run_measures_each_backend_next_to_xla(tmp_path, capsys):
+    path = tmp_path / "matmul.json"
+    assert bench.main(["--quick", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["backends"] == ["xla_dot", "interpret", "xla"]
+    shapes = {tuple(r["shape"]) for r in data["plain"]}
+    assert shapes == set(bench.QUICK_SHAPES)
+    for row in data["plain"] + data["fused"]:
+        assert "error" not in row, row
+        assert row["max_rel_error"] < 1e-2 and row["ms"] > 0 and row["tflops"] > 0
+        assert row["vs_xla"] == pytest.approx(
+            row["tflops"] / next(r["tflops"] for r in data["plain" if not row["fused"] else "fused"]
+                                 if r["shape"] == row["shape"] and r["backend"] == "xla_dot"))
+    assert all("config" in r for r in data["plain"] if r["backend"] == "interpret")
+    out = capsys.readouterr().out
+    assert "matmul: C = A @ B" in out and "fused: gelu(A @ B + bias)" in out
+
+
+def test_config_column_names_the_layout_knobs():
+    plain = MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=4, group_m=16)
+    assert bench._short(plain.to_dict()) == "128x128x64 s4 w8 g16n f0"
+    chained = MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=4, group_m=16,
+                           chain_tiles=True, cluster="n")
+    assert bench._short(chained.to_dict()) == "128x128x64 s4 w8 g16n f0 chained cluster-n"
+    assert bench._short(MatmulConfig(schedule="pingpong").to_dict()).endswith(" pingpong")
+    assert bench._short(None) == ""
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--quick", "--backends", "mosaic,xla"], "unknown \\['mosaic'\\]"),
+    (["--quick", "--calls", "0"], "--calls must be >= 1"),
+    (["--quick", "--input-sets", "0"], "--input-sets must be >= 1"),
+    (["--quick", "--warmup-s", "-1"], "--warmup-s must be >= 0"),
+])
+def test_bad_arguments_are_refused_with_the_expected_values(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    assert re.search(message, capsys.readouterr().err)
