@@ -419,6 +419,71 @@ def test_autotune_times_each_candidate_over_rotating_input_sets():
                  input_sets=0)
 
 
+def test_transposed_layouts_are_cached_and_resolved_apart(monkeypatch):
+    """A winner of A^T @ B is stored under its own key and never serves A @ B or A @ B^T,
+    and a transposed product with no entry of its own gets the shipped default."""
+    kind = jax.devices()[0].device_kind
+    plain_key = autotune_mod.cache_key("triton", kind, 64, 32, 48, jnp.bfloat16)
+    assert plain_key.endswith("m64_n32_k64")  # the key of caches written before layouts
+    assert autotune_mod.cache_key("triton", kind, 64, 32, 48, jnp.bfloat16, "a") == plain_key + "|aT"
+    with pytest.raises(ValueError, match="transposed='c' must be one of"):
+        autotune_mod.cache_key("triton", kind, 64, 32, 48, jnp.bfloat16, "c")
+
+    seen = []
+
+    def fake_product(a, b, transposed, out_dtype, backend, config, bias=None, activation=None):
+        seen.append((a.shape, b.shape, transposed, backend))
+        lhs, rhs = (a.T, b) if transposed == "a" else (a, b.T)
+        return jnp.dot(lhs, rhs, preferred_element_type=jnp.float32).astype(out_dtype)
+
+    monkeypatch.setattr(matmul_mod, "_product_with_transpose", fake_product)
+    monkeypatch.setattr(matmul_mod, "resolve_backend", lambda backend: backend)
+    slow, fast = (MatmulConfig(block_m=16, block_n=16, block_k=16, num_stages=1),
+                  MatmulConfig(block_m=32, block_n=32, block_k=32, num_stages=1))
+    times = iter([2.0, 1.0])
+    winners = autotune([(64, 32, 48)], backend="triton", candidates=[slow, fast], transposed="a",
+                       timer=lambda fn: (fn(), next(times))[1], input_sets=1)
+    assert winners == {(64, 32, 48): fast}
+    assert seen[0] == ((48, 64), (48, 32), "a", "triton")  # A stored (K, M)
+    autotune_mod._loaded.clear()
+    assert autotune_mod.lookup("triton", kind, 64, 32, 48, jnp.bfloat16, "a") == fast
+    assert autotune_mod.lookup("triton", kind, 64, 32, 48, jnp.bfloat16) is None
+    assert autotune_mod.lookup("triton", kind, 64, 32, 48, jnp.bfloat16, "b") is None
+    default = configs.default_config("triton", kind, 64, 32, 48)
+    assert matmul_mod.resolve_config("triton", 64, 32, 48, jnp.bfloat16, "a") == fast
+    assert matmul_mod.resolve_config("triton", 64, 32, 48, jnp.bfloat16) == default
+    autotune_mod.store("triton", kind, 64, 48, 32, jnp.bfloat16, slow, 1.0)  # a plain winner
+    assert matmul_mod.resolve_config("triton", 64, 48, 32, jnp.bfloat16, "b") == default
+    with pytest.raises(ValueError, match="tuned only for"):
+        autotune([(16, 16, 16)], backend="interpret", transposed="b", timer=lambda fn: 1.0)
+
+
+def test_autotune_cli_refuses_a_layout_the_backend_cannot_read(capsys):
+    with pytest.raises(SystemExit):
+        autotune_mod.main(["--backend", "interpret", "--shapes", "16x16x16", "--transposed", "a"])
+    assert "--transposed a: only ('mosaic_gpu', 'triton')" in capsys.readouterr().err
+
+
+def test_backward_products_look_up_their_own_layouts(monkeypatch):
+    """Lowering the gradient of a Mosaic GPU matmul (for CUDA, on the CPU) asks the cache
+    for the forward as A @ B, for dA as A @ B^T and for dB as A^T @ B."""
+    asked = []
+    real = matmul_mod.resolve_config
+
+    def spy(backend, m, n, k, dtype, transposed=None):
+        asked.append((m, n, k, transposed))
+        return real(backend, m, n, k, dtype, transposed)
+
+    monkeypatch.setattr(matmul_mod, "resolve_config", spy)
+    monkeypatch.setattr(matmul_mod, "resolve_backend", lambda backend: backend)  # no GPU here
+    shape = jax.ShapeDtypeStruct
+    loss = lambda a, b: jnp.sum(matmul(a, b, backend="mosaic_gpu").astype(jnp.float32))
+    jax.jit(jax.grad(loss, argnums=(0, 1))).trace(
+        shape((256, 128), jnp.bfloat16), shape((128, 384), jnp.bfloat16)
+    ).lower(lowering_platforms=("cuda",))
+    assert asked == [(256, 384, 128, None), (256, 128, 384, "b"), (128, 384, 256, "a")]
+
+
 def test_autotune_budget_keeps_best_so_far():
     first, second = (MatmulConfig(block_m=16, block_n=16, block_k=16, num_stages=1),
                      MatmulConfig(block_m=32, block_n=32, block_k=32, num_stages=1))

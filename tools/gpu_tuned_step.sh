@@ -1,20 +1,30 @@
 #!/usr/bin/env bash
 # Issue 5's gpt-1b step with per-shape autotuned configs, on the lent nvidia-h200-x2:
-#   GPU 0: `autotune --quick` on the 8 (M, N, K) shape buckets of gpt-1b's 15 products per
-#          layer and head (forward, dX, dW), then the bench's optimised gpt-1b step with our
-#          kernel reading that cache, then the same step with XLA's dot;
+#   GPU 0: `autotune --quick` on the shape buckets of gpt-1b's products in the layouts the step
+#          launches them (A @ B: the layers' forward and the head's dA; A @ B^T: the layers' dX
+#          and the tied head's forward; A^T @ B: every dW), then the bench's optimised gpt-1b
+#          step with our kernel reading that cache, then the same step with XLA's dot;
 #   GPU 1 (controls, same time): XLA's step, then our kernel with the shipped default.
+# The sixth session ran an earlier form that tuned the plain layout only (its winners then
+# served the transposed products too): 1.048x XLA against the default's 1.031x.
 #   bash tools/gpu_tuned_step.sh   # results in $OUT/tuned.tar.gz and $OUT/summary.txt
 set -u
 OUT=${OUT:-/tmp/tuned_out}; R=/tmp/tuned; mkdir -p "$R" "$OUT"
-export DEADLINE=${DEADLINE:-420}
+export DEADLINE=${DEADLINE:-540}
 source "$(dirname "$0")/gpu_common.sh"
-# tokens T=8192, d=2048, 4d=8192, vocab 50304: forward T x out x in, dX T x in x out, dW in x out x T
-SHAPES=8192x8192x2048,8192x2048x2048,8192x2048x8192,8192x50304x2048,8192x2048x50304,2048x8192x8192,2048x2048x8192,2048x50304x8192
+# tokens T=8192, d=2048, 4d=8192, vocab V=50304 (M x N x K): forward T x out x in, dX T x in x out
+# (B^T), dW in x out x T (A^T); tied head: forward T x V x d (B^T), dA T x d x V, dB V x d x T (A^T)
+PLAIN=8192x8192x2048,8192x2048x2048,8192x2048x8192,8192x2048x50304
+B_T=8192x2048x8192,8192x2048x2048,8192x8192x2048,8192x50304x2048
+A_T=2048x8192x8192,2048x2048x8192,8192x2048x8192,50304x2048x8192
 (
   export CUDA_VISIBLE_DEVICES=0 JAXOPT_TRAIN_CACHE_DIR=$R/cache
-  step autotune ${T_AT:-240} $PY -m jaxopt_train.kernels.autotune --backend mosaic_gpu --quick \
-    --budget-s ${AT_BUDGET:-25} --shapes $SHAPES
+  for layout in plain b a; do
+    case $layout in plain) shapes=$PLAIN; flag=();; b) shapes=$B_T; flag=(--transposed b);;
+                    a) shapes=$A_T; flag=(--transposed a);; esac
+    step "autotune_$layout" ${T_AT:-100} $PY -m jaxopt_train.kernels.autotune --backend mosaic_gpu \
+      --quick --budget-s ${AT_BUDGET:-18} --shapes $shapes "${flag[@]}"
+  done
   OUT=$R step step_tuned0 ${T_P:-85} $PY tools/probe_gpt1b.py --variants opt --tag _tuned0 --matmul pallas
   OUT=$R step step_xla0 ${T_X:-50} $PY tools/probe_gpt1b.py --variants opt --tag _xla0
 ) & A=$!

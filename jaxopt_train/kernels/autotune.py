@@ -2,14 +2,19 @@
 
 The cache is one JSON file (default `~/.cache/jaxopt_train/matmul_autotune.json`,
 directory overridable with `$JAXOPT_TRAIN_CACHE_DIR`) mapping
-"device kind | jax version | backend | dtype | shape bucket" to a config. Shape
-buckets round each of M, N, K up to a power of two, so one tuning run serves
-the nearby shapes a model produces. `matmul(..., config=None)` reads the
-cache first, then the shipped defaults in `configs.py`.
+"device kind | jax version | backend | dtype | shape bucket [| operand layout]" to a
+config. Shape buckets round each of M, N, K up to a power of two, so one tuning
+run serves the nearby shapes a model produces. A product that reads A^T or B^T as
+stored (the backward of every dense layer, a tied LM head) is tuned and looked up
+under its own layout: on an H200 the winners of plain A @ B made gpt-1b's step
+slower when applied to its transposed products (BENCHMARKS.md, sixth session).
+`matmul(..., config=None)` reads the cache first, then the shipped defaults in
+`configs.py`.
 """
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import logging
@@ -42,9 +47,26 @@ def shape_bucket(m: int, n: int, k: int) -> str:
     return f"m{up[0]}_n{up[1]}_k{up[2]}"
 
 
-def cache_key(backend: str, device_kind: str, m: int, n: int, k: int, dtype) -> str:
-    return "|".join((device_kind, f"jax{jax.__version__}", backend, str(jnp.dtype(dtype)),
-                     shape_bucket(m, n, k)))
+TRANSPOSED = (None, "a", "b")  # A @ B, A^T @ B (a stored K x M), A @ B^T (b stored N x K)
+# Backends that read a transposed operand as stored; the others multiply a transposed copy,
+# i.e. run the plain layout, so their layout entries would never be read.
+TRANSPOSING_BACKENDS = ("mosaic_gpu", "triton")
+
+
+def _check_transposed(transposed) -> None:
+    if transposed not in TRANSPOSED:
+        raise ValueError(f"transposed={transposed!r} must be one of {TRANSPOSED}")
+
+
+def cache_key(backend: str, device_kind: str, m: int, n: int, k: int, dtype,
+              transposed: str | None = None) -> str:
+    """The cache entry's name; plain products keep the key they had before layouts."""
+    _check_transposed(transposed)
+    parts = [device_kind, f"jax{jax.__version__}", backend, str(jnp.dtype(dtype)),
+             shape_bucket(m, n, k)]
+    if transposed is not None:
+        parts.append(f"{transposed}T")
+    return "|".join(parts)
 
 
 def _read(path: pathlib.Path) -> dict:
@@ -60,19 +82,21 @@ def _read(path: pathlib.Path) -> dict:
     return _loaded[key]
 
 
-def lookup(backend: str, device_kind: str, m: int, n: int, k: int, dtype) -> MatmulConfig | None:
-    """The cached winner for this problem, or None."""
-    entry = _read(cache_path()).get(cache_key(backend, device_kind, m, n, k, dtype))
+def lookup(backend: str, device_kind: str, m: int, n: int, k: int, dtype,
+           transposed: str | None = None) -> MatmulConfig | None:
+    """The cached winner for this problem in this operand layout, or None."""
+    entry = _read(cache_path()).get(cache_key(backend, device_kind, m, n, k, dtype, transposed))
     return None if entry is None else MatmulConfig.from_dict(entry["config"])
 
 
 def store(backend: str, device_kind: str, m: int, n: int, k: int, dtype, config: MatmulConfig,
-          seconds: float) -> None:
+          seconds: float, transposed: str | None = None) -> None:
     """Adds one winner to the cache file (atomic rename; other entries kept)."""
     path = cache_path()
     data = dict(_read(path))
-    data[cache_key(backend, device_kind, m, n, k, dtype)] = {
-        "config": config.to_dict(), "seconds": seconds, "shape": [m, n, k]}
+    data[cache_key(backend, device_kind, m, n, k, dtype, transposed)] = {
+        "config": config.to_dict(), "seconds": seconds, "shape": [m, n, k],
+        "transposed": transposed}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
@@ -171,7 +195,8 @@ def _tolerance(dtype) -> float:
 def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: str = "auto",
              candidates: Sequence[MatmulConfig] | None = None, timer: Timer | None = None,
              write_cache: bool = True, seed: int = 0,
-             budget_s: float | None = None, input_sets: int = 4) -> dict[tuple[int, int, int], MatmulConfig]:
+             budget_s: float | None = None, input_sets: int = 4,
+             transposed: str | None = None) -> dict[tuple[int, int, int], MatmulConfig]:
     """Finds the fastest correct config for each (M, N, K) and caches it.
 
     Every candidate first runs on random data and must match `matmul_reference`
@@ -189,6 +214,10 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
             seconds have passed on the shape (the best so far wins).
         input_sets: random operand pairs each candidate's timed calls rotate over
             (together larger than L2 on large shapes, as in `bench matmul`).
+        transposed: the operand layout to tune: None for A @ B, "a" for A^T @ B with
+            A stored (K, M) (a dense layer's weight gradient), "b" for A @ B^T with
+            B stored (N, K) (its input gradient, a tied LM head). Winners are cached
+            under that layout; only mosaic_gpu and triton read it.
 
     Returns:
         {(M, N, K): winning config}.
@@ -196,13 +225,19 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
     Raises:
         RuntimeError: when no candidate passes for some shape.
     """
-    from jaxopt_train.kernels.matmul import matmul, matmul_reference, resolve_backend
+    # The module, not the function `jaxopt_train.kernels.matmul` re-exported over its name.
+    matmul_mod = importlib.import_module("jaxopt_train.kernels.matmul")
 
-    backend = resolve_backend(backend)
+    backend = matmul_mod.resolve_backend(backend)
     if backend == "xla":
         raise ValueError("backend resolved to 'xla', which has nothing to tune; pass a kernel backend")
     if not isinstance(input_sets, int) or input_sets < 1:
         raise ValueError(f"input_sets={input_sets!r} must be an int >= 1")
+    _check_transposed(transposed)
+    if transposed is not None and backend not in TRANSPOSING_BACKENDS:
+        raise ValueError(f"transposed={transposed!r} is tuned only for {TRANSPOSING_BACKENDS}, "
+                         f"which read the operand as stored; {backend=} multiplies a "
+                         f"transposed copy, i.e. runs the plain layout: tune that instead")
     candidates = list(candidates or default_candidates(backend))
     timer = timer or burst_timer
     device_kind = jax.devices()[0].device_kind
@@ -210,12 +245,15 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
     for shape in shapes:
         deadline = None if budget_s is None else time.perf_counter() + budget_s
         m, n, k = (int(x) for x in shape)
+        shape_a = (k, m) if transposed == "a" else (m, k)  # as stored
+        shape_b = (n, k) if transposed == "b" else (k, n)
         keys = jax.random.split(jax.random.key(seed), 2 * input_sets)
-        sets = [(jax.random.normal(keys[2 * i], (m, k), jnp.float32).astype(dtype),
-                 jax.random.normal(keys[2 * i + 1], (k, n), jnp.float32).astype(dtype))
+        sets = [(jax.random.normal(keys[2 * i], shape_a, jnp.float32).astype(dtype),
+                 jax.random.normal(keys[2 * i + 1], shape_b, jnp.float32).astype(dtype))
                 for i in range(input_sets)]
         a, b = sets[0]
-        reference = np.asarray(matmul_reference(a, b, out_dtype=jnp.float32))
+        reference = np.asarray(matmul_mod.matmul_reference(
+            a.T if transposed == "a" else a, b.T if transposed == "b" else b, out_dtype=jnp.float32))
         scale = float(np.max(np.abs(reference))) or 1.0
         best: tuple[float, MatmulConfig] | None = None
         for config in candidates:
@@ -223,7 +261,11 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
                 logger.warning("autotune %s %s: time budget spent, keeping %s", backend,
                                (m, n, k), best[1])
                 break
-            fn = jax.jit(lambda a, b, c=config: matmul(a, b, backend=backend, config=c))
+            if transposed is None:
+                fn = jax.jit(lambda a, b, c=config: matmul_mod.matmul(a, b, backend=backend, config=c))
+            else:  # the kernel a model's backward launches (or its fallback for this config)
+                fn = jax.jit(lambda a, b, c=config: matmul_mod._product_with_transpose(
+                    a, b, transposed, a.dtype, backend, c))
             try:
                 out = np.asarray(fn(a, b).astype(jnp.float32))
             except Exception as err:  # noqa: BLE001 - a candidate that fails to build is skipped
@@ -243,7 +285,7 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
                                f"{(m, n, k)=} on {backend=}; tried {len(candidates)}")
         winners[(m, n, k)] = best[1]
         if write_cache:
-            store(backend, device_kind, m, n, k, dtype, best[1], best[0])
+            store(backend, device_kind, m, n, k, dtype, best[1], best[0], transposed)
     return winners
 
 
@@ -257,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--quick", action="store_true", help="short candidate list")
     parser.add_argument("--budget-s", type=float, default=None, help="time budget per shape")
+    parser.add_argument("--transposed", choices=("a", "b"), default=None,
+                        help="tune A^T @ B (a stored K x M) or A @ B^T (b stored N x K) instead "
+                        "of A @ B: the layouts of a dense layer's backward")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -269,10 +314,14 @@ def main(argv: list[str] | None = None) -> int:
 
     backend = resolve_backend(args.backend)
     candidates = default_candidates(backend, quick=args.quick)
+    if args.transposed is not None and backend not in TRANSPOSING_BACKENDS:
+        parser.error(f"--transposed {args.transposed}: only {TRANSPOSING_BACKENDS} read a "
+                     f"transposed operand as stored; --backend resolved to {backend!r}")
     winners = autotune(shapes, jnp.dtype(args.dtype), backend=backend, candidates=candidates,
-                       budget_s=args.budget_s)
+                       budget_s=args.budget_s, transposed=args.transposed)
+    layout = "" if args.transposed is None else f" ({args.transposed}^T)"
     for shape, config in winners.items():
-        print(f"{backend} {'x'.join(map(str, shape))}: {config}")
+        print(f"{backend} {'x'.join(map(str, shape))}{layout}: {config}")
     print(f"cache: {cache_path()}")
     return 0
 

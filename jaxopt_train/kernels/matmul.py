@@ -140,11 +140,17 @@ def _device_kind() -> str:
     return jax.devices()[0].device_kind
 
 
-def resolve_config(backend: str, m: int, n: int, k: int, dtype) -> MatmulConfig:
-    """Autotuned winner from the on-disk cache if present, else the shipped default."""
+def resolve_config(backend: str, m: int, n: int, k: int, dtype,
+                   transposed: str | None = None) -> MatmulConfig:
+    """Autotuned winner from the on-disk cache if present, else the shipped default.
+
+    `transposed` ("a" / "b": that operand read as stored) looks up that layout's own
+    entry only: a plain A @ B winner is no evidence for the transposed kernel (on an
+    H200 it made gpt-1b's backward slower), so an untuned layout gets the default.
+    """
     from jaxopt_train.kernels.autotune import lookup
 
-    cached = lookup(backend, _device_kind(), m, n, k, dtype)
+    cached = lookup(backend, _device_kind(), m, n, k, dtype, transposed)
     if cached is not None:
         return cached
     return configs.default_config(backend, _device_kind(), m, n, k)
@@ -246,7 +252,7 @@ def _product_with_transpose(a, b, transposed: str, out_dtype, backend, config, b
     lhs, rhs = (a.T, b) if transposed == "a" else (a, b.T)
     if backend in ("mosaic_gpu", "triton"):
         (m, k), n = lhs.shape, rhs.shape[1]  # shapes only: XLA drops the unused transposes
-        cfg = config or resolve_config(backend, m, n, k, a.dtype)
+        cfg = config or resolve_config(backend, m, n, k, a.dtype, transposed)
         # Mosaic GPU: wgmma needs the two tiles' swizzles to match; a transposed tile is
         # swizzled over its M/N extent (128 B), so the K tile must span 128 B as well.
         if backend == "triton" or (cfg.block_k * jnp.dtype(a.dtype).itemsize == 128
