@@ -142,8 +142,8 @@ def _force_matmul_config(fields: dict) -> None:
     mm = importlib.import_module("jaxopt_train.kernels.matmul")
     resolve = mm.resolve_config
 
-    def forced(backend, m, n, k, dtype):
-        return dc.replace(resolve(backend, m, n, k, dtype), **fields)
+    def forced(backend, m, n, k, dtype, transposed=None):
+        return dc.replace(resolve(backend, m, n, k, dtype, transposed), **fields)
 
     mm.resolve_config = forced
 

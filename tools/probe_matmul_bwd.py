@@ -69,8 +69,9 @@ def main(argv=None) -> int:
         a = jax.random.normal(ka, (m, k), jnp.float32).astype(bf16)
         b = (jax.random.normal(kb, (k, n), jnp.float32) / np.sqrt(k)).astype(bf16)
         g = jax.random.normal(kg, (m, n), jnp.float32).astype(bf16)
-        shipped = (resolve_config("mosaic_gpu", m, n, k, bf16), resolve_config("mosaic_gpu", m, k, n, bf16),
-                   resolve_config("mosaic_gpu", k, n, m, bf16))
+        shipped = (resolve_config("mosaic_gpu", m, n, k, bf16),  # forward, dA (B^T), dB (A^T)
+                   resolve_config("mosaic_gpu", m, k, n, bf16, "b"),
+                   resolve_config("mosaic_gpu", k, n, m, bf16, "a"))
         ref = {name: np.asarray(jax.jit(fn)(*xs), np.float32)
                for name, fn, xs in _products(a, b, g, None, dot, None)}
         variants = {"xla": None, **overrides}
