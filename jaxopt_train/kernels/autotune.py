@@ -166,19 +166,19 @@ def burst_timer(fn: Callable[[], jax.Array], *, calls: int = 10, repeats: int = 
     because GPU clocks idle low and ramp up under load: without it the first
     candidates of a sweep are timed at lower clocks than the later ones.
     """
-    jax.block_until_ready(fn())  # compile
-    deadline = time.perf_counter() + warmup_s
-    while time.perf_counter() < deadline:
-        jax.block_until_ready([fn() for _ in range(calls)])
-    times = []
-    for _ in range(repeats):
+    def burst() -> float:  # one sync at the end; only the last output is kept alive
         start = time.perf_counter()
         out = None
         for _ in range(calls):
             out = fn()
         jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
+        return (time.perf_counter() - start) / calls
+
+    jax.block_until_ready(fn())  # compile
+    deadline = time.perf_counter() + warmup_s
+    while time.perf_counter() < deadline:
+        burst()
+    return statistics.median(burst() for _ in range(repeats))
 
 
 def rotating(fn: Callable[..., jax.Array], sets: Sequence[tuple]) -> Callable[[], jax.Array]:
