@@ -464,6 +464,26 @@ def test_autotune_cli_refuses_a_layout_the_backend_cannot_read(capsys):
     assert "--transposed a: only ('mosaic_gpu', 'triton')" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--backend", "interpret", "--shapes", "0x16x16"], "positive dims"),
+    (["--backend", "interpret", "--shapes", "16x16"], "comma list of MxNxK"),
+    (["--backend", "interpret", "--shapes", "16x16x16", "--budget-s", "-1"], "--budget-s must be >= 0"),
+    (["--backend", "nope", "--shapes", "16x16x16"], "invalid choice: 'nope'"),
+    (["--backend", "mosaic_gpu", "--shapes", "16x16x16"], "--backend mosaic_gpu: matmul backend"),
+])
+def test_autotune_cli_refuses_bad_input(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        autotune_mod.main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_autotune_refuses_bad_shapes_and_budget():
+    with pytest.raises(ValueError, match="positive ints; got \\(16, 0, 16\\)"):
+        autotune([(16, 0, 16)], backend="interpret", timer=lambda fn: 1.0, write_cache=False)
+    with pytest.raises(ValueError, match="budget_s=-1"):
+        autotune([(16, 16, 16)], backend="interpret", budget_s=-1, write_cache=False)
+
+
 def test_backward_products_look_up_their_own_layouts(monkeypatch):
     """Lowering the gradient of a Mosaic GPU matmul (for CUDA, on the CPU) asks the cache
     for the forward as A @ B, for dA as A @ B^T and for dB as A^T @ B."""

@@ -21,6 +21,7 @@ import logging
 import os
 import pathlib
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -233,6 +234,12 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
         raise ValueError("backend resolved to 'xla', which has nothing to tune; pass a kernel backend")
     if not isinstance(input_sets, int) or input_sets < 1:
         raise ValueError(f"input_sets={input_sets!r} must be an int >= 1")
+    if budget_s is not None and not budget_s >= 0:
+        raise ValueError(f"budget_s={budget_s!r} must be None or >= 0 seconds")
+    shapes = [tuple(shape) for shape in shapes]
+    for shape in shapes:
+        if len(shape) != 3 or not all(isinstance(d, (int, np.integer)) and d >= 1 for d in shape):
+            raise ValueError(f"shapes: each must be (M, N, K) of positive ints; got {shape!r}")
     _check_transposed(transposed)
     if transposed is not None and backend not in TRANSPOSING_BACKENDS:
         raise ValueError(f"transposed={transposed!r} is tuned only for {TRANSPOSING_BACKENDS}, "
@@ -294,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description="tune matmul tilings and cache the winners")
-    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--backend", default="auto",
+                        choices=("auto", "mosaic_gpu", "triton", "pallas_tpu", "interpret"))
     parser.add_argument("--shapes", required=True, help="comma list of MxNxK")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--quick", action="store_true", help="short candidate list")
@@ -306,19 +314,32 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-        if any(len(s) != 3 for s in shapes):
+        if any(len(s) != 3 or min(s) < 1 for s in shapes):
             raise ValueError
     except ValueError:
-        parser.error(f"--shapes={args.shapes!r} must be a comma list of MxNxK, e.g. 8192x8192x8192")
+        parser.error(f"--shapes={args.shapes!r} must be a comma list of MxNxK with positive "
+                     f"dims, e.g. 8192x8192x8192")
+    if args.budget_s is not None and not args.budget_s >= 0:
+        parser.error(f"--budget-s must be >= 0 seconds; got {args.budget_s}")
     from jaxopt_train.kernels.matmul import resolve_backend
 
-    backend = resolve_backend(args.backend)
+    try:
+        backend = resolve_backend(args.backend)
+    except RuntimeError as err:  # e.g. mosaic_gpu asked for on a machine without a GPU
+        parser.error(f"--backend {args.backend}: {err}")
+    if backend == "xla":
+        parser.error("--backend auto resolved to 'xla' (no kernel backend runs here), which has "
+                     "nothing to tune; pass --backend interpret to tune the CPU interpreter")
     candidates = default_candidates(backend, quick=args.quick)
     if args.transposed is not None and backend not in TRANSPOSING_BACKENDS:
         parser.error(f"--transposed {args.transposed}: only {TRANSPOSING_BACKENDS} read a "
                      f"transposed operand as stored; --backend resolved to {backend!r}")
-    winners = autotune(shapes, jnp.dtype(args.dtype), backend=backend, candidates=candidates,
-                       budget_s=args.budget_s, transposed=args.transposed)
+    try:
+        winners = autotune(shapes, jnp.dtype(args.dtype), backend=backend, candidates=candidates,
+                           budget_s=args.budget_s, transposed=args.transposed)
+    except RuntimeError as err:  # no candidate passed the reference check: nothing cached
+        print(f"autotune: {err}", file=sys.stderr)
+        return 1
     layout = "" if args.transposed is None else f" ({args.transposed}^T)"
     for shape, config in winners.items():
         print(f"{backend} {'x'.join(map(str, shape))}{layout}: {config}")
