@@ -18,7 +18,7 @@ from jaxopt_train.models.flops import gpt_flops_per_token, resnet_flops_per_imag
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_train")
     argv = ["--quick", "--devices", "2", "--xla-preset", "none", "--peak-tflops", "0.5",
-            "--memory-budget", "1GiB", "--compare-matmul", "pallas",
+            "--memory-budget", "1GiB", "--compare-matmul", "pallas", "--compute-copy",
             "--out", str(out), "--json", str(out / "raw.json")]
     assert train.main(argv) == 0
     return out, json.loads((out / "train_bench.json").read_text())
@@ -48,6 +48,7 @@ def test_quick_bench_rows_are_consistent(quick_run):
     opt = rows["optimised"]
     assert opt["config"]["policy"] == "bf16" and opt["config"]["donate"]
     assert opt["config"]["accumulation"] == "scan" and opt["steps_per_dispatch"] == 2
+    assert opt["config"]["compute_copy"] and not rows["baseline"]["config"]["compute_copy"]
     assert opt["speedup_vs_baseline"] == pytest.approx(rows["baseline"]["step_ms"] / opt["step_ms"])
     # Donation keeps one copy of the state: live memory never grows during a step.
     assert opt["memory_swing_bytes"] < rows["baseline"]["memory_swing_bytes"]
@@ -68,6 +69,7 @@ def test_quick_bench_scaling_and_outputs(quick_run):
     table = (out / "train_bench.md").read_text()
     assert "| config | step ms | tokens/s | TFLOP/s | MFU |" in table
     assert "| baseline |" in table and "| optimised |" in table and "scaling efficiency" in table
+    assert "bf16 weight copy kept in the state" in table
     assert json.loads((out / "raw.json").read_text())["rows"][0]["name"] == "baseline"
     png = (out / "train_bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
@@ -206,7 +208,7 @@ def test_ablations_switch_one_technique_each():
     optimised = train_steps.RunConfig("optimised", policy="bf16", attention="cudnn",
                                       accumulation="scan", donate=True, remat="dots",
                                       grad_sync="ring", steps_per_dispatch=4, opt_state="bf16",
-                                      grad_dtype="compute", zero=1)
+                                      grad_dtype="compute", zero=1, compute_copy=True)
     runs, skipped = train._ablation_runs(baseline, optimised, workload, num_devices=2)
     changed = {r.name: {k for k, v in r.describe().items() if k != "name" and v != getattr(baseline, k)}
                for r in runs}
@@ -218,6 +220,8 @@ def test_ablations_switch_one_technique_each():
     assert changed["+bf16 optimizer state"] == {"opt_state"}
     assert changed["+bf16 gradients (+scan accumulation)"] == {"policy", "grad_dtype", "accumulation"}
     assert changed["+zero=1 (+scan accumulation)"] == {"zero", "accumulation"}
+    assert changed["+bf16 weight copy in the state (+bf16 gradients, +scan accumulation)"] == {
+        "policy", "grad_dtype", "accumulation", "compute_copy"}
     assert [s["name"] for s in skipped] == ["+xla flags"]
     _, skipped = train._ablation_runs(baseline, optimised, workload, num_devices=1)
     assert "+zero=1 (+scan accumulation)" in [s["name"] for s in skipped]

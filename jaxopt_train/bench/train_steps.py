@@ -22,6 +22,13 @@ with micro-batches (K > 1) they sit before and after the accumulation
 `lax.scan`, and XLA's scheduler does not move them into its loop, so that
 overlap needs K = 1.
 
+With `compute_copy=True` the state also carries the compute-dtype copy of the
+params, written by the optimizer update (the cast of the new params fuses into
+the update's pass, which already reads and writes every param) and read by the
+next step's forward. Without it, each step starts with a separate cast pass over
+the f32 params: about 1.5 ms of gpt-1b's 87 ms step on an H200 (BENCHMARKS.md).
+The copy costs its bytes in memory (2 per param in bf16).
+
 The bench writes its own lean step instead of the trainer's
 (`jaxopt_train.train.step`): the trainer also checks finiteness, selects
 between old and new state, clips and reports the gradient norm, which cost
@@ -132,6 +139,7 @@ class RunConfig:
     grad_dtype: str = "param"  # "compute": differentiate w.r.t. the compute-dtype params
     matmul: str = "xla"  # GPT dense layers: "xla", or our "pallas" / "triton" kernel
     zero: int = 0  # 1: master params + optimizer state sharded per leaf (a no-op on 1 device)
+    compute_copy: bool = False  # keep the params' compute-dtype copy in the state (see above)
 
     def __post_init__(self):
         if self.accumulation not in ACCUMULATIONS:
@@ -152,6 +160,16 @@ class RunConfig:
         if self.zero and self.accumulation != "scan":
             raise ValueError(f"zero={self.zero} is implemented by the in-graph step: it needs "
                              f"accumulation='scan', got accumulation={self.accumulation!r}")
+        if self.compute_copy and (self.grad_dtype != "compute" or self.accumulation != "scan"):
+            raise ValueError("compute_copy=True is the copy the step differentiates: it needs "
+                             f"grad_dtype='compute' and accumulation='scan', got "
+                             f"grad_dtype={self.grad_dtype!r}, accumulation={self.accumulation!r}")
+        if self.compute_copy:
+            policy = get_policy(self.policy)
+            if np.dtype(policy.compute_dtype) == np.dtype(policy.param_dtype):
+                raise ValueError(f"compute_copy=True needs a compute dtype narrower than the "
+                                 f"params'; policy {self.policy!r} computes in "
+                                 f"{np.dtype(policy.compute_dtype).name}, as its params are stored")
         if self.accumulation == "host" and self.steps_per_dispatch > 1:
             raise ValueError("steps_per_dispatch > 1 runs the step in-graph: it needs "
                              "accumulation='scan', got accumulation='host'")
@@ -225,7 +243,8 @@ def make_loss(graphdef, workload: Workload, run: RunConfig) -> Callable:
 
 
 def init_state(workload: Workload, run: RunConfig, mesh, optimizer, seed: int = 0):
-    """(graphdef, state) with state = (params, model_state, opt_state) replicated on `mesh`."""
+    """(graphdef, state) with state = (params, model_state, opt_state), plus the params'
+    compute-dtype copy with `run.compute_copy`, replicated on `mesh`."""
     axis = AXIS if not workload.is_gpt else None
     graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: build_model(workload, run, axis, seed)),
                                nnx.Param, ...)
@@ -233,7 +252,10 @@ def init_state(workload: Workload, run: RunConfig, mesh, optimizer, seed: int = 
     def init():
         _, params, model_state = nnx.split(build_model(workload, run, axis, seed), nnx.Param, ...)
         with jax.numpy_dtype_promotion("standard"):
-            return params, model_state, optimizer.init(params)
+            state = (params, model_state, optimizer.init(params))
+        if run.compute_copy:
+            state += (get_policy(run.policy).cast_to_compute(params),)
+        return state
 
     state = jax.jit(init, out_shardings=NamedSharding(mesh, P()))()
     return graphdef, state
@@ -254,11 +276,13 @@ def host_batches(workload: Workload, count: int, run: RunConfig, seed: int = 0):
 
 
 def zero_state_specs(state, optimizer, num_devices: int):
-    """PartitionSpecs of (params, model_state, opt_state) for per-leaf ZeRO-1 over AXIS."""
-    params, model_state, opt_state = state
+    """PartitionSpecs of the state for per-leaf ZeRO-1 over AXIS: (params, model_state,
+    opt_state), and a compute copy sharded like the params when the state has one."""
+    params, model_state, opt_state, *copy = state
     param_specs = leaf_specs(params, num_devices, AXIS)
-    return (param_specs, jax.tree.map(lambda _: P(), model_state),
-            opt_state_leaf_specs(optimizer, opt_state, params, param_specs))
+    specs = (param_specs, jax.tree.map(lambda _: P(), model_state),
+             opt_state_leaf_specs(optimizer, opt_state, params, param_specs))
+    return specs + ((param_specs,) if copy else ())
 
 
 def _sync_grads(grads, params, run: RunConfig, num_devices: int, param_specs=None):
@@ -285,10 +309,13 @@ def _in_graph_step(loss, optimizer, workload: Workload, run: RunConfig, num_devi
     policy = get_policy(run.policy)
 
     def one_step(state, batch):
-        params, model_state, opt_state = state
+        params, model_state, opt_state, *copy = state
         # grad_dtype="compute": gradients w.r.t. the bf16 copy stay bf16 (half the
         # bytes to write, reduce and read); the loss's own cast is then a no-op.
-        grad_params = policy.cast_to_compute(params) if run.grad_dtype == "compute" else params
+        if copy:  # compute_copy: the previous update already wrote it
+            grad_params = copy[0]
+        else:
+            grad_params = policy.cast_to_compute(params) if run.grad_dtype == "compute" else params
         if param_specs is not None:  # cast first: the all-gathers then move bf16
             grad_params = gather_leaves(grad_params, param_specs, AXIS)
         (value, new_model_state), grads = grad_fn(grad_params, batch, model_state)
@@ -299,7 +326,8 @@ def _in_graph_step(loss, optimizer, workload: Workload, run: RunConfig, num_devi
             params = optax.apply_updates(params, updates)
         new_model_state = _pmean_floating(new_model_state, num_devices)
         loss_value = value if num_devices == 1 else lax.pmean(value, AXIS)
-        return (params, new_model_state, opt_state), loss_value
+        new_copy = (policy.cast_to_compute(params),) if copy else ()
+        return (params, new_model_state, opt_state) + new_copy, loss_value
 
     def per_device(state, batches):
         if run.steps_per_dispatch == 1:
