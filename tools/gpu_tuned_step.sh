@@ -4,10 +4,11 @@
 #          launches them (A @ B: the layers' forward and the head's dA; A @ B^T: the layers' dX
 #          and the tied head's forward; A^T @ B: every dW), then the bench's optimised gpt-1b
 #          step with our kernel reading that cache, then the same step with XLA's dot;
-#   GPU 1 (controls, same time): XLA's step, then our kernel with the shipped default.
+#   GPU 1 (controls, same time): XLA's step, then our kernel with the shipped default; with
+#          COPY=1 then `bench train` gpt-1b without and with --compute-copy (one process each).
 # The sixth session ran an earlier form that tuned the plain layout only (its winners then
 # served the transposed products too): 1.048x XLA against the default's 1.031x.
-#   bash tools/gpu_tuned_step.sh   # results in $OUT/tuned.tar.gz and $OUT/summary.txt
+#   COPY=1 bash tools/gpu_tuned_step.sh   # results in $OUT/tuned.tar.gz and $OUT/summary.txt
 set -u
 OUT=${OUT:-/tmp/tuned_out}; R=/tmp/tuned; mkdir -p "$R" "$OUT"
 export DEADLINE=${DEADLINE:-540}
@@ -32,6 +33,11 @@ A_T=2048x8192x8192,2048x2048x8192,8192x2048x8192,50304x2048x8192
   export CUDA_VISIBLE_DEVICES=1
   OUT=$R step step_xla1 ${T_X:-50} $PY tools/probe_gpt1b.py --variants opt --tag _xla1
   OUT=$R step step_shipped1 ${T_P:-85} $PY tools/probe_gpt1b.py --variants opt --tag _shipped1 --matmul pallas
+  if [ -n "${COPY:-}" ]; then  # bench train's optimised gpt-1b row without, then with --compute-copy
+    for copy in "" --compute-copy; do
+      step "bench${copy:-_nocopy}" ${T_B:-100} $PY $GPT1B_BENCH --no-scaling $copy --json "$R/bench${copy:-_nocopy}.json"
+    done
+  fi
 ) & B=$!
 wait $A $B
 finish tuned 20
