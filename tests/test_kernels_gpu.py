@@ -289,3 +289,28 @@ def test_mosaic_several_tiles_per_sm(transposed, layout, activation, k):
         a, b, bias, activation=activation, out_dtype=jnp.float32, config=config,
         transpose_a=transposed == "a", transpose_b=transposed == "b"))(a, b, bias)
     _close(got, want, 5e-3 if activation else 1e-4)  # gelu runs tanh.approx
+
+
+@pytest.mark.parametrize("backend", ["mosaic_gpu", "triton"])
+@pytest.mark.parametrize("transposed", [None, "a", "b"])
+def test_autotune_each_layout_on_gpu(backend, transposed, tmp_path, monkeypatch):
+    """The sweep runs every quick candidate of a layout through the reference check on the GPU,
+    caches the winner under that layout, and the backward then reads it."""
+    import importlib
+
+    _backend_or_skip(backend)
+    autotune_mod = importlib.import_module("jaxopt_train.kernels.autotune")
+    matmul_mod = importlib.import_module("jaxopt_train.kernels.matmul")
+    monkeypatch.setenv("JAXOPT_TRAIN_CACHE_DIR", str(tmp_path))
+    autotune_mod._loaded.clear()
+    m, n, k = 512, 384, 640
+    candidates = autotune_mod.default_candidates(backend, quick=True)[:3]
+    winners = autotune_mod.autotune([(m, n, k)], backend=backend, candidates=candidates,
+                                    transposed=transposed, input_sets=2,
+                                    timer=lambda fn: autotune_mod.burst_timer(fn, calls=2, repeats=1,
+                                                                              warmup_s=0.0))
+    assert winners[(m, n, k)] in candidates
+    kind = jax.devices()[0].device_kind
+    assert autotune_mod.lookup(backend, kind, m, n, k, jnp.bfloat16, transposed) == winners[(m, n, k)]
+    assert matmul_mod.resolve_config(backend, m, n, k, jnp.bfloat16, transposed) == winners[(m, n, k)]
+    autotune_mod._loaded.clear()
