@@ -659,7 +659,8 @@ for name, g, r in zip(("dA", "dB", "dbias"), grads, reference_grads):
 TFLOP/s of the kernel next to XLA's `jnp.dot` on the same bf16 operands, both jitted,
 timed over bursts of back-to-back calls (median). In interpret mode the kernel is a
 correctness tool: expect it to be far slower than XLA. On an H100/H200 `jaxopt-train bench
-matmul` runs the full sweep (Mosaic GPU ~1.05x XLA at 8192^3 in our measurements).
+matmul` runs the full sweep (on an H200 the Mosaic GPU kernel measured 0.99-1.00x XLA at
+8192^3, and 1.12-1.18x XLA's dot + bias + GELU with its fused epilogue: `BENCHMARKS.md`).
 """),
     code('''
 def burst_seconds(fn, *args, calls, repeats=3):
@@ -697,6 +698,35 @@ ax.legend()
 ax.grid(alpha=0.3)
 fig.tight_layout()
 plt.show()
+'''),
+    md("""
+## Tuning the tiling
+
+`kernels.autotune(shapes, backend=...)` runs each candidate tiling once against the
+reference, times the ones that pass, and caches the fastest per device kind, jax version,
+shape bucket (each dim rounded up to a power of two) and operand layout in
+`$JAXOPT_TRAIN_CACHE_DIR/matmul_autotune.json`; `matmul` reads that cache before its
+shipped defaults. On Mosaic GPU and Triton, `transposed="a"` / `"b"` tunes the A^T @ B and
+A @ B^T kernels that a dense layer's backward runs; each layout keeps its own entries.
+Here: two tilings of the interpreter on CPU, the quick list on a GPU.
+"""),
+    code('''
+import importlib
+import os
+import tempfile
+
+autotune_mod = importlib.import_module("jaxopt_train.kernels.autotune")  # the module, not the function
+matmul_mod = importlib.import_module("jaxopt_train.kernels.matmul")
+os.environ["JAXOPT_TRAIN_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxopt_train_nb04_")
+if BACKEND == "interpret":
+    shape, candidates = (64, 64, 64), [kernels.MatmulConfig(block_m=b, block_n=b, block_k=b,
+                                                            num_stages=1) for b in (16, 32)]
+else:
+    shape, candidates = (4096, 4096, 4096), autotune_mod.default_candidates(BACKEND, quick=True)
+winner = kernels.autotune([shape], backend=BACKEND, candidates=candidates, budget_s=60)[shape]
+print(f"{BACKEND} {shape}: {winner}")
+assert matmul_mod.resolve_config(BACKEND, *shape, jnp.bfloat16) == winner  # what matmul now uses
+print("cache:", autotune_mod.cache_path())
 '''),
     md("""
 To run a Flax model's dense layers through the kernel, pass
