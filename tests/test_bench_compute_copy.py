@@ -47,6 +47,19 @@ def test_the_kept_copy_gives_the_step_that_casts_at_its_start(num_devices, zero)
     assert set(copy_shards) == {1 / num_devices}  # with zero=1 sharded like the master params
 
 
+def test_the_step_reads_the_copy_not_the_master_weights():
+    """A copy that disagrees with the f32 params changes the loss: the forward uses the copy
+    (were it only carried along, the step would still cast the params and ignore it)."""
+    run = train_steps.RunConfig("x", policy="bf16", accumulation="scan", grad_dtype="compute",
+                                compute_copy=True)
+    runner = train_steps.build_runner(WORKLOAD, run, train_steps.data_mesh(jax.devices()[:1]))
+    params, model_state, opt_state, copy = runner.state
+    _, honest = runner.step((params, model_state, opt_state, copy))
+    _, zeroed = runner.step((params, model_state, opt_state, jax.tree.map(jnp.zeros_like, copy)))
+    assert np.isfinite(np.asarray(honest)).all() and np.isfinite(np.asarray(zeroed)).all()
+    assert not np.allclose(np.asarray(honest), np.asarray(zeroed))
+
+
 def test_compute_copy_is_validated():
     with pytest.raises(ValueError, match="needs grad_dtype='compute' and accumulation='scan'"):
         train_steps.RunConfig("x", policy="bf16", accumulation="scan", compute_copy=True)
