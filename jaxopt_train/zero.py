@@ -247,7 +247,7 @@ def zero_shardings(params, opt_state, mesh: jax.sharding.Mesh, *, stage: int, ax
     _check(stage, "psum")
     n = mesh.shape[axis_name]
     sharded = lambda tree: jax.tree.map(  # noqa: E731
-        lambda x: NamedSharding(mesh, leaf_spec(tuple(jnp.shape(x)), n, axis_name)), tree)
+        lambda spec: NamedSharding(mesh, spec), leaf_specs(tree, n, axis_name))
     replicated = lambda tree: jax.tree.map(lambda _: NamedSharding(mesh, P()), tree)  # noqa: E731
     return (sharded(params) if stage == 3 else replicated(params),
             replicated(opt_state) if stage == 0 else sharded(opt_state))
@@ -277,7 +277,7 @@ def leaf_specs(params, num_shards: int, axis_name: str = "data"):
     """
     if not isinstance(num_shards, int) or num_shards < 1:
         raise ValueError(f"{num_shards=} must be a positive int (the size of the data axis)")
-    return jax.tree.map(lambda x: leaf_spec(tuple(x.shape), num_shards, axis_name), params)
+    return jax.tree.map(lambda x: leaf_spec(tuple(jnp.shape(x)), num_shards, axis_name), params)
 
 
 def opt_state_leaf_specs(optimizer: optax.GradientTransformation, opt_state, params, param_specs):

@@ -160,7 +160,8 @@ class RunConfig:
         if self.zero and self.accumulation != "scan":
             raise ValueError(f"zero={self.zero} is implemented by the in-graph step: it needs "
                              f"accumulation='scan', got accumulation={self.accumulation!r}")
-        if self.compute_copy and (self.grad_dtype != "compute" or self.accumulation != "scan"):
+        # (grad_dtype="compute" already needs scan accumulation, checked above.)
+        if self.compute_copy and self.grad_dtype != "compute":
             raise ValueError("compute_copy=True is the copy the step differentiates: it needs "
                              f"grad_dtype='compute' and accumulation='scan', got "
                              f"grad_dtype={self.grad_dtype!r}, accumulation={self.accumulation!r}")

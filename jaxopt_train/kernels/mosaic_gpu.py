@@ -101,8 +101,7 @@ def epilogue_scratch(plgpu, config: MatmulConfig, out_dtype, has_bias: bool) -> 
 def fit_stages(config: MatmulConfig, in_dtype, out_dtype, has_bias: bool) -> int:
     """The deepest pipeline <= config.num_stages whose buffers fit in shared memory
     (per consumer with the ping-pong schedule, which gives each its own ring)."""
-    bk = config.block_k
-    bm, bn = config.block_m, config.block_n
+    bk, bn = config.block_k, config.block_n
     rows, cols = cta_tile(config)
     per_stage = (rows * bk + bk * cols) * jnp.dtype(in_dtype).itemsize
     epi_m, epi_n = _epilogue_tile(config)

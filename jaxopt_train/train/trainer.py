@@ -176,9 +176,9 @@ class Trainer:
                                  loss_scale_for(policy))
         self.state: TrainState = replicate(state, self.mesh)
         self.zero = zero
+        grad_cast = policy.cast_to_compute if grad_dtype == "compute" else None
         if zero:
-            self._setup_zero(fns, optimizer, grad_sync, zero_clip_norm,
-                             grad_cast=policy.cast_to_compute if grad_dtype == "compute" else None)
+            self._setup_zero(fns, optimizer, grad_sync, zero_clip_norm, grad_cast=grad_cast)
             return
         error_feedback = grad_compression not in (None, "none")
         if error_feedback:
@@ -188,8 +188,7 @@ class Trainer:
         self._train_step = build_train_step(
             fns.loss, optimizer, self.mesh, microbatches=microbatches, grad_sync=grad_sync,
             grad_compression=grad_compression, steps_per_dispatch=steps_per_dispatch,
-            error_feedback=error_feedback,
-            grad_cast=policy.cast_to_compute if grad_dtype == "compute" else None)
+            error_feedback=error_feedback, grad_cast=grad_cast)
         self._finish_setup()
 
     def _setup_zero(self, fns: ModelFns, optimizer, grad_sync: str, clip_norm: float,
