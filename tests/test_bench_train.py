@@ -19,6 +19,7 @@ def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_train")
     argv = ["--quick", "--devices", "2", "--xla-preset", "none", "--peak-tflops", "0.5",
             "--memory-budget", "1GiB", "--compare-matmul", "pallas", "--compute-copy",
+            "--split-qkv",
             "--out", str(out), "--json", str(out / "raw.json")]
     assert train.main(argv) == 0
     return out, json.loads((out / "train_bench.json").read_text())
@@ -49,6 +50,7 @@ def test_quick_bench_rows_are_consistent(quick_run):
     assert opt["config"]["policy"] == "bf16" and opt["config"]["donate"]
     assert opt["config"]["accumulation"] == "scan" and opt["steps_per_dispatch"] == 2
     assert opt["config"]["compute_copy"] and not rows["baseline"]["config"]["compute_copy"]
+    assert opt["config"]["split_qkv"] and not rows["baseline"]["config"]["split_qkv"]
     assert opt["speedup_vs_baseline"] == pytest.approx(rows["baseline"]["step_ms"] / opt["step_ms"])
     # Donation keeps one copy of the state: live memory never grows during a step.
     assert opt["memory_swing_bytes"] < rows["baseline"]["memory_swing_bytes"]
@@ -208,7 +210,8 @@ def test_ablations_switch_one_technique_each():
     optimised = train_steps.RunConfig("optimised", policy="bf16", attention="cudnn",
                                       accumulation="scan", donate=True, remat="dots",
                                       grad_sync="ring", steps_per_dispatch=4, opt_state="bf16",
-                                      grad_dtype="compute", zero=1, compute_copy=True)
+                                      grad_dtype="compute", zero=1, compute_copy=True,
+                                      split_qkv=True)
     runs, skipped = train._ablation_runs(baseline, optimised, workload, num_devices=2)
     changed = {r.name: {k for k, v in r.describe().items() if k != "name" and v != getattr(baseline, k)}
                for r in runs}
@@ -222,6 +225,8 @@ def test_ablations_switch_one_technique_each():
     assert changed["+zero=1 (+scan accumulation)"] == {"zero", "accumulation"}
     assert changed["+bf16 weight copy in the state (+bf16 gradients, +scan accumulation)"] == {
         "policy", "grad_dtype", "accumulation", "compute_copy"}
+    assert changed["+q, k, v from three products (+bf16+cudnn attention)"] == {
+        "policy", "attention", "split_qkv"}
     assert [s["name"] for s in skipped] == ["+xla flags"]
     _, skipped = train._ablation_runs(baseline, optimised, workload, num_devices=1)
     assert "+zero=1 (+scan accumulation)" in [s["name"] for s in skipped]
@@ -249,3 +254,11 @@ def test_gpu_optimised_uses_cudnn_and_reports_mfu(tmp_path):
     assert opt["peak_memory_source"] in ("allocator", "xla-estimate") and opt["memory_source"] == "allocator"
     if result["peak_tflops_per_device"] is not None:
         assert 0 < opt["mfu"] < 1
+
+
+def test_split_qkv_is_for_gpt_models_only():
+    with pytest.raises(SystemExit, match="--split-qkv applies to GPT models, not --model resnet50"):
+        train._parse(["--model", "resnet50", "--split-qkv"])
+    workload = train_steps.Workload("cnn-small", 8, 1)
+    with pytest.raises(ValueError, match="split_qkv=True applies to GPT models"):
+        train_steps.build_model(workload, train_steps.RunConfig("x", split_qkv=True), None)

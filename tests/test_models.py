@@ -165,6 +165,26 @@ def test_remat_and_scan_layers_do_not_change_gradients():
     )
 
 
+@pytest.mark.parametrize("overrides", [dict(), dict(use_bias=False, scan_layers=True, remat="dots")])
+def test_split_qkv_matches_the_fused_product(overrides):
+    # Same parameters (split_qkv only changes how the product is launched), so the
+    # losses and every gradient, incl. the fused qkv kernel's, must agree.
+    tokens = tokens_for(small_cfg(), batch=2)
+    fused = GPT(small_cfg(**overrides), rngs=nnx.Rngs(7))
+    split = GPT(small_cfg(split_qkv=True, **overrides), rngs=nnx.Rngs(7))
+    assert jax.tree.structure(nnx.to_pure_dict(nnx.state(split))) == jax.tree.structure(
+        nnx.to_pure_dict(nnx.state(fused)))
+    with jax.default_matmul_precision("highest"):
+        got, want = _grads(split, tokens), _grads(fused, tokens)
+    _assert_grads_close(got, want)
+
+
+def test_column_blocks_bad_split():
+    layer = GPT(small_cfg(), rngs=nnx.Rngs(0)).blocks[0].attn.qkv
+    with pytest.raises(ValueError, match="96 output columns do not split into 5 blocks"):
+        layer.column_blocks(jnp.ones((2, 32)), 5)
+
+
 def test_full_remat_recomputes_in_backward():
     # "none" saves activations, "full" must recompute them: the jaxpr of the
     # gradient contains remat (checkpoint) equations only when asked for.
@@ -180,9 +200,10 @@ def test_full_remat_recomputes_in_backward():
         assert ("remat" in jaxpr or "checkpoint" in jaxpr) == expected, remat
 
 
+@pytest.mark.parametrize("split_qkv", [False, True])
 @pytest.mark.parametrize("tie_embeddings", [True, False])
 @pytest.mark.parametrize("scan_layers", [False, True])
-def test_dot_general_is_used_by_every_dense_layer(tie_embeddings, scan_layers):
+def test_dot_general_is_used_by_every_dense_layer(tie_embeddings, scan_layers, split_qkv):
     shapes = []
 
     def counting_dot_general(lhs, rhs, dimension_numbers, precision=None, **kwargs):
@@ -190,12 +211,15 @@ def test_dot_general_is_used_by_every_dense_layer(tie_embeddings, scan_layers):
         return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision, **kwargs)
 
     cfg = small_cfg(
-        dot_general=counting_dot_general, tie_embeddings=tie_embeddings, scan_layers=scan_layers
+        dot_general=counting_dot_general, tie_embeddings=tie_embeddings, scan_layers=scan_layers,
+        split_qkv=split_qkv,
     )
     model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
     nnx.eval_shape(lambda m, x: m(x), model, tokens_for(cfg))  # traces every layer once
     d, v = cfg.d_model, cfg.vocab_size
-    per_block = [((d, 3 * d), (0,)), ((d, d), (0,)), ((d, 4 * d), (0,)), ((4 * d, d), (0,))]
+    # split_qkv: q, k and v each from a (d, d) column block of the fused kernel.
+    qkv = [((d, d), (0,))] * 3 if split_qkv else [((d, 3 * d), (0,))]
+    per_block = qkv + [((d, d), (0,)), ((d, 4 * d), (0,)), ((4 * d, d), (0,))]
     # A tied head contracts the [vocab, d] table on its dim 1 (no transposed copy).
     head = ((v, d), (1,)) if tie_embeddings else ((d, v), (0,))
     # A scanned body is traced once for all layers.
@@ -236,6 +260,19 @@ def test_cudnn_attention_matches_xla_on_gpu():
     np.testing.assert_allclose(
         cudnn.astype(jnp.float32), xla.astype(jnp.float32), atol=0.05, rtol=0.05
     )
+
+
+@pytest.mark.gpu
+def test_split_qkv_with_cudnn_attention_on_gpu():
+    # The layout split_qkv exists for: contiguous q, k, v straight into cuDNN.
+    cfg = small_cfg(dtype="bf16", d_model=128, n_heads=2, attention="cudnn")
+    tokens = tokens_for(cfg)
+    fused, split = (GPT(dataclasses.replace(cfg, split_qkv=s), rngs=nnx.Rngs(0)) for s in (False, True))
+    got, want = _grads(split, tokens), _grads(fused, tokens)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-2)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+        np.asarray(a, np.float32), np.asarray(b, np.float32), atol=2e-2, rtol=5e-2),
+        nnx.to_pure_dict(got[1]), nnx.to_pure_dict(want[1]))
 
 
 def test_param_count_matches_real_model_for_every_preset():
@@ -307,6 +344,7 @@ def test_gpt_loss_bad_inputs():
         (dict(dtype="int8"), "dtype='int8' must be float32, bfloat16 or float16"),
         (dict(param_dtype="bogus"), "param_dtype='bogus' is not a dtype"),
         (dict(scan_layers="yes"), "scan_layers='yes' must be True or False"),
+        (dict(split_qkv=1), "split_qkv=1 must be True or False"),
         (dict(dot_general=3), "dot_general=3 must be callable"),
         (dict(attention="cudnn"), "needs dtype bfloat16 or float16"),
         (dict(attention="cudnn", dtype="bf16", d_model=36, n_heads=4), "head_dim % 8"),

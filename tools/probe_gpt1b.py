@@ -21,9 +21,12 @@ import sys
 import time
 
 VARIANTS = {
-    # name: (policy, opt_state_dtype, remat, microbatches[, grad_dtype])
+    # name: (policy, opt_state_dtype, remat, microbatches[, grad_dtype[, RunConfig fields]])
     "v0": ("bf16", "f32", "none", 1),
     "opt": ("bf16", "bf16", "none", 1, "compute"),  # the bench's optimised column
+    "optcopy": ("bf16", "bf16", "none", 1, "compute", {"compute_copy": True}),
+    "optsplit": ("bf16", "bf16", "none", 1, "compute", {"split_qkv": True}),
+    "optboth": ("bf16", "bf16", "none", 1, "compute", {"compute_copy": True, "split_qkv": True}),
     "pure": ("bf16-pure", "f32", "none", 1),
     "st16": ("bf16", "bf16", "none", 1),
     "dots16": ("bf16", "bf16", "dots", 1),
@@ -99,12 +102,13 @@ def run_variant(name, spec, args, out_dir):
     from jaxopt_train.bench import _timing, train_steps
     from jaxopt_train.runtime import fits
 
-    policy, state_dtype, remat, micro, grad_dtype = (*spec, "param")[:5]
+    policy, state_dtype, remat, micro, grad_dtype, extra = (*spec, *("param", {})[len(spec) - 4:])
     workload = train_steps.Workload(args.model, args.batch, micro, seq_len=args.seq_len,
                                     n_layers=args.layers)
     run = train_steps.RunConfig(name, policy=policy, attention=args.attention,
                                 accumulation="scan", donate=True, remat=remat,
-                                opt_state=state_dtype, grad_dtype=grad_dtype, matmul=args.matmul)
+                                opt_state=state_dtype, grad_dtype=grad_dtype, matmul=args.matmul,
+                                **extra)
     runner = train_steps.build_runner(workload, run, train_steps.data_mesh(jax.devices()[:1]))
     mem = fits(runner.compiled[0], budget=2**60)
     state, runner.state = runner.state, None
@@ -112,7 +116,7 @@ def run_variant(name, spec, args, out_dir):
     state, timing = _timing.time_bursts(runner.step, state, bursts=args.bursts,
                                         calls_per_burst=args.calls, steps_per_call=1)
     step_s = timing.step_s
-    row = {"variant": name, "matmul": args.matmul, "matmul_config": args.matmul_config, "policy": policy, "opt_state": state_dtype, "remat": remat,
+    row = {"variant": name, **extra, "matmul": args.matmul, "matmul_config": args.matmul_config, "policy": policy, "opt_state": state_dtype, "remat": remat,
            "microbatches": micro, "step_ms": step_s * 1e3,
            "tflops": workload.flops_per_step / step_s / 1e12,
            "mfu": workload.flops_per_step / step_s / 1e12 / args.peak,

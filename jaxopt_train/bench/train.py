@@ -88,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="optimised config: keep the params' bf16 copy in the state, written by "
                    "the optimizer update, instead of casting the f32 params at each step's start "
                    "(needs --grad-dtype compute; costs 2 bytes per param)")
+    p.add_argument("--split-qkv", action="store_true",
+                   help="optimised config (GPT): q, k and v from three products of the fused "
+                   "weight's column blocks, so cuDNN attention reads them without slice copies")
     p.add_argument("--xla-preset", choices=sorted(PRESETS), default="gpu-throughput")
     p.add_argument("--xla-extra", default=None, help="more XLA flags, '--name=value ...'")
     p.add_argument("--devices", type=int, help="use the first N devices (default: all)")
@@ -125,6 +128,8 @@ def _parse(argv):
                          f"{[m for m in MATMULS if m != 'xla']} (xla is the optimised row itself)")
     if args.matmuls and not args.model.startswith("gpt"):
         raise SystemExit(f"--compare-matmul applies to GPT models, not --model {args.model}")
+    if args.split_qkv and not args.model.startswith("gpt"):
+        raise SystemExit(f"--split-qkv applies to GPT models, not --model {args.model}")
     if args.compute_copy and args.grad_dtype != "compute":
         raise SystemExit(f"--compute-copy is the copy the step differentiates: it needs "
                          f"--grad-dtype compute, got --grad-dtype {args.grad_dtype}")
@@ -307,6 +312,10 @@ def _ablation_runs(baseline, optimised, workload, num_devices):
     add("+bf16 weight copy in the state (+bf16 gradients, +scan accumulation)",
         None if optimised.compute_copy else "--compute-copy not given",
         policy=optimised.policy, grad_dtype="compute", accumulation="scan", compute_copy=True)
+    # The copies it saves are the ones the fused attention kernel's operands need.
+    add(f"+q, k, v from three products (+bf16+{optimised.attention} attention)",
+        None if optimised.split_qkv else "--split-qkv not given",
+        policy=optimised.policy, attention=optimised.attention, split_qkv=True)
     add(f"+grad_sync={optimised.grad_sync}",
         None if num_devices > 1 and optimised.grad_sync != "psum" else "psum chosen (or 1 device)",
         grad_sync=optimised.grad_sync, accumulation="scan")
@@ -345,7 +354,8 @@ def run_bench(args, xla_report) -> dict:
                                       accumulation="scan", donate=True,
                                       steps_per_dispatch=args.steps_per_dispatch,
                                       opt_state=args.opt_state_dtype, grad_dtype=args.grad_dtype,
-                                      zero=args.zero, compute_copy=args.compute_copy)
+                                      zero=args.zero, compute_copy=args.compute_copy,
+                                      split_qkv=args.split_qkv)
     baseline = train_steps.RunConfig("baseline")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "MFU omitted" is said in the table's header instead
@@ -421,7 +431,8 @@ def render(result) -> str:
                  f"attention={opt['attention_resolved']}, steps_per_dispatch={opt['steps_per_dispatch']}, "
                  f"optimizer state {opt['config']['opt_state']}, gradients in the "
                  f"{opt['config']['grad_dtype']} dtype, {_zero_note(opt)}"
-                 + (", bf16 weight copy kept in the state" if opt["config"]["compute_copy"] else ""))
+                 + (", bf16 weight copy kept in the state" if opt["config"]["compute_copy"] else "")
+                 + (", q/k/v from three products" if opt["config"].get("split_qkv") else ""))
     for skip in result["ablations_skipped"]:
         lines.append(f"ablation {skip['name']} skipped: {skip['reason']}")
     if "scaling" in result:

@@ -140,6 +140,7 @@ class RunConfig:
     matmul: str = "xla"  # GPT dense layers: "xla", or our "pallas" / "triton" kernel
     zero: int = 0  # 1: master params + optimizer state sharded per leaf (a no-op on 1 device)
     compute_copy: bool = False  # keep the params' compute-dtype copy in the state (see above)
+    split_qkv: bool = False  # GPT: q, k, v from three products (GPTConfig.split_qkv)
 
     def __post_init__(self):
         if self.accumulation not in ACCUMULATIONS:
@@ -192,15 +193,17 @@ def data_mesh(devices) -> jax.sharding.Mesh:
 def build_model(workload: Workload, run: RunConfig, axis_name: str | None, seed: int = 0):
     policy = get_policy(run.policy)
     rngs = nnx.Rngs(seed)
-    if run.matmul != "xla" and not workload.is_gpt:
-        raise ValueError(f"matmul={run.matmul!r} applies to GPT models {GPT_PRESETS}, "
-                         f"not {workload.model!r}")
+    for name, value, off in (("matmul", run.matmul, "xla"), ("split_qkv", run.split_qkv, False)):
+        if value != off and not workload.is_gpt:
+            raise ValueError(f"{name}={value!r} applies to GPT models {GPT_PRESETS}, "
+                             f"not {workload.model!r}")
     if workload.is_gpt:
         if run.matmul != "xla" and np.dtype(policy.compute_dtype) == np.float32:
             raise ValueError(f"matmul={run.matmul!r} needs a bf16/fp16 compute dtype; policy "
                              f"{run.policy!r} computes in float32")
         cfg = workload.gpt_config(dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
                                   attention=_attention_for(run.attention, policy), remat=run.remat,
+                                  split_qkv=run.split_qkv,
                                   dot_general=None if run.matmul == "xla" else matmul_dot_general(run.matmul))
         return GPT(warn_if_cudnn_unavailable(cfg), rngs=rngs)
     return create_vision_model(workload.model, num_classes=workload.num_classes,

@@ -85,6 +85,11 @@ class GPTConfig:
       remat: Per-block rematerialisation: "none", "dots" (save matmul outputs
         without batch dims, recompute the rest) or "full" (save nothing).
       scan_layers: Stack the blocks and run them with `nnx.scan`.
+      split_qkv: Compute q, k and v as three products from column blocks of the
+        one fused qkv weight instead of one product sliced three ways. Same
+        parameters and the same math; each of q, k, v then leaves its own GEMM
+        contiguous, so cuDNN attention reads them without the slice copies
+        (and the backward needs no concatenation of dq, dk, dv).
       dot_general: Replacement for `jax.lax.dot_general` in every dense layer;
         None uses `jax.lax.dot_general`.
       tie_embeddings: Use the token embedding as the output head.
@@ -105,6 +110,7 @@ class GPTConfig:
     attention: str = "auto"
     remat: str = "none"
     scan_layers: bool = False
+    split_qkv: bool = False
     dot_general: Callable[..., jax.Array] | None = None
     tie_embeddings: bool = True
     use_bias: bool = True
@@ -130,7 +136,7 @@ class GPTConfig:
             )
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat={self.remat!r}; legal values: {REMAT_POLICIES}")
-        for name in ("scan_layers", "tie_embeddings", "use_bias"):
+        for name in ("scan_layers", "split_qkv", "tie_embeddings", "use_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.dot_general is not None and not callable(self.dot_general):
@@ -224,6 +230,27 @@ class _Dense(nnx.Linear):
             rngs=rngs,
         )
 
+    def column_blocks(self, inputs: jax.Array, parts: int) -> list[jax.Array]:
+        """``self(inputs)`` split into ``parts`` equal column blocks, each from its own product.
+
+        Slicing one wide product's output makes XLA copy each block out (they are
+        strided in memory); multiplying by the kernel's column blocks instead writes
+        each result contiguous, at the price of ``parts`` narrower GEMMs.
+        """
+        kernel = self.kernel[...]
+        bias = self.bias[...] if self.bias is not None else None
+        width, rem = divmod(kernel.shape[-1], parts)
+        if rem:
+            raise ValueError(f"{kernel.shape[-1]} output columns do not split into {parts} blocks")
+        inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+        dims = (((inputs.ndim - 1,), (0,)), ((), ()))
+        blocks = []
+        for i in range(parts):
+            cols = slice(i * width, (i + 1) * width)
+            y = self.dot_general(inputs, kernel[:, cols], dims, precision=self.precision)
+            blocks.append(y if bias is None else y + bias[cols])
+        return blocks
+
 
 def _layer_norm(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
     return nnx.LayerNorm(
@@ -247,8 +274,12 @@ class CausalSelfAttention(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         batch, length, _ = x.shape
         cfg = self.cfg
-        qkv = self.qkv(x).reshape(batch, length, 3, cfg.n_heads, cfg.head_dim)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        if cfg.split_qkv:
+            heads = (batch, length, cfg.n_heads, cfg.head_dim)
+            q, k, v = (y.reshape(heads) for y in self.qkv.column_blocks(x, 3))
+        else:
+            qkv = self.qkv(x).reshape(batch, length, 3, cfg.n_heads, cfg.head_dim)
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         implementation = _attention_implementation(cfg.attention)
         # jax's XLA attention promotes bf16 against a float32 constant, which
         # strict dtype promotion (our tests, careful users) rejects.
