@@ -69,6 +69,12 @@ def test_compute_copy_is_validated():
         train._parse(["--quick", "--compute-copy", "--grad-dtype", "param"])
 
 
+def test_compute_copy_defaults_on_with_compute_gradients():
+    assert train._parse(["--quick"]).compute_copy is True
+    assert train._parse(["--quick", "--no-compute-copy"]).compute_copy is False
+    assert train._parse(["--quick", "--grad-dtype", "param"]).compute_copy is False
+
+
 def test_ablation_row_runs_with_the_flag():
     baseline = train_steps.RunConfig("baseline")
     optimised = train_steps.RunConfig("optimised", policy="bf16", accumulation="scan",
