@@ -27,8 +27,6 @@ VARIANTS = {
     "optcopy": ("bf16", "bf16", "none", 1, "compute", {"compute_copy": True}),
     "optsplit": ("bf16", "bf16", "none", 1, "compute", {"split_qkv": True}),
     "optboth": ("bf16", "bf16", "none", 1, "compute", {"compute_copy": True, "split_qkv": True}),
-    # The MLP with jax.nn.gelu's autodiff (saves tanh(...) too) instead of models.activations'.
-    "optcopy_jaxgelu": ("bf16", "bf16", "none", 1, "compute", {"compute_copy": True, "gelu": "jax"}),
     "pure": ("bf16-pure", "f32", "none", 1),
     "st16": ("bf16", "bf16", "none", 1),
     "dots16": ("bf16", "bf16", "dots", 1),
@@ -105,16 +103,6 @@ def run_variant(name, spec, args, out_dir):
     from jaxopt_train.runtime import fits
 
     policy, state_dtype, remat, micro, grad_dtype, extra = (*spec, *("param", {})[len(spec) - 4:])
-    extra = dict(extra)
-    if extra.pop("gelu", None) == "jax":  # probe-only: the model module's GELU swapped while built
-        gpt_module = sys.modules["jaxopt_train.models.gpt"]
-        own = gpt_module.gelu_tanh
-        gpt_module.gelu_tanh = lambda x: jax.nn.gelu(x, approximate=True)
-        try:
-            return run_variant(name, (policy, state_dtype, remat, micro, grad_dtype, extra), args,
-                               out_dir) | {"gelu": "jax"}
-        finally:
-            gpt_module.gelu_tanh = own
     workload = train_steps.Workload(args.model, args.batch, micro, seq_len=args.seq_len,
                                     n_layers=args.layers)
     run = train_steps.RunConfig(name, policy=policy, attention=args.attention,
