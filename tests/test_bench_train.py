@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -179,6 +180,20 @@ def test_time_bursts_syncs_once_per_burst_and_counts_steps():
     state, timing = _timing.time_bursts(step, 0, bursts=3, calls_per_burst=4, steps_per_call=2)
     assert state == 12 and len(calls) == 12 and timing.steps_per_burst == 8
     assert len(timing.wall_s) == 3 and all(w >= d > 0 for w, d in zip(timing.wall_s, timing.dispatch_s))
+
+
+def test_dispatch_time_is_the_fastest_call_not_the_waiting():
+    # A call that waits for the device's queue (here: sleeps) must not count as launch cost.
+    waits = iter([0.0, 0.05, 0.05, 0.0, 0.05, 0.05])
+
+    def step(state):
+        time.sleep(next(waits))
+        return state + 1, jnp.zeros(())
+
+    _, timing = _timing.time_bursts(step, 0, bursts=2, calls_per_burst=3, steps_per_call=2)
+    assert all(d < 0.01 for d in timing.dispatch_s)  # 2 steps per call: < 5 ms per step
+    assert all(0.1 / 6 <= c < 0.1 / 6 + 0.01 for c in timing.in_calls_s)
+    assert all(w >= c for w, c in zip(timing.wall_s, timing.in_calls_s))
 
 
 def test_live_array_bytes_counts_a_new_array_exactly():

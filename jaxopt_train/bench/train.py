@@ -428,7 +428,9 @@ def render(result) -> str:
              f"epoch = {result['dataset_items']:,.0f} {unit}; cost at ${result['gpu_hour_usd']}/device-hour",
              "", train_report.markdown_table(result["rows"], unit),
              "peak mem: allocator high-water mark; * = XLA memory-analysis estimate (args + outputs "
-             f"+ temps; the process-wide mark was not raised); swing source: {result['rows'][0]['memory_source']}"]
+             f"+ temps; the process-wide mark was not raised); swing source: {result['rows'][0]['memory_source']}",
+             "dispatch: host time of a burst's fastest dispatch call, per step (the other calls also "
+             "wait for the device's queue; all in-call time is host_in_calls_ms_per_step in the JSON)"]
     opt = next(r for r in result["rows"] if r["name"] == "optimised")
     lines.append(f"optimised: remat={opt['config']['remat']}, grad_sync={opt['config']['grad_sync']}, "
                  f"attention={opt['attention_resolved']}, steps_per_dispatch={opt['steps_per_dispatch']}, "

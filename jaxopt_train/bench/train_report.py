@@ -9,6 +9,7 @@ matmuls is measured against the same hardware ceiling as the optimised one.
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 from jaxopt_train.bench._timing import BurstTiming, Trace
@@ -40,6 +41,8 @@ def row_figures(*, name: str, timing: BurstTiming, trace: Trace, compile_s: floa
         "memory_source": trace.source,
         "compile_s": compile_s,
         "host_dispatch_ms_per_step": timing.dispatch_step_s * 1e3,
+        "host_in_calls_ms_per_step": (statistics.median(timing.in_calls_s) * 1e3
+                                      if timing.in_calls_s else None),
         "wall_ms_per_step": step_s * 1e3,
         "steps_per_dispatch": steps_per_call,
         "epoch_hours": epoch_s / 3600,
