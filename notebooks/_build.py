@@ -809,8 +809,9 @@ plt.show()
 `jaxopt_train.bench.train` (the `jaxopt-train bench train` command) runs, on the same model
 and global batch, a **baseline** (f32, host-loop micro-batches with `optax.MultiSteps`, no
 donation, one step per dispatch) and the **optimised** step (bf16 compute with f32 master
-weights, scan accumulation with one all-reduce, donated state, remat chosen to fit memory,
-the fastest gradient all-reduce, several steps per dispatch), and reports step time,
+weights and their bf16 copy kept in the state, scan accumulation with one all-reduce,
+donated state, remat chosen to fit memory, the fastest gradient all-reduce, several steps
+per dispatch), and reports step time,
 throughput, TFLOP/s, MFU, peak memory, compile time and the cost of an epoch. It writes
 `train_bench.md`, `train_bench.json` and `train_bench.png` to `--out`.
 
