@@ -258,6 +258,24 @@ def test_bad_flags_exit(argv):
         train.main(argv)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--devices", "0"], "--devices=0 must be >= 1"),
+    (["--devices", "99"], "--devices=99, but only 8 cpu device(s) are visible"),
+    (["--memory-budget", "12XB"], "--memory-budget: cannot read a byte count from value='12XB'"),
+    (["--memory-budget", "0GiB"], "--memory-budget '0GiB' must be more than 0 bytes"),
+    (["--compare-dispatch", "1,x"], "expected a comma list of steps per dispatch, e.g. 1,4,16"),
+    (["--compare-dispatch", "4,0"], "every k must be >= 1"),
+    (["--peak-tflops", "-1"], "--peak-tflops=-1.0 must be > 0"),
+    (["--dataset-tokens", "0"], "--dataset-tokens=0.0 must be > 0"),
+    (["--gpu-hour-usd", "-1"], "--gpu-hour-usd=-1.0 must be >= 0"),
+])
+def test_bad_values_exit_with_the_reason(argv, message):
+    # Refused before anything is compiled or timed (the device count is checked first thing).
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--quick", "--xla-preset", "none", *argv])
+    assert message in str(exc.value)
+
+
 @pytest.mark.gpu
 def test_gpu_optimised_uses_cudnn_and_reports_mfu(tmp_path):
     argv = ["--model", "gpt-tiny", "--steps", "8", "--bursts", "2", "--trace-steps", "2",

@@ -45,6 +45,34 @@ def test_bad_dtype_exits_2(capsys):
     assert "expected some of" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--methods", "ring,foo"], "--methods ['foo'] unknown; expected some of ['ring'"),
+    (["--gpt-methods", "psum,nccl"], "--gpt-methods ['nccl'] unknown; expected some of ['psum'"),
+    (["--iters", "0"], "--iters=0 must be >= 1"),
+    (["--warmup", "-1"], "--warmup=-1 must be >= 0"),
+    (["--peak", "-3"], "--peak=-3.0 must be > 0"),
+    (["--bucket-mb", "0"], "--bucket-mb=0.0 must be > 0"),
+])
+def test_bad_values_exit_2_with_the_reason(argv, message, capsys):
+    assert bench.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sizes", "1Q"], "cannot read a size from '1Q'; expected bytes or a K/M/G suffix"),
+    (["--sizes", "1M,0"], "size '0' must be more than 0 bytes; the flag takes a comma list like"),
+    (["--sizes", ","], "empty list; expected e.g. 1M,16M,256M,1G"),
+    (["--chunks", "1,0"], "0 is not >= 1"),
+    (["--chunks", "two"], "invalid literal for int"),
+])
+def test_bad_lists_are_argparse_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(ValueError, match="must be more than 0 bytes"):
+        bench.parse_size("-1K")
+
+
 @pytest.mark.parametrize("grad_dtype, expected", [("param", "float32"), ("compute", "bfloat16")])
 def test_gpt_step_reports_every_method_with_the_gradient_dtype(tmp_path, grad_dtype, expected):
     out = tmp_path / "coll.json"

@@ -35,12 +35,18 @@ PER_LINK_GBS = {2: 25.0, 3: 25.0, 4: 25.0, 5: 50.0}
 
 
 def parse_size(text: str) -> int:
-    """'64K', '1M', '1G' (KiB/MiB/GiB) or plain bytes -> bytes."""
+    """'64K', '1M', '1G' (KiB/MiB/GiB) or plain bytes -> bytes (> 0)."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
+    given, text = text, text.strip().upper().removesuffix("IB").removesuffix("B")
+    try:
+        size = (int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units
+                else int(text))
+    except ValueError:
+        raise ValueError(f"cannot read a size from {given!r}; expected bytes or a K/M/G "
+                         "suffix, e.g. 4096, 64K, 1M, 1G") from None
+    if size <= 0:
+        raise ValueError(f"size {given!r} must be more than 0 bytes")
+    return size
 
 
 def fmt_size(nbytes: int) -> str:
@@ -118,6 +124,10 @@ def trace_overlap(fn: Callable, args: tuple, logdir: str, *, iters: int) -> dict
     if not per_device:
         return dict.fromkeys(keys)
     return {k: statistics.fmean(getattr(d, k) for d in per_device) for k in keys}
+
+
+# The `--methods` names: the ring variants that `variants` builds besides psum.
+RING_VARIANTS = ("ring", "ring_bidir", "ring_wire_bf16", "hierarchical")
 
 
 def variants(n: int, dtype: str, chunks: list[int]) -> dict[str, Callable]:
@@ -408,17 +418,33 @@ def print_gpt(rows: list[dict]) -> None:
                   f"{t['idle_ms']:>6.2f}")
 
 
-def _csv(kind):
-    return lambda text: [kind(t) for t in text.split(",") if t]
+def _csv(kind, example: str):
+    """An argparse type: a comma list of `kind`; a bad item names itself and an example."""
+    def parse(text):
+        try:
+            items = [kind(t) for t in text.split(",") if t]
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"{err}; the flag takes a comma list like {example}") from None
+        if not items:
+            raise argparse.ArgumentTypeError(f"empty list; expected e.g. {example}")
+        return items
+    return parse
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"{value} is not >= 1")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxopt-train bench collectives", description=__doc__.split("\n")[0])
-    p.add_argument("--sizes", type=_csv(parse_size), default=None,
+    p.add_argument("--sizes", type=_csv(parse_size, "1M,16M,256M,1G"), default=None,
                    help="bytes per device, e.g. 1M,16M,256M,1G (default 1M..1G by 4x; --quick: 64K,1M)")
-    p.add_argument("--dtypes", type=_csv(str), default=["f32", "bf16"], help="f32,bf16")
-    p.add_argument("--chunks", type=_csv(int), default=None, help="ring pipeline chunks to try (default 1,4)")
-    p.add_argument("--methods", type=_csv(str), default=None,
+    p.add_argument("--dtypes", type=_csv(str, "f32,bf16"), default=["f32", "bf16"], help="f32,bf16")
+    p.add_argument("--chunks", type=_csv(_positive_int, "1,4"), default=None, help="ring pipeline chunks to try (default 1,4)")
+    p.add_argument("--methods", type=_csv(str, "ring,ring_bidir"), default=None,
                    help="ring variants besides psum: ring,ring_bidir,ring_wire_bf16,hierarchical (default all)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10, help="calls per timed burst")
@@ -429,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpt-overrides", default="", help="GPTConfig overrides, e.g. n_layers=4,dtype=bfloat16")
     p.add_argument("--gpt-batch", type=int, default=4, help="sequences per device")
     p.add_argument("--gpt-iters", type=int, default=5)
-    p.add_argument("--gpt-methods", type=_csv(str), default=["psum", "ring"])
+    p.add_argument("--gpt-methods", type=_csv(str, "psum,ring"), default=["psum", "ring"])
     p.add_argument("--gpt-grad-dtype", choices=("param", "compute"), default="param",
                    help="gradients in the params' dtype or the model's compute dtype")
     p.add_argument("--gpt-embedding-exchange", action="store_true",
@@ -453,6 +479,24 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"--dtypes {bad} unknown; expected some of {sorted(DTYPES)}", file=sys.stderr)
         return 2
+    from jaxopt_train.collectives import METHODS  # noqa: PLC0415
+
+    for flag, given, legal in (("--methods", args.methods, RING_VARIANTS),
+                               ("--gpt-methods", args.gpt_methods, METHODS)):
+        bad = [m for m in given or () if m not in legal]
+        if bad:
+            print(f"{flag} {bad} unknown; expected some of {list(legal)}", file=sys.stderr)
+            return 2
+    for flag in ("peak", "bucket_mb"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            print(f"--{flag.replace('_', '-')}={value} must be > 0", file=sys.stderr)
+            return 2
+    for flag in ("warmup", "iters", "bursts", "gpt_batch", "gpt_iters"):
+        if getattr(args, flag) < (0 if flag == "warmup" else 1):
+            print(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= "
+                  f"{0 if flag == 'warmup' else 1}", file=sys.stderr)
+            return 2
     if args.quick:
         args.sizes = args.sizes or [64 << 10, 1 << 20]
         args.warmup, args.iters, args.bursts, args.gpt_iters = 1, 3, 3, 2

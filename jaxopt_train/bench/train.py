@@ -120,7 +120,30 @@ def _parse(argv):
                  "steps_per_dispatch"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
-    args.compare = [int(k) for k in args.compare_dispatch.split(",")] if args.compare_dispatch else []
+    try:
+        args.compare = [int(k) for k in args.compare_dispatch.split(",")] if args.compare_dispatch else []
+    except ValueError:
+        raise SystemExit(f"--compare-dispatch {args.compare_dispatch!r}: expected a comma list of "
+                         "steps per dispatch, e.g. 1,4,16") from None
+    if any(k < 1 for k in args.compare):
+        raise SystemExit(f"--compare-dispatch {args.compare_dispatch!r}: every k must be >= 1")
+    if args.devices is not None and args.devices < 1:
+        raise SystemExit(f"--devices={args.devices} must be >= 1")
+    for name in ("peak_tflops", "dataset_tokens"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise SystemExit(f"--{name.replace('_', '-')}={value} must be > 0")
+    if not args.gpu_hour_usd >= 0:
+        raise SystemExit(f"--gpu-hour-usd={args.gpu_hour_usd} must be >= 0")
+    if args.memory_budget:
+        from jaxopt_train.runtime import parse_bytes  # noqa: PLC0415
+
+        try:
+            budget = parse_bytes(args.memory_budget)
+        except ValueError as err:
+            raise SystemExit(f"--memory-budget: {err}") from None
+        if budget <= 0:
+            raise SystemExit(f"--memory-budget {args.memory_budget!r} must be more than 0 bytes")
     args.matmuls = [m.strip() for m in args.compare_matmul.split(",")] if args.compare_matmul else []
     from jaxopt_train.train.config import MATMULS  # noqa: PLC0415
 
@@ -341,6 +364,9 @@ def run_bench(args, xla_report) -> dict:
     from jaxopt_train.bench import train_report, train_steps  # noqa: PLC0415
     from jaxopt_train.train.mfu import matmul_dtype_name, resolve_peak_tflops  # noqa: PLC0415
 
+    if args.devices and args.devices > jax.device_count():
+        raise SystemExit(f"--devices={args.devices}, but only {jax.device_count()} "
+                         f"{jax.default_backend()} device(s) are visible")
     devices = jax.devices()[: args.devices] if args.devices else jax.devices()
     if "global_batch" in args.defaulted:
         # A defaulted batch must still split over every device and micro-batch
