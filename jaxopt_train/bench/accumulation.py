@@ -95,7 +95,8 @@ def _steps(loss_fn, optimizer, num_microbatches: int) -> tuple[dict[str, Callabl
     def make(grad_fn, tx):
         def step(params, opt_state, batch):
             loss, grads = grad_fn(params, batch)
-            updates, opt_state = tx.update(grads, opt_state, params)
+            with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and int32 counts
+                updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss
         return jax.jit(step, donate_argnums=(0, 1))
 
@@ -153,14 +154,22 @@ def _parse(argv):
     parser.add_argument("--json", type=str, default=None, help="write raw figures to this path")
     args = parser.parse_args(argv)
     gpt = args.model != "mlp"
+    for name in ("batch", "microbatches", "width", "seq_len", "steps", "repeats"):
+        value = getattr(args, name)
+        if value is not None and value < 1:  # checked before the defaults: 0 is not "unset"
+            parser.error(f"--{name.replace('_', '-')}={value} must be >= 1")
     if args.batch is None:
         args.batch = (8 if args.quick else 32) if gpt else (128 if args.quick else 512)
     args.width = args.width or (256 if args.quick else 1024)
     args.precision = args.precision or ("bf16" if gpt else "fp32")
+    from jaxopt_train.precision import get_policy  # noqa: PLC0415
+
+    try:
+        get_policy(args.precision)
+    except ValueError as err:
+        parser.error(f"--precision: {err}")
     args.steps = args.steps or (3 if args.quick else 10)
     args.repeats = args.repeats or (3 if args.quick else 7)
-    if args.microbatches < 1:
-        parser.error(f"--microbatches={args.microbatches} must be >= 1")
     return args
 
 

@@ -1,0 +1,50 @@
+"""`jaxopt-train bench accumulation` in CPU small mode: the three variants, the JSON, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxopt_train.bench import accumulation as bench
+
+
+def test_quick_mlp_run_times_every_variant_at_equal_tokens(tmp_path, capsys):
+    out = tmp_path / "acc.json"
+    argv = ["--quick", "--batch", "32", "--microbatches", "4", "--width", "32", "--steps", "2",
+            "--repeats", "2", "--json", str(out)]
+    assert bench.main(argv) == 0
+    record = json.loads(out.read_text())
+    assert record["tokens_per_step"] == 32 and record["args"]["microbatches"] == 4
+    results = record["results"]
+    assert list(results) == list(bench.VARIANTS)
+    for name, r in results.items():
+        assert len(r["per_step_s"]) == 2 and r["median_s"] > 0, name
+        assert r["first_call_s"] > 0
+        assert r["temp_bytes"] is None or r["temp_bytes"] > 0
+    # Same data, optimizer and number of optimizer steps: full-batch and scan-accumulated
+    # training end at the same loss (f32 MLP; accumulation reorders the sums only). MultiSteps
+    # reports its last micro-batch's loss, a different quantity (its equivalence to the full
+    # batch is tested in test_accumulation.py).
+    assert results["scan"]["final_loss"] == pytest.approx(results["full"]["final_loss"], rel=1e-4)
+    assert 0 < results["multisteps"]["final_loss"] < 10
+    printed = capsys.readouterr().out
+    assert "vs full" in printed and all(name in printed for name in bench.VARIANTS)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "--steps=0 must be >= 1"),
+    (["--repeats", "-1"], "--repeats=-1 must be >= 1"),
+    (["--batch", "0"], "--batch=0 must be >= 1"),
+    (["--microbatches", "0"], "--microbatches=0 must be >= 1"),
+    (["--precision", "fp9"], "--precision: unknown precision policy 'fp9'"),
+])
+def test_bad_flags_are_refused_with_the_reason(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--quick", *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_indivisible_batch_exits_2(capsys):
+    assert bench.main(["--quick", "--batch", "30", "--microbatches", "4"]) == 2
+    assert "not divisible" in capsys.readouterr().err
