@@ -119,6 +119,11 @@ def test_prepare_run_dir_guards(tmp_path):
     assert existing_checkpoint_steps(run) == [3]
     prepare_run_dir(run, resume=False, overwrite=True)
     assert existing_checkpoint_steps(run) == []
+    blocker = tmp_path / "a_file"
+    blocker.write_text("keep me")
+    with pytest.raises(RunDirError, match=r"cannot create run_dir='.*a_file/run': Not a directory"):
+        prepare_run_dir(str(blocker / "run"), resume=False, overwrite=False)
+    assert blocker.read_text() == "keep me"
 
 
 def test_check_same_model_names_the_difference():

@@ -171,7 +171,7 @@ def prepare_run_dir(run_dir: str, *, resume: bool, overwrite: bool) -> None:
 
     Raises:
       RunDirError: checkpoints exist and neither `resume` nor `overwrite` is set,
-        or `resume` is set and there is nothing to resume.
+        or `resume` is set and there is nothing to resume, or run_dir cannot be created.
     """
     steps = existing_checkpoint_steps(run_dir)
     if steps and not (resume or overwrite):
@@ -187,7 +187,10 @@ def prepare_run_dir(run_dir: str, *, resume: bool, overwrite: bool) -> None:
                 shutil.rmtree(path)
             elif os.path.exists(path):
                 os.remove(path)
-    os.makedirs(run_dir, exist_ok=True)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+    except OSError as err:  # a file in the way, no permission, read-only or missing mount
+        raise RunDirError(f"cannot create run_dir={run_dir!r}: {err.strerror or err}") from err
 
 
 def check_same_model(saved: dict[str, Any], current: dict[str, Any], run_dir: str) -> None:
