@@ -79,6 +79,9 @@ def test_limit_memory_after_backend_start_raises():
     jax.devices()
     with pytest.raises(RuntimeError, match="limit_memory\\(\\) must run before the JAX backend starts"):
         limit_memory(fraction=0.5)
+    # A bad argument is reported as such, not hidden behind "too late".
+    with pytest.raises(ValueError, match="fraction"):
+        limit_memory(fraction=1.5)
 
 
 def test_limit_memory_in_fresh_interpreter():

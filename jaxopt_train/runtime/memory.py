@@ -127,9 +127,10 @@ def limit_memory(fraction: float | None = None, bytes: int | str | None = None, 
       RuntimeError: if the JAX backend has already started (the setting would be ignored).
       ValueError: for arguments out of range.
     """
-    require_backend_not_started("limit_memory()")
+    # Arguments first: a bad value is the error to report even when it is also too late.
     env = memory_env(fraction=fraction, bytes=bytes, total_bytes=total_bytes,
                      preallocate=preallocate, allocator=allocator)
+    require_backend_not_started("limit_memory()")
     # jaxlib refuses to start when both spellings are set; ours is the explicit request.
     os.environ.pop(_DEPRECATED_FRACTION_VAR, None)
     os.environ.update(env)
