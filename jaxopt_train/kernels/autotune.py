@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxopt_train.kernels.configs import MatmulConfig
+from jaxopt_train.kernels.configs import BACKENDS, TRANSPOSING_BACKENDS, MatmulConfig
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +49,6 @@ def shape_bucket(m: int, n: int, k: int) -> str:
 
 
 TRANSPOSED = (None, "a", "b")  # A @ B, A^T @ B (a stored K x M), A @ B^T (b stored N x K)
-# Backends that read a transposed operand as stored; the others multiply a transposed copy,
-# i.e. run the plain layout, so their layout entries would never be read.
-TRANSPOSING_BACKENDS = ("mosaic_gpu", "triton")
 
 
 def _check_transposed(transposed) -> None:
@@ -302,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description="tune matmul tilings and cache the winners")
     parser.add_argument("--backend", default="auto",
-                        choices=("auto", "mosaic_gpu", "triton", "pallas_tpu", "interpret"))
+                        choices=[b for b in BACKENDS if b != "xla"])
     parser.add_argument("--shapes", required=True, help="comma list of MxNxK")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--quick", action="store_true", help="short candidate list")

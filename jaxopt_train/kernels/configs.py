@@ -12,6 +12,9 @@ import dataclasses
 from typing import Any
 
 BACKENDS = ("auto", "mosaic_gpu", "triton", "pallas_tpu", "interpret", "xla")
+# Backends whose kernels read a transposed operand (A^T @ B, A @ B^T) as stored; the others
+# multiply a transposed copy, i.e. run the plain layout.
+TRANSPOSING_BACKENDS = ("mosaic_gpu", "triton")
 ACTIVATIONS = (None, "gelu", "relu", "silu")
 GRID_MINOR = ("m", "n")
 WG_SPLITS = ("m", "n")

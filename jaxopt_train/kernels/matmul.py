@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxopt_train.kernels import configs
-from jaxopt_train.kernels.configs import ACTIVATIONS, BACKENDS, MatmulConfig, as_config
+from jaxopt_train.kernels.configs import (ACTIVATIONS, BACKENDS, TRANSPOSING_BACKENDS, MatmulConfig,
+                                          as_config)
 from jaxopt_train.kernels.epilogue import ACTIVATION_FNS, apply_epilogue
 
 logger = logging.getLogger(__name__)
@@ -250,7 +251,7 @@ def _product_with_transpose(a, b, transposed: str, out_dtype, backend, config, b
     other backends multiply a transposed copy.
     """
     lhs, rhs = (a.T, b) if transposed == "a" else (a, b.T)
-    if backend in ("mosaic_gpu", "triton"):
+    if backend in TRANSPOSING_BACKENDS:
         (m, k), n = lhs.shape, rhs.shape[1]  # shapes only: XLA drops the unused transposes
         cfg = config or resolve_config(backend, m, n, k, a.dtype, transposed)
         # Mosaic GPU: wgmma needs the two tiles' swizzles to match; a transposed tile is
