@@ -4,18 +4,22 @@
     python tools/probe_wire.py --dry                                          # CPU check
 
 The library's 2-device exchange with a bf16 wire (`ring_all_reduce(x, wire_dtype=bf16)`) is
-cast -> ppermute -> add; on two H200s it reaches 1.43-1.52x psum's f32 throughput (target 1.6x).
-By the byte count the add should read this device's bf16 send buffer (0.5 bytes/elem less
-than re-reading the f32 input), but XLA may fuse the cast into the add and re-read x. Each
-variant below is timed in the same process against psum (f32), and checked on random data:
+cast -> ppermute -> add; on two H200s it reached 1.43-1.52x psum's f32 throughput (target 1.6x).
+The seventh session's run of this probe found the unpinned cast also WRONG on GPU: XLA folds the
+sender's f32 -> bf16 -> f32 pair away, so the two devices' sums differed. The library now pins its
+own wire copy (`collectives.ring.wire_cast`, an optimization barrier). Each variant below is timed
+in the same process against psum (f32), and checked on random data:
 
-  lib          the library's exchange_all_reduce (the reference the others must equal)
-  barrier      the same math with `lax.optimization_barrier` on the bf16 buffer, so the add
-               reads the materialised bf16 copy instead of recomputing it from x
-  split2       barrier, over two halves (two exchanges XLA may overlap with the adds)
+  lib          the library's exchange_all_reduce (pinned wire copy): must equal the exact sum
+  unpinned     cast -> ppermute -> add without the pin (the old library code; GPU: not bit-equal)
+  dus2, dus4   the pinned exchange over 2 / 4 contiguous pieces, each written into one output
+               buffer with dynamic_update_slice (lets XLA overlap one piece's transfer with
+               another's cast and add, when its scheduler does)
+  cat2         the same over 2 pieces joined with concatenate
   psum_bf16    NCCL's own all-reduce of the bf16 cast (not bit-equal: the sum is rounded to
                bf16 before it is widened; for scale only)
 
+With --hlo DIR each variant's optimised HLO is written there (to see the schedule).
 Prints time, f32-equivalent bus bandwidth and the ratio to psum f32; writes
 $OUT/wire_probe.json.
 """
@@ -37,22 +41,31 @@ def _variants():
     wire, acc = jnp.bfloat16, jnp.float32
     perm = [(0, 1), (1, 0)]
 
-    def exchange(piece, barrier):
+    def exchange(piece, pin):
         mine = piece.astype(wire)
-        if barrier:
+        if pin:
             mine = lax.optimization_barrier(mine)
         theirs = lax.ppermute(mine, "data", perm)
         return mine.astype(acc) + theirs.astype(acc)
 
-    def split2(x):
+    def dus(x, k):
+        size = x.shape[0] // k
+        out = jnp.zeros_like(x)
+        for i in range(k):
+            out = lax.dynamic_update_slice(out, exchange(x[i * size:(i + 1) * size], True), (i * size,))
+        return out
+
+    def cat2(x):
         half = x.shape[0] // 2
         return jnp.concatenate([exchange(x[:half], True), exchange(x[half:], True)])
 
     return {
         "psum": lambda x: lax.psum(x, "data"),
         "lib": lambda x: ring_all_reduce(x, "data", wire_dtype=wire),
-        "barrier": lambda x: exchange(x, True),
-        "split2": split2,
+        "unpinned": lambda x: exchange(x, False),
+        "dus2": lambda x: dus(x, 2),
+        "dus4": lambda x: dus(x, 4),
+        "cat2": cat2,
         "psum_bf16": lambda x: lax.psum(x.astype(wire), "data").astype(acc),
     }
 
@@ -63,6 +76,8 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", default="256M,1G", help="f32 bytes per device")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--bursts", type=int, default=3)
+    p.add_argument("--variants", default=None, help="comma-separated subset (psum always runs first)")
+    p.add_argument("--hlo", default=None, help="write each variant's optimised HLO to this folder")
     p.add_argument("--dry", action="store_true", help="CPU: 2 emulated devices, 64K and 1M")
     args = p.parse_args(argv)
     if args.dry:
@@ -88,11 +103,22 @@ def main(argv=None) -> int:
         halves = np.asarray(x).reshape(2, elems)
         exact = (halves.astype(jnp.bfloat16).astype(np.float32)).sum(0)
         base = None
-        for name, body in _variants().items():
+        chosen = _variants()
+        if args.variants:
+            wanted = ["psum"] + [v for v in args.variants.split(",") if v != "psum"]
+            unknown = sorted(set(wanted) - set(chosen))
+            if unknown:
+                raise SystemExit(f"unknown --variants {unknown}; expected some of {sorted(chosen)}")
+            chosen = {v: chosen[v] for v in wanted}
+        for name, body in chosen.items():
             fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
                                        check_vma=False))
+            if args.hlo:
+                os.makedirs(args.hlo, exist_ok=True)
+                with open(os.path.join(args.hlo, f"{name}_{fmt_size(size)}.txt"), "w") as f:
+                    f.write(fn.lower(x).compile().as_text())
             out = np.asarray(fn(x)).reshape(2, elems)
-            if name in ("lib", "barrier", "split2"):
+            if name in ("lib", "unpinned", "dus2", "dus4", "cat2"):
                 ok = bool(np.array_equal(out[0], exact) and np.array_equal(out[1], exact))
             elif name == "psum":
                 ok = bool(np.allclose(out[0], halves.sum(0), rtol=1e-6, atol=1e-6))
@@ -113,7 +139,8 @@ def main(argv=None) -> int:
     out_dir = os.environ.get("OUT", "/tmp")
     with open(os.path.join(out_dir, "wire_probe.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    return 0 if all(r["checked"] for r in rows) else 1
+    # The unpinned variant is expected to fail its check on GPU (that is the finding).
+    return 0 if all(r["checked"] for r in rows if r["variant"] != "unpinned") else 1
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxopt_train.collectives.ring import _Ring, all_gather_chunks
+from jaxopt_train.collectives.ring import _Ring, all_gather_chunks, wire_cast
 
 CODECS = ("bf16", "int8")
 INT8_BLOCK = 256
@@ -79,8 +79,8 @@ def check_codec(compression: str | None) -> str | None:
 
 def encode(x, codec: str):
     """Encodes f32 `x` [..., c] (c a multiple of INT8_BLOCK for int8) into wire arrays."""
-    if codec == "bf16":
-        return (x.astype(jnp.bfloat16),)
+    if codec == "bf16":  # pinned: the error feedback decodes this device's own copy
+        return (wire_cast(x, jnp.bfloat16),)
     blocks = x.reshape(x.shape[:-1] + (-1, INT8_BLOCK))
     amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
     scale = jnp.where(amax > 0, amax / 127.0, jnp.float32(1.0)).astype(jnp.float32)

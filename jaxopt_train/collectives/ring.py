@@ -23,7 +23,10 @@ transfer with no dependent second phase; on 2 H200s it reached 0.96-1.02x
 0.83-0.91x (tools/probe_dp.py, phase B).
 
 Accumulation is in f32 for inputs narrower than 32 bits, whatever goes on the
-wire: a partial sum is rounded to `wire_dtype` only while it travels.
+wire: a partial sum is rounded to `wire_dtype` only while it travels. Where a
+device also uses its own rounded copy (the exchange's add, the all-gather's own
+row), `wire_cast` pins that copy, or XLA's GPU compiler would fold the
+f32 -> bf16 -> f32 pair away there and leave the replicas differing.
 
 The ring primitives work on a `_Ring` (an axis name plus one or more disjoint
 cycles of axis indices), which is how the hierarchical all-reduce runs rings
@@ -88,6 +91,26 @@ def accumulation_dtype(dtype) -> np.dtype:
     return dtype
 
 
+def wire_cast(x, dtype):
+    """`x` rounded to `dtype` and kept as a `dtype` array, for data that is sent AND used locally.
+
+    XLA's GPU compiler removes convert pairs such as f32 -> bf16 -> f32
+    (SimplifyFPConversions, on while `xla_allow_excess_precision` is true, the
+    default). A device that widens its own wire copy again would then keep the
+    unrounded value while its peer receives the rounded one, and the replicas'
+    "identical" sums would differ (seen on 2 H200s: tools/probe_wire.py). The
+    optimization barrier keeps the narrow array, which is also the cheaper one
+    to re-read (2 bytes an element instead of 4). A no-op cast stays a no-op.
+    """
+    dtype = np.dtype(dtype)
+    if x.dtype == dtype:
+        return x
+    out = x.astype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(x.dtype, jnp.floating):
+        out = lax.optimization_barrier(out)
+    return out
+
+
 def _take(chunks, label, label_to_chunk):
     """Row `label_to_chunk[label]` of `chunks` ([m, c]), `label` traced."""
     index = label if label_to_chunk is None else jnp.asarray(label_to_chunk)[label]
@@ -134,7 +157,7 @@ def all_gather_pieces(shards, ring: _Ring, *, wire_dtype, out_dtype, label_to_ch
         start = (jnp.int32(k), row, zero) if piece_major else (row, jnp.int32(k), zero)
         return lax.dynamic_update_slice(out, value.astype(out_dtype)[None, None], start)
 
-    current = [shard.astype(wire_dtype) for shard in shards]
+    current = [wire_cast(shard, wire_dtype) for shard in shards]  # this device's row, too
     for k, value in enumerate(current):
         out = write(out, value, first + k, pos)
     for step in range(m - 1):
@@ -260,7 +283,7 @@ def exchange_all_reduce(x, ring: _Ring, *, wire_dtype=None, num_chunks: int = 1)
     pieces = [flat] if count == 1 else list(jnp.pad(flat, (0, -flat.size % count)).reshape(count, -1))
     sums = []
     for piece in pieces:
-        mine = piece.astype(wire)
+        mine = wire_cast(piece, wire)
         theirs = lax.ppermute(mine, ring.axis_name, perm)
         sums.append((mine.astype(accum) + theirs.astype(accum)).astype(x.dtype))
     out = sums[0] if count == 1 else jnp.concatenate(sums)[: flat.size]
