@@ -282,3 +282,20 @@ def test_ring_all_reduce_lowers_to_one_collective_permute_on_2_devices():
     x8 = jnp.zeros((8 * 7, 3), jnp.float32)
     assert _permutes(lambda x: ring_all_reduce(x, "data"), mesh8, x8, compiled=False) == 2 * 7
     assert _permutes(lambda x: ring_all_reduce(x, "data", bidirectional=True), mesh8, x8, compiled=False) == 4 * 7
+
+
+@pytest.mark.parametrize("src,dst,pinned", [
+    (jnp.float32, jnp.bfloat16, True), (jnp.float32, jnp.float16, True), (jnp.bfloat16, jnp.float16, True),
+    (jnp.bfloat16, jnp.float32, False), (jnp.float32, jnp.float32, False), (jnp.int32, jnp.float32, False),
+])
+def test_wire_cast_pins_only_casts_that_round(src, dst, pinned):
+    """A rounding cast is kept behind an optimization barrier: XLA's GPU compiler would
+    otherwise fold f32 -> bf16 -> f32 away (tests/test_collectives_gpu.py checks the effect)."""
+    from jaxopt_train.collectives.ring import wire_cast
+
+    x = (jnp.arange(-40, 40, dtype=jnp.float32) * 1.37).astype(src)
+    jaxpr = str(jax.make_jaxpr(lambda v: wire_cast(v, dst).astype(jnp.float32))(x))
+    assert ("optimization_barrier" in jaxpr) is pinned
+    got = jax.jit(lambda v: wire_cast(v, dst))(x)
+    assert got.dtype == jnp.dtype(dst)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(x.astype(dst)))

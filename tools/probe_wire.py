@@ -16,6 +16,9 @@ in the same process against psum (f32), and checked on random data:
                buffer with dynamic_update_slice (lets XLA overlap one piece's transfer with
                another's cast and add, when its scheduler does)
   cat2         the same over 2 pieces joined with concatenate
+  ovl2, ovl4   2 / 4 pieces whose casts are chained through barriers (XLA otherwise merges
+               them into one kernel, so nothing overlaps), each sent as soon as it is cast;
+               one add over all pieces at the end
   psum_bf16    NCCL's own all-reduce of the bf16 cast (not bit-equal: the sum is rounded to
                bf16 before it is widened; for scale only)
 
@@ -55,6 +58,18 @@ def _variants():
             out = lax.dynamic_update_slice(out, exchange(x[i * size:(i + 1) * size], True), (i * size,))
         return out
 
+    def overlapped(x, k):
+        # Casts chained through barriers on the whole input (no copy), so XLA cannot merge
+        # them into one kernel: cast i+1 can run while piece i is on the wire; one add at the end.
+        size = -(-x.shape[0] // k)
+        mines, theirs, source = [], [], x
+        for i in range(k):
+            mine = lax.optimization_barrier(source[i * size:(i + 1) * size].astype(wire))
+            mines.append(mine)
+            theirs.append(lax.ppermute(mine, "data", perm))
+            source, _ = lax.optimization_barrier((x, mine))
+        return jnp.concatenate([m.astype(acc) + t.astype(acc) for m, t in zip(mines, theirs)])
+
     def cat2(x):
         half = x.shape[0] // 2
         return jnp.concatenate([exchange(x[:half], True), exchange(x[half:], True)])
@@ -66,6 +81,8 @@ def _variants():
         "dus2": lambda x: dus(x, 2),
         "dus4": lambda x: dus(x, 4),
         "cat2": cat2,
+        "ovl2": lambda x: overlapped(x, 2),
+        "ovl4": lambda x: overlapped(x, 4),
         "psum_bf16": lambda x: lax.psum(x.astype(wire), "data").astype(acc),
     }
 
@@ -118,7 +135,7 @@ def main(argv=None) -> int:
                 with open(os.path.join(args.hlo, f"{name}_{fmt_size(size)}.txt"), "w") as f:
                     f.write(fn.lower(x).compile().as_text())
             out = np.asarray(fn(x)).reshape(2, elems)
-            if name in ("lib", "unpinned", "dus2", "dus4", "cat2"):
+            if name in ("lib", "unpinned", "dus2", "dus4", "cat2", "ovl2", "ovl4"):
                 ok = bool(np.array_equal(out[0], exact) and np.array_equal(out[1], exact))
             elif name == "psum":
                 ok = bool(np.allclose(out[0], halves.sum(0), rtol=1e-6, atol=1e-6))
