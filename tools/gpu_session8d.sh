@@ -3,7 +3,7 @@
 #   GPU 0: kernel tests except Triton and the option sweeps, then the other modules' GPU tests;
 #   GPU 1: Triton and option-sweep kernel tests (jax-triton from .whl on PYTHONPATH);
 #   both:  tests/test_collectives_gpu.py (needs the pair).
-#   bash tools/gpu_session8d.sh   # results in $OUT/s8d.tar.gz and $OUT/summary.txt
+#   bash tools/gpu_session8d.sh   # with carry [".whl"] (jax-triton); results in $OUT/s8d.tar.gz
 set -u
 OUT=${OUT:-/tmp/s8d_out}; R=/tmp/s8d; mkdir -p "$R" "$OUT"
 export DEADLINE=${DEADLINE:-520}
@@ -16,6 +16,7 @@ T="$PY -m pytest -q -rfE -m gpu -p no:cacheprovider"
 ) & A=$!
 (
   export CUDA_VISIBLE_DEVICES=1
+  ls .whl/*.whl >/dev/null 2>&1 || echo "=== no .whl/ here: the Triton tests will skip (carry .whl)" | tee -a "$R/steps.log"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl >/dev/null 2>&1
   PYTHONPATH=/tmp/site:$PYTHONPATH step k_triton 480 $T tests/test_kernels_gpu.py -k "triton or options"
