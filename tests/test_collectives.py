@@ -205,6 +205,26 @@ def test_bad_types_and_axis_pairs():
         _trace(lambda x: all_reduce_tree(x, "data", error_state=object()), X)
 
 
+X64 = jnp.zeros((8 * 8, 2), jnp.float32)  # 8 rows a device: reduce-scatter divides them
+MESH_2x4 = ((2, 4), ("a", "b"))
+
+
+@pytest.mark.parametrize("fn, x, mesh, match", [
+    (lambda x: ring_all_reduce(x, "data", wire_dtype=jnp.int8), X, (), "wire_dtype=int8 cannot carry float32 data"),
+    (lambda x: ring_reduce_scatter(x, "data", wire_dtype=jnp.int32), X64, (), "expected a floating dtype"),
+    (lambda x: hierarchical_all_reduce(x, "a", "b", wire_dtype=jnp.complex64), X, MESH_2x4, "complex64 cannot carry"),
+    (lambda x: ring_all_reduce(x, "data", wire_dtype=jnp.float32), X.astype(jnp.int32), (),
+     "float32 cannot carry int32 partial sums"),
+    (lambda x: ring_all_reduce(x, "data", wire_dtype=jnp.int16), X.astype(jnp.int32), (), "at least as wide as int32"),
+    (lambda x: ring_all_reduce(x, "data", wire_dtype="bf16x"), X, (), "wire_dtype='bf16x' is not a dtype"),
+])
+def test_wire_dtype_that_would_corrupt_the_sum_is_refused(fn, x, mesh, match):
+    """A float wire rounds by design; an integer wire for float data (or a narrower or
+    float wire for integer data) would truncate, wrap or round silently: refused."""
+    with pytest.raises(TypeError, match=match):
+        _trace(fn, x, *mesh)
+
+
 # Two devices: ring_all_reduce is one exchange (x + ppermute(x)), on a sub-mesh of the 8 devices.
 def _mesh2():
     return jax.make_mesh((2,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:2])
@@ -221,7 +241,8 @@ def _suite_2(dtype_name):
                "ar_bidir": ring_all_reduce(y, "data", bidirectional=True, ring_order=(1, 0)),
                "ar_scalar": ring_all_reduce(y[0, 0], "data")[None],
                "ar_scalar_ref": lax.psum(y[0, 0], "data")[None],
-               "ar_wire32": ring_all_reduce(y, "data", wire_dtype=jnp.float32),
+               # (integers only travel in an integer wire at least as wide: int32 itself)
+               "ar_wire32": ring_all_reduce(y, "data", wire_dtype=jnp.int32 if dtype == jnp.int32 else jnp.float32),
                "tree": all_reduce_tree({"x": x, "y": y}, "data", method="ring", bucket_mb=0),
                "tree_bidir": all_reduce_tree({"x": x, "y": y}, "data", method="ring_bidir", num_chunks=2),
                "tree_hier": all_reduce_tree(y, "data", method="hierarchical", group_size=2)}

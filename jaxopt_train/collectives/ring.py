@@ -179,6 +179,29 @@ def _check_floating_or_int(x, what: str):
         raise TypeError(f"{what} needs a floating or integer array; got dtype={x.dtype}")
 
 
+def _wire_dtype(x, wire_dtype) -> np.dtype:
+    """The wire dtype for `x` (`x.dtype` when None), refused where a cast would silently corrupt.
+
+    Floating data travels in any floating dtype (a narrower one rounds, by
+    design). Integer data travels only in an integer dtype at least as wide:
+    partial sums in a narrower integer would wrap, and in a float would round.
+    """
+    if wire_dtype is None:
+        return np.dtype(x.dtype)
+    try:
+        wire = np.dtype(wire_dtype)
+    except TypeError as err:
+        raise TypeError(f"wire_dtype={wire_dtype!r} is not a dtype") from err
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        if not jnp.issubdtype(wire, jnp.floating):
+            raise TypeError(f"wire_dtype={wire} cannot carry {x.dtype} data; expected a floating dtype "
+                            "(for int8 on the wire use all_reduce_tree(compression='int8'), which sends scales)")
+    elif not (jnp.issubdtype(wire, jnp.integer) and wire.itemsize >= np.dtype(x.dtype).itemsize):
+        raise TypeError(f"wire_dtype={wire} cannot carry {x.dtype} partial sums without wrapping or "
+                        f"rounding; expected an integer dtype at least as wide as {x.dtype}")
+    return wire
+
+
 def _check_num_chunks(num_chunks: int) -> int:
     if not isinstance(num_chunks, int) or num_chunks < 1:
         raise ValueError(f"{num_chunks=} must be a positive int (pieces per shard for pipelining)")
@@ -197,7 +220,8 @@ def ring_reduce_scatter(x, axis_name: AxisName, *, ring_order: Sequence[int] | N
       axis_name: mapped axis (from `jax.shard_map` or `jax.pmap`).
       ring_order: axis indices in the order data travels; default `0..n-1`.
       wire_dtype: dtype of partial sums in flight (default `x.dtype`); sums are
-        accumulated in f32 for inputs narrower than 32 bits.
+        accumulated in f32 for inputs narrower than 32 bits. Same rules as
+        `ring_all_reduce`'s.
       num_chunks: independent pipelined rings per shard.
 
     Returns:
@@ -219,7 +243,7 @@ def ring_reduce_scatter(x, axis_name: AxisName, *, ring_order: Sequence[int] | N
     rows = jnp.pad(rows, ((0, 0), (0, -per_row % count)))
     width = rows.shape[1] // count
     pieces = [rows[:, k * width:(k + 1) * width] for k in range(count)]
-    wire = x.dtype if wire_dtype is None else np.dtype(wire_dtype)
+    wire = _wire_dtype(x, wire_dtype)
     shards = reduce_scatter_pieces(pieces, ring, wire_dtype=wire, accum_dtype=accumulation_dtype(x.dtype),
                                    label_to_chunk=ring.cycles[0])
     shard = shards[0] if count == 1 else jnp.concatenate(shards)
@@ -278,7 +302,7 @@ def exchange_all_reduce(x, ring: _Ring, *, wire_dtype=None, num_chunks: int = 1)
         raise ValueError(f"exchange_all_reduce needs a ring of 2 devices; got ring.size={ring.size} "
                          f"(use all_reduce_rings)")
     accum = accumulation_dtype(x.dtype)
-    wire = x.dtype if wire_dtype is None else np.dtype(wire_dtype)
+    wire = _wire_dtype(x, wire_dtype)
     count = _check_num_chunks(num_chunks)
     perm = ring.perm()
     flat = x.reshape(-1)
@@ -314,7 +338,7 @@ def all_reduce_rings(x, rings: Sequence[_Ring], *, wire_dtype=None, num_chunks: 
     if len(active) == 1 and active[0].size == 2:
         return exchange_all_reduce(x, active[0], wire_dtype=wire_dtype, num_chunks=num_chunks)
     accum = accumulation_dtype(x.dtype)
-    wire = x.dtype if wire_dtype is None else np.dtype(wire_dtype)
+    wire = _wire_dtype(x, wire_dtype)
     per_direction = _check_num_chunks(num_chunks)
     directions = [list(rings)] + ([[r.reversed() for r in rings]] if bidirectional else [])
     count = per_direction * len(directions)
@@ -362,7 +386,8 @@ def ring_all_reduce(x, axis_name: AxisName, *, bidirectional: bool = False, wire
         `wire_dtype=jnp.float32` a bf16 input is summed with one final rounding.
         On 2 devices each device's own contribution is rounded through the
         wire dtype too (both add the same two values), and the f32 sum is not
-        rounded to the wire again.
+        rounded to the wire again. Floating data takes any floating wire; integer data
+        only an integer wire at least as wide (anything else is a TypeError).
       ring_order: axis indices in the order data travels; default `0..n-1`.
       num_chunks: independent pipelined rings per shard (per direction).
 
