@@ -422,4 +422,10 @@ def _load_bias(ref):
     """The bias row in the wgmma accumulator's column layout (lane semantics)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
+    layout = plgpu.Layout.WGMMA.reduce(0)
+    # jax 0.10 requires the index argument; jax 0.11 deprecates passing it (the ref is
+    # indexed with ref.at[...] instead, and the whole ref needs no index).
+    idx = inspect.signature(plgpu.load).parameters.get("idx")
+    if idx is not None and idx.default is inspect.Parameter.empty:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
