@@ -48,7 +48,8 @@ _STRING_KEYS = {
 MATMUL_PRECISIONS = ("default", "high", "highest", "bfloat16", "tensorfloat32", "float32")
 
 
-def _as_float_dtype(value: Any, field: str) -> np.dtype:
+def as_float_dtype(value: Any, field: str) -> np.dtype:
+    """`value` (a dtype or a name such as "bf16") as a floating numpy dtype; `field` names it in errors."""
     if isinstance(value, str):
         if value.lower() not in _DTYPE_ALIASES:
             raise ValueError(f"{field}={value!r} is not a known dtype name; "
@@ -86,7 +87,7 @@ class Policy:
 
     def __post_init__(self):
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
-            object.__setattr__(self, field, _as_float_dtype(getattr(self, field), field))
+            object.__setattr__(self, field, as_float_dtype(getattr(self, field), field))
         if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"matmul_precision={self.matmul_precision!r}; expected None or one "
                              f"of {MATMUL_PRECISIONS}")
