@@ -33,6 +33,12 @@ def test_parse_bytes_rejects(bad):
         parse_bytes(bad)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "9" * 400])
+def test_parse_bytes_rejects_non_finite(bad):
+    with pytest.raises(ValueError, match="byte count must be a finite number"):
+        parse_bytes(bad)
+
+
 def test_memory_env_fraction_and_options():
     env = memory_env(fraction=0.45, preallocate=False, allocator="platform")
     assert env == {"XLA_CLIENT_MEM_FRACTION": "0.4500", "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
@@ -73,6 +79,24 @@ def test_memory_env_bytes_without_nvml_says_what_to_do(monkeypatch):
 def test_memory_env_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):
         memory_env(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"fraction": 1e-5}, r"fraction=1e-05 would be written as XLA_CLIENT_MEM_FRACTION=0\.0000"),
+    ({"bytes": "1KiB", "total_bytes": "80GiB"}, r"bytes=1024 \(1\.19e-08 of the device's"),
+])
+def test_memory_env_rejects_fraction_that_rounds_to_zero(kwargs, match):
+    with pytest.raises(ValueError, match=match + ".*smallest share it can express is 0.0001"):
+        memory_env(**kwargs)
+    assert memory_env(fraction=1e-4) == {"XLA_CLIENT_MEM_FRACTION": "0.0001"}  # the smallest
+
+
+@pytest.mark.parametrize("preallocate", ["false", "no", 0, 1])
+def test_memory_env_preallocate_must_be_bool(preallocate):
+    with pytest.raises(TypeError, match=r"preallocate must be True, False or None, got preallocate="):
+        memory_env(fraction=0.5, preallocate=preallocate)
+    with pytest.raises(TypeError, match="preallocate must be"):
+        limit_memory(0.5, preallocate=preallocate)
 
 
 def test_limit_memory_after_backend_start_raises():
@@ -158,6 +182,34 @@ def test_track_memory_on_gpu_sees_an_allocation():
     del x
 
 
+@pytest.mark.parametrize("devices, match", [
+    ("cpu", r"got devices='cpu' \(for a platform: jax.devices\('cpu'\)\)"),
+    ([0], r"non-device entries \[0\]"),
+    ([jax.devices()[0], "cpu"], r"non-device entries \['cpu'\]"),
+    (0, "got devices=0"),
+])
+def test_track_memory_rejects_non_devices(devices, match):
+    with pytest.raises(TypeError, match=r"takes a jax Device or a list of them.*" + match):
+        track_memory(devices)
+    with pytest.raises(TypeError, match="print_report must be True or False"):
+        track_memory(print_report="yes")
+
+
+def test_track_memory_single_device_and_bare_decorator(capsys):
+    device = _StatsDevice([{"bytes_in_use": 1, "peak_bytes_in_use": 5},
+                           {"bytes_in_use": 3, "peak_bytes_in_use": 9}])
+    with track_memory(device) as report:  # a single device, not in a list
+        pass
+    assert report.available and report.devices[0].delta == 2
+
+    @track_memory  # without parentheses
+    def step(a):
+        return a * 2
+
+    assert step(3) == 6 and step.__name__ == "step"
+    assert "memory: unavailable" in capsys.readouterr().out
+
+
 def _matmul(a, b):
     return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
@@ -194,3 +246,22 @@ def test_fits_rejects_bad_input():
         fits(42, (), "1GiB")
     with pytest.raises(ValueError, match="budget must be a positive"):
         fits(_matmul, (), 0)
+
+
+_SPEC = jax.ShapeDtypeStruct((8,), jnp.float32)
+
+
+@pytest.mark.parametrize("args, kind", [(_SPEC, "ShapeDtypeStruct"), ({"x": _SPEC}, "dict")])
+def test_fits_args_must_be_a_tuple_or_list(args, kind):
+    with pytest.raises(TypeError, match=rf"arguments as a tuple or list, e.g. fits\(f, \(x,\), "
+                                        rf"'16GiB'\); got args of type {kind}"):
+        fits(lambda x: x * 2, args, "1GiB")
+    assert fits(lambda x: x * 2, [_SPEC], "1GiB").argument_bytes == 32  # a list is fine
+    with pytest.raises(TypeError, match="takes a dict of keyword arguments; got tuple"):
+        fits(lambda x: x * 2, (), "1GiB", kwargs=(_SPEC,))
+
+
+def test_fits_rejects_args_with_a_lowered_step():
+    lowered = jax.jit(lambda x: x * 2).lower(_SPEC)
+    with pytest.raises(ValueError, match="got args/kwargs with a Lowered"):
+        fits(lowered, (jax.ShapeDtypeStruct((1024,), jnp.float32),), "1GiB")

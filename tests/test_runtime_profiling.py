@@ -23,6 +23,26 @@ def test_parse_step_range_rejects(bad, match):
         parse_step_range(bad)
 
 
+@pytest.mark.parametrize("steps, expected", [
+    (5, (5, 6)), ("5", (5, 6)), ("2:4", (2, 4)), ((2, 4), (2, 4)), ([2, 4], (2, 4)),
+])
+def test_step_profiler_accepts_what_parse_step_range_accepts(tmp_path, steps, expected):
+    profiler = StepProfiler(steps, tmp_path)
+    assert (profiler.start_step, profiler.stop_step) == expected
+
+
+@pytest.mark.parametrize("steps, kwargs, error, match", [
+    ((1.5, 3), {}, TypeError, r"a step range pair holds two ints, got steps=\(1.5, 3\)"),
+    ((1, 2, 3), {}, ValueError, r"a step range pair is \(start, stop\), got steps=\(1, 2, 3\)"),
+    ((4, 2), {}, ValueError, "is empty"),
+    (2.5, {}, ValueError, "START:STOP"),
+    ("2:4", {"perfetto": "no"}, TypeError, "perfetto must be True or False, got perfetto='no'"),
+])
+def test_step_profiler_rejects(tmp_path, steps, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        StepProfiler(steps, tmp_path, **kwargs)
+
+
 def _trace_files(logdir):
     return sorted(p.name for p in logdir.rglob("*") if p.is_file())
 

@@ -92,6 +92,28 @@ def test_errors(monkeypatch):
         xla_flags("gpu-throughput")
 
 
+@pytest.mark.parametrize("extra, error, match", [
+    ({"xla_x": None}, TypeError, r"values must be str, bool, int or float; got \{'xla_x': None\}"),
+    ({"xla_x": [1]}, TypeError, "values must be str, bool, int or float"),
+    ({5: "1"}, TypeError, r"names must be non-empty strings .*got \[5\]"),
+    ({"": "1"}, TypeError, r"names must be non-empty strings .*got \[''\]"),
+    (["--xla_x=1"], TypeError, "extra must be a dict {name: value} or an XLA_FLAGS string, got list"),
+])
+def test_extra_rejects_bad_names_and_values(monkeypatch, extra, error, match):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    with pytest.raises(error, match=match):
+        xla_flags("none", extra=extra, apply=False)
+    assert "XLA_FLAGS" not in os.environ
+
+
+def test_extra_values_and_apply_types(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    report = xla_flags("none", extra={"a": True, "b": False, "c": 2, "d": 0.5, "e": "x"}, apply=False)
+    assert report.added == {"a": "true", "b": "false", "c": "2", "d": "0.5", "e": "x"}
+    with pytest.raises(TypeError, match="apply must be True or False, got apply='no'"):
+        xla_flags("none", apply="no")
+
+
 def test_flags_in_force_reports_env(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=true")
     monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

@@ -51,6 +51,18 @@ def test_jsonl_rejects_non_scalars(tmp_path):
     sink.close()
 
 
+@pytest.mark.parametrize("reserved", ["step", "time"])
+def test_jsonl_rejects_reserved_metric_names(tmp_path, reserved):
+    sink = JsonlSink(tmp_path / "m.jsonl")
+    with pytest.raises(ValueError, match=rf"JsonlSink writes \['step', 'time'\] itself; "
+                                         rf"metric names \['{reserved}'\] are reserved"):
+        sink.write(1, {reserved: 99, "loss": 1.0})
+    sink.write(1, {"step_time_s": 0.5})  # names that merely contain them are fine
+    sink.close()
+    (record,) = read_jsonl(tmp_path / "m.jsonl")  # the rejected write left no line
+    assert record["step"] == 1 and record["step_time_s"] == 0.5
+
+
 def test_tensorboard_scalars_read_by_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -100,6 +112,17 @@ def test_prometheus_real_scrape_and_close(tmp_path):
     again.write(0, {"loss": 1.0})
     assert _scrape(port)["jaxopt_train_loss"] == 1.0
     again.close()
+
+
+def test_prometheus_rejects_a_metric_named_step():
+    sink = PrometheusSink(0, addr="127.0.0.1")
+    try:
+        with pytest.raises(ValueError, match=r"PrometheusSink writes \['step'\] itself"):
+            sink.write(7, {"step": 99, "loss": 1.0})
+        sink.write(7, {"time": 5.0})  # only "step" is its own gauge
+        assert _scrape(sink.port)["jaxopt_train_step"] == 7
+    finally:
+        sink.close()
 
 
 def test_prometheus_names_and_bad_port():

@@ -12,9 +12,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jaxopt_train.runtime._backend import require_backend_not_started
@@ -34,7 +35,7 @@ def parse_bytes(value: int | float | str) -> int:
     """Bytes from an int or a string such as "16GiB", "80 GB", "512MiB".
 
     Raises:
-      ValueError: for a negative number or an unknown unit.
+      ValueError: for a negative or non-finite number or an unknown unit.
     """
     if isinstance(value, bool):
         raise TypeError(f"expected a byte count (int or str like '16GiB'), got {value=}")
@@ -48,7 +49,10 @@ def parse_bytes(value: int | float | str) -> int:
         amount, unit = float(match.group(1)), match.group(2).lower()
     if amount < 0:
         raise ValueError(f"a byte count must be >= 0, got {value=}")
-    return int(amount * _UNITS[unit])
+    count = amount * _UNITS[unit]
+    if not math.isfinite(count):
+        raise ValueError(f"a byte count must be a finite number, got {value=}")
+    return int(count)
 
 
 def _gpu_total_bytes() -> int:
@@ -88,10 +92,20 @@ def memory_env(*, fraction: float | None = None, bytes: int | str | None = None,
         if not 0 < fraction <= 1:
             raise ValueError(f"bytes={limit} is {fraction:.3f} of the device's {total} bytes; "
                              "it must be > 0 and no more than the device holds")
+        asked = f"bytes={limit} ({fraction:.2e} of the device's {total} bytes)"
     elif isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
         raise ValueError(f"fraction must be a number in (0, 1], got {fraction=}")
-    env = {_FRACTION_VAR: f"{float(fraction):.4f}"}
+    else:
+        asked = f"{fraction=}"
+    written = f"{float(fraction):.4f}"  # the precision XLA is given
+    if float(written) == 0:
+        raise ValueError(f"{asked} would be written as {_FRACTION_VAR}={written}; the smallest "
+                         "share it can express is 0.0001 of the device's memory")
+    env = {_FRACTION_VAR: written}
     if preallocate is not None:
+        # A string such as "false" is truthy: it would turn preallocation on.
+        if not isinstance(preallocate, bool):
+            raise TypeError(f"preallocate must be True, False or None, got {preallocate=}")
         env[_PREALLOCATE_VAR] = "true" if preallocate else "false"
     if allocator is not None:
         if allocator not in ALLOCATORS:
@@ -125,7 +139,8 @@ def limit_memory(fraction: float | None = None, bytes: int | str | None = None, 
 
     Raises:
       RuntimeError: if the JAX backend has already started (the setting would be ignored).
-      ValueError: for arguments out of range.
+      TypeError: if `preallocate` is not a bool or None.
+      ValueError: for arguments out of range (a share below 0.0001 included).
     """
     # Arguments first: a bad value is the error to report even when it is also too late.
     env = memory_env(fraction=fraction, bytes=bytes, total_bytes=total_bytes,
@@ -181,6 +196,30 @@ class MemoryReport:
         return "\n".join(lines)
 
 
+def _is_device(obj: Any) -> bool:
+    # Duck-typed: anything with jax.Device's memory_stats() (a test may script one).
+    return hasattr(obj, "memory_stats")
+
+
+def _device_list(devices: Any) -> list[Any] | None:
+    """`devices` as a list of devices (a single device is wrapped), validated."""
+    if devices is None:
+        return None
+    if _is_device(devices):
+        return [devices]
+    expected = "track_memory(devices) takes a jax Device or a list of them, e.g. jax.local_devices()"
+    if isinstance(devices, str):
+        raise TypeError(f"{expected}; got {devices=} (for a platform: jax.devices({devices!r}))")
+    try:
+        found = list(getattr(devices, "flat", devices))  # .flat: a Mesh's ndarray of devices
+    except TypeError:
+        raise TypeError(f"{expected}; got {devices=}") from None
+    bad = [d for d in found if not _is_device(d)]
+    if bad:
+        raise TypeError(f"{expected}; got non-device entries {bad} in {devices=}")
+    return found
+
+
 def _stats(device) -> dict[str, int] | None:
     try:
         return device.memory_stats()
@@ -201,13 +240,25 @@ class track_memory(contextlib.ContextDecorator):  # noqa: N801 - used like a fun
       ...     y = jax.numpy.ones((1024, 1024)) @ jax.numpy.ones((1024, 1024))
       >>> print(report)  # "memory: unavailable (...)" on CPU
 
+    As a decorator, `@track_memory` and `@track_memory(devices)` both work.
+
     Args:
-      devices: devices to watch (default: `jax.local_devices()`).
+      devices: a device or a list of devices to watch (default: `jax.local_devices()`).
       print_report: print the report on exit (always on for the decorator form's use).
+
+    Raises:
+      TypeError: if `devices` is not a device or a list of devices.
     """
 
-    def __init__(self, devices: Sequence[Any] | None = None, *, print_report: bool = False):
-        self._devices = devices
+    def __new__(cls, devices: Any = None, **kwargs: Any):
+        if callable(devices) and not _is_device(devices):  # bare @track_memory
+            return cls(**kwargs)(devices)
+        return super().__new__(cls)
+
+    def __init__(self, devices: Any = None, *, print_report: bool = False):
+        if not isinstance(print_report, bool):
+            raise TypeError(f"print_report must be True or False, got {print_report=}")
+        self._devices = _device_list(devices)
         self._print = print_report
         self.report = MemoryReport()
 
@@ -298,19 +349,33 @@ def fits(fn_or_lowered: Any, args: Sequence[Any] = (), budget: int | str = 0,
     Args:
       fn_or_lowered: a function (jitted or not), a `jax.stages.Lowered`, or a
         `jax.stages.Compiled`.
-      args: positional arguments (arrays or ShapeDtypeStructs) for a function.
+      args: a tuple or list of positional arguments (arrays or ShapeDtypeStructs) for a
+        function: `(x,)` for one argument.
       budget: bytes per device, int or string such as "16GiB".
       kwargs: keyword arguments for a function.
 
     Returns:
       A FitReport; `bool(report)` is True when it fits.
+
+    Raises:
+      TypeError: if `args` is not a tuple or list, or `kwargs` not a dict.
+      ValueError: for a budget <= 0, or args/kwargs given with a Lowered or Compiled.
     """
     import jax
 
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"fits() takes the function's positional arguments as a tuple or list, "
+                        f"e.g. fits(f, (x,), '16GiB'); got args of type {type(args).__name__}: {args!r}")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"fits(kwargs=...) takes a dict of keyword arguments; "
+                        f"got {type(kwargs).__name__}: {kwargs!r}")
     budget_bytes = parse_bytes(budget)
     if budget_bytes <= 0:
         raise ValueError(f"budget must be a positive byte count, got {budget=}")
     compiled = fn_or_lowered
+    if isinstance(compiled, (jax.stages.Lowered, jax.stages.Compiled)) and (args or kwargs):
+        raise ValueError(f"fits() got args/kwargs with a {type(compiled).__name__}, whose arguments "
+                         "were fixed when it was lowered; pass the function instead, or drop them")
     if isinstance(compiled, jax.stages.Lowered):
         compiled = compiled.compile()
     elif not isinstance(compiled, jax.stages.Compiled):

@@ -9,13 +9,14 @@ plugin (`tensorboard --logdir LOGDIR`) or in Perfetto (ui.perfetto.dev, the
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 from typing import Any
 
 
-def parse_step_range(text: str) -> tuple[int, int]:
-    """`"10:12"` -> `(10, 12)` (steps 10 and 11); `"10"` -> `(10, 11)`.
+def parse_step_range(text: str | int) -> tuple[int, int]:
+    """`"10:12"` -> `(10, 12)` (steps 10 and 11); `"10"` or `10` -> `(10, 11)`.
 
     Raises:
       ValueError: unless `START:STOP` with 0 <= START < STOP, or a single step.
@@ -43,17 +44,29 @@ class StepProfiler:
     trace still running at the end of training.
 
     Args:
-      steps: "START:STOP" or a (start, stop) pair.
+      steps: what `parse_step_range` reads ("START:STOP", "10" or 10), or a
+        (start, stop) pair of ints.
       logdir: directory for the trace.
       perfetto: also write a Perfetto trace file.
+
+    Raises:
+      TypeError: for a pair whose entries are not ints, or a non-bool `perfetto`.
+      ValueError: for an empty or malformed range.
     """
 
-    def __init__(self, steps: str | tuple[int, int], logdir: str | os.PathLike, *, perfetto: bool = False):
-        if isinstance(steps, str):
-            self.start_step, self.stop_step = parse_step_range(steps)
-        else:
-            start, stop = steps
-            self.start_step, self.stop_step = parse_step_range(f"{int(start)}:{int(stop)}")
+    def __init__(self, steps: str | int | tuple[int, int], logdir: str | os.PathLike, *,
+                 perfetto: bool = False):
+        if isinstance(steps, (tuple, list)):
+            if len(steps) != 2:
+                raise ValueError(f"a step range pair is (start, stop), got {steps=}")
+            try:  # int() would silently truncate a float step
+                start, stop = (operator.index(s) for s in steps)
+            except TypeError:
+                raise TypeError(f"a step range pair holds two ints, got {steps=}") from None
+            steps = f"{start}:{stop}"
+        self.start_step, self.stop_step = parse_step_range(steps)
+        if not isinstance(perfetto, bool):
+            raise TypeError(f"perfetto must be True or False, got {perfetto=}")
         self.logdir = os.fspath(logdir)
         self._perfetto = perfetto
         self.active = False

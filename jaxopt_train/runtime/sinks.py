@@ -15,9 +15,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 
-def _as_floats(step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
+def _as_floats(step: int, metrics: Mapping[str, Any], *, reserved: tuple[str, ...] = (),
+               sink: str = "") -> dict[str, float]:
     if isinstance(step, bool) or not isinstance(step, int) and not hasattr(step, "__index__"):
         raise TypeError(f"step must be an int, got {step=}")
+    clash = sorted({str(name) for name in metrics} & set(reserved))
+    if clash:  # the sink's own field would silently overwrite the metric, or the reverse
+        raise ValueError(f"{sink} writes {list(reserved)} itself; metric names {clash} are reserved "
+                         f"there: rename them (e.g. 'train_{clash[0]}'); got {sorted(map(str, metrics))}")
     try:
         return {str(name): float(value) for name, value in metrics.items()}
     except (TypeError, ValueError) as err:
@@ -39,7 +44,9 @@ class JsonlSink:
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
-        record = {"step": int(step), "time": time.time(), **_as_floats(step, metrics)}
+        """Raises ValueError for a metric named "step" or "time" (the record's own fields)."""
+        values = _as_floats(step, metrics, reserved=("step", "time"), sink="JsonlSink")
+        record = {"step": int(step), "time": time.time(), **values}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
@@ -139,7 +146,8 @@ class PrometheusSink:
         return gauge
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
-        values = _as_floats(step, metrics)
+        """Raises ValueError for a metric named "step" (the `jaxopt_train_step` gauge)."""
+        values = _as_floats(step, metrics, reserved=("step",), sink="PrometheusSink")
         self._gauge("step").set(int(step))
         for metric, value in values.items():
             self._gauge(metric).set(value)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
+from collections.abc import Mapping
 
 from jaxopt_train.runtime._backend import backend_started, require_backend_not_started
 
@@ -109,6 +110,29 @@ def preset_flags(preset: str) -> dict[str, str]:
     return dict(PRESETS[preset])
 
 
+def _extra_flags(extra: Mapping[str, str | bool | int | float]) -> dict[str, str]:
+    """`extra` as `{name: value}` strings; bools as XLA writes them ("true"/"false")."""
+    if not isinstance(extra, Mapping):
+        raise TypeError(f"extra must be a dict {{name: value}} or an XLA_FLAGS string, "
+                        f"got {type(extra).__name__}: {extra!r}")
+    bad_names = [name for name in extra if not isinstance(name, str) or not name]
+    if bad_names:
+        raise TypeError(f"extra flag names must be non-empty strings such as "
+                        f"'xla_gpu_enable_triton_gemm'; got {bad_names} in {extra=}")
+    bad = [name for name in extra if name.startswith("-") or "=" in name]
+    if bad:
+        raise ValueError(f"extra flag names go without dashes or '=', e.g. "
+                         f"{{'xla_gpu_enable_triton_gemm': 'false'}}; got {bad}")
+    # None (or any other object) would be written as its repr, which XLA rejects at start-up.
+    bad_values = {name: value for name, value in extra.items()
+                  if not isinstance(value, (str, bool, int, float))}
+    if bad_values:
+        raise TypeError(f"extra flag values must be str, bool, int or float; got {bad_values} "
+                        "(to leave a flag at XLA's default, leave it out)")
+    return {name: (str(value).lower() if isinstance(value, bool) else str(value))
+            for name, value in extra.items()}
+
+
 def xla_flags(preset: str = "gpu-throughput", *, extra: dict[str, str] | str | None = None,
               command_buffer: str | list[str] | None = None, apply: bool = True) -> XlaFlagsReport:
     """Adds a flag preset to XLA_FLAGS. Call before any JAX computation.
@@ -119,7 +143,8 @@ def xla_flags(preset: str = "gpu-throughput", *, extra: dict[str, str] | str | N
 
     Args:
       preset: one of `PRESETS` ("gpu-throughput", "gpu-latency", "gpu-deterministic", "none").
-      extra: more flags, as `{name: value}` (no leading dashes) or an XLA_FLAGS string.
+      extra: more flags, as `{name: value}` (no leading dashes; values str, bool, int or
+        float) or an XLA_FLAGS string.
       command_buffer: see `command_buffer_flags`.
       apply: False to compute the report without touching the environment.
 
@@ -128,6 +153,7 @@ def xla_flags(preset: str = "gpu-throughput", *, extra: dict[str, str] | str | N
 
     Raises:
       RuntimeError: if `apply` and the JAX backend has already started.
+      TypeError: for `extra` names or values of the wrong type, or a non-bool `apply`.
       ValueError: for an unknown preset or malformed flags.
     """
     added = preset_flags(preset)
@@ -135,11 +161,9 @@ def xla_flags(preset: str = "gpu-throughput", *, extra: dict[str, str] | str | N
     if isinstance(extra, str):
         added.update(parse_xla_flags(extra))
     elif extra is not None:
-        bad = [name for name in extra if name.startswith("-") or "=" in name]
-        if bad:
-            raise ValueError(f"extra flag names go without dashes or '=', e.g. "
-                             f"{{'xla_gpu_enable_triton_gemm': 'false'}}; got {bad}")
-        added.update({name: str(value) for name, value in extra.items()})
+        added.update(_extra_flags(extra))
+    if not isinstance(apply, bool):
+        raise TypeError(f"apply must be True or False, got {apply=}")
     if apply:
         require_backend_not_started(f"xla_flags(preset={preset!r})")
     in_force = parse_xla_flags()
