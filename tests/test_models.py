@@ -332,6 +332,20 @@ def test_gpt_loss_bad_inputs():
         gpt_loss(jnp.zeros((2, 3, 4)), jnp.zeros((2, 3)))
 
 
+@pytest.mark.parametrize("bad", [-1, -100, 4])
+def test_targets_out_of_range_are_refused_or_nan_never_a_real_class(bad):
+    """-100 (PyTorch's ignore index) or -1 used to wrap round to a real class and give a
+    plausible loss. Concrete targets are refused; traced ones give NaN loss and gradient."""
+    logits = jax.random.normal(jax.random.key(0), (2, 3, 4), jnp.float32)
+    targets = jnp.array([[0, 1, 2], [3, bad, 1]], jnp.int32)
+    with pytest.raises(ValueError, match=r"targets must be ids in \[0, 4\); got values from"):
+        gpt_loss(logits, targets)
+    loss, grad = jax.jit(jax.value_and_grad(gpt_loss))(logits, targets)
+    assert np.isnan(loss)
+    grad = np.asarray(grad)
+    assert np.isnan(grad[1, 1]).all() and np.isfinite(np.delete(grad.reshape(6, 4), 4, axis=0)).all()
+
+
 @pytest.mark.parametrize(
     "overrides, match",
     [
@@ -348,6 +362,10 @@ def test_gpt_loss_bad_inputs():
         (dict(dot_general=3), "dot_general=3 must be callable"),
         (dict(attention="cudnn"), "needs dtype bfloat16 or float16"),
         (dict(attention="cudnn", dtype="bf16", d_model=36, n_heads=4), "head_dim % 8"),
+        (dict(layer_norm_epsilon=-1), "layer_norm_epsilon=-1 must be a finite number > 0"),
+        (dict(layer_norm_epsilon="1e-5"), "layer_norm_epsilon='1e-5' must be a finite number"),
+        (dict(init_std=float("nan")), "init_std=nan must be a finite number > 0"),
+        (dict(init_std=None), "init_std=None must be a finite number"),
     ],
 )
 def test_config_validation(overrides, match):
@@ -365,6 +383,13 @@ def test_unknown_preset_and_bad_tokens():
         model(jnp.zeros((1, 4), jnp.float32))
     with pytest.raises(TypeError, match="GPTConfig"):
         GPT({"d_model": 3}, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="rngs must be an nnx.Rngs .* got int"):
+        GPT(small_cfg(), rngs=0)
+    with pytest.raises(ValueError, match=r"tokens must be ids in \[0, 64\); got values from -1 to 3"):
+        model(jnp.array([[3, -1]], jnp.int32))
+    # Traced, a negative id gives a NaN row (it used to read the last embedding row).
+    logits = np.asarray(jax.jit(lambda t: model(t))(jnp.array([[3, 4], [3, -1], [64, 4]], jnp.int32)))
+    assert np.isfinite(logits[0]).all() and np.isnan(logits[1, 1]).all() and np.isnan(logits[2]).all()
 
 
 # ---------------------------------------------------------------- vision models
@@ -530,6 +555,8 @@ def test_vision_errors():
         create_vision_model("vgg", num_classes=3, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="num_classes=0"):
         create_vision_model("cnn-small", num_classes=0, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="rngs must be an nnx.Rngs"):
+        create_vision_model("cnn-small", num_classes=3, rngs=0)
     with pytest.raises(ValueError, match="dtype='int8'"):
         create_vision_model("cnn-small", num_classes=3, dtype="int8", rngs=nnx.Rngs(0))
     model = create_vision_model("cnn-small", num_classes=3, rngs=nnx.Rngs(0))

@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 
@@ -142,6 +143,11 @@ class GPTConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.dot_general is not None and not callable(self.dot_general):
             raise ValueError(f"dot_general={self.dot_general!r} must be callable or None")
+        for name in ("layer_norm_epsilon", "init_std"):  # NaN logits otherwise, with no message
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"{name}={value!r} must be a finite number > 0")
         if self.attention == "cudnn":
             self._check_cudnn()
 
@@ -341,6 +347,8 @@ class GPT(nnx.Module):
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         if not isinstance(config, GPTConfig):
             raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
+        if not isinstance(rngs, nnx.Rngs):
+            raise TypeError(f"rngs must be an nnx.Rngs (e.g. nnx.Rngs(0)), got {type(rngs).__name__}")
         cfg = self.config = config
         embed_init = nnx.initializers.normal(cfg.init_std)
         self.wte = nnx.Embed(
@@ -375,6 +383,7 @@ class GPT(nnx.Module):
             raise ValueError(
                 f"sequence length {tokens.shape[1]} exceeds config seq_len={cfg.seq_len}"
             )
+        check_ids_in_range(tokens, cfg.vocab_size, "tokens")
         return self.logits_from_embeddings(self.embed(tokens))
 
     def embed(self, tokens: jax.Array) -> jax.Array:
@@ -384,6 +393,9 @@ class GPT(nnx.Module):
         lets a data-parallel step differentiate w.r.t. these activations and exchange the
         lookup's gradient as rows (`collectives.embedding_grad_exchange`)."""
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+        # A negative id would wrap round to a real row (jnp.take); moved out of range it
+        # gives a NaN row instead, as ids >= vocab_size already do, so the loss shows it.
+        tokens = jnp.where(tokens < 0, self.config.vocab_size, tokens)
         return self.wte(tokens) + self.wpe(positions)[None]
 
     def logits_from_embeddings(self, x: jax.Array) -> jax.Array:
@@ -447,16 +459,22 @@ def softmax_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 def _xent_forward(logits, targets):
     x = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(x, axis=-1)
-    picked = jnp.take_along_axis(x, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return lse - picked, (logits, targets, lse)
+    targets = targets.astype(jnp.int32)
+    # A target outside [0, vocab) (e.g. -100 as an ignore index, which we do not
+    # support) must not wrap round to a real class: its loss and gradient are NaN,
+    # which the trainer's finite check reports, instead of a plausible number.
+    valid = (targets >= 0) & (targets < x.shape[-1])
+    picked = jnp.take_along_axis(x, jnp.where(valid, targets, 0)[..., None], axis=-1)[..., 0]
+    return jnp.where(valid, lse - picked, jnp.nan), (logits, targets, lse)
 
 
 def _xent_backward(residuals, g):
     logits, targets, lse = residuals
     probs = jnp.exp(logits.astype(jnp.float32) - lse[..., None])
     vocab = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    onehot = (vocab == targets[..., None].astype(jnp.int32)).astype(jnp.float32)
-    grad = ((probs - onehot) * g.astype(jnp.float32)[..., None]).astype(logits.dtype)
+    onehot = (vocab == targets[..., None]).astype(jnp.float32)
+    valid = ((targets >= 0) & (targets < logits.shape[-1]))[..., None]
+    grad = jnp.where(valid, (probs - onehot) * g.astype(jnp.float32)[..., None], jnp.nan).astype(logits.dtype)
     # Integer targets have no cotangent (None: a symbolic zero).
     return grad, None
 
@@ -481,7 +499,24 @@ def gpt_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
         )
     if not jnp.issubdtype(targets.dtype, jnp.integer):
         raise ValueError(f"targets must be integer token ids, got dtype={targets.dtype}")
+    check_ids_in_range(targets, logits.shape[-1], "targets")
     return jnp.mean(softmax_cross_entropy(logits, targets))
+
+
+def check_ids_in_range(ids, upper: int, what: str) -> None:
+    """Raises ValueError if concrete integer `ids` leave [0, upper).
+
+    Traced ids (inside jit or grad) cannot be checked here; there an id out of
+    range makes the embedding row or the loss NaN instead (see `embed` and
+    `softmax_cross_entropy`), so it still shows rather than passing as a real id.
+    """
+    try:
+        values = np.asarray(ids)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return
+    if values.size and (values.min() < 0 or values.max() >= upper):
+        raise ValueError(f"{what} must be ids in [0, {upper}); got values from {values.min()} to "
+                         f"{values.max()} (ignore-index values such as -100 are not supported)")
 
 
 def warn_if_cudnn_unavailable(cfg: GPTConfig) -> GPTConfig:

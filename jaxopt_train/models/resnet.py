@@ -213,6 +213,8 @@ def create_vision_model(
         raise ValueError(f"name={name!r} is not a vision preset; legal values: {VISION_PRESETS}")
     if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 1:
         raise ValueError(f"num_classes={num_classes!r} must be a positive int")
+    if not isinstance(rngs, nnx.Rngs):
+        raise TypeError(f"rngs must be an nnx.Rngs (e.g. nnx.Rngs(0)), got {type(rngs).__name__}")
     layers = _Layers(
         canonical_dtype(dtype, "dtype"), canonical_dtype(param_dtype, "param_dtype"), axis_name, rngs
     )
