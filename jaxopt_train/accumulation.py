@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxopt_train.precision import as_float_dtype
+
 AUX_COMBINE = ("mean", "sum", "stack")
 
 
@@ -132,13 +134,15 @@ def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
         raise ValueError(f"num_microbatches={num_microbatches!r} must be a positive int")
     if aux_combine not in AUX_COMBINE:
         raise ValueError(f"{aux_combine=}; expected one of {AUX_COMBINE}")
-    if not jnp.issubdtype(accum_dtype, jnp.floating):
-        raise ValueError(f"accum_dtype={accum_dtype!r} must be a floating dtype, e.g. jnp.float32")
+    accum_dtype = as_float_dtype(accum_dtype, "accum_dtype")  # "f32", "bf16" or a dtype
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
     num_microbatches = int(num_microbatches)
 
     def grad_fn(params, batch, *extra):
         batch_size = _batch_size(batch)
+        if batch_size == 0:  # the mean over no examples: a NaN loss and zero gradients
+            raise ValueError("the batch is empty (leading axis 0); expected at least "
+                             f"{num_microbatches=} examples")
         if batch_size % num_microbatches:
             raise ValueError(f"batch size {batch_size} is not divisible by {num_microbatches=}; "
                              "pick a batch size that is a multiple of the number of micro-batches")

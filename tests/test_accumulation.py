@@ -150,6 +150,12 @@ def test_bad_inputs():
         accumulate_gradients(_aux_loss, 2, aux_combine="max")
     with pytest.raises(ValueError, match="accum_dtype"):
         accumulate_gradients(_aux_loss, 2, accum_dtype=jnp.int32)
+    (_, _), grads = accumulate_gradients(_aux_loss, 2, accum_dtype="f32", has_aux=True)(params, _data())
+    assert grads["w"].dtype == jnp.float32  # dtype names as the precision policies take them
+    with pytest.raises(ValueError, match="accum_dtype='f8' is not a known dtype name"):
+        accumulate_gradients(_aux_loss, 2, accum_dtype="f8")
+    with pytest.raises(ValueError, match=r"the batch is empty \(leading axis 0\)"):  # was a NaN loss
+        accumulate_gradients(_aux_loss, 2)(params, {"x": jnp.ones((0, 6)), "y": jnp.ones((0, 3))})
     with pytest.raises(ValueError, match="every_k=0"):
         multi_steps(optax.sgd(0.1), 0)
 

@@ -228,6 +228,18 @@ def test_dot_general_falls_back_for_unsupported_dimension_numbers():
     assert dot_general_for("xla") is lax.dot_general
     with pytest.raises(ValueError, match="expected one of"):
         dot_general_for("cuda")
+    # A typo fails where the layer is built, not at its first forward pass.
+    with pytest.raises(ValueError, match="backend='bogus' is unknown"):
+        make_dot_general("bogus")
+    with pytest.raises(ValueError, match="unknown MatmulConfig fields"):
+        make_dot_general("interpret", config={"block_x": 1})
+
+
+def test_out_dtype_takes_dtype_names():
+    a = jnp.ones((4, 8), jnp.bfloat16)
+    b = jnp.ones((8, 6), jnp.bfloat16)
+    assert matmul(a, b, backend="xla", out_dtype="f32").dtype == jnp.float32
+    assert matmul(a, b, backend="xla", out_dtype="bf16").dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize("call,error,match", [
@@ -249,6 +261,12 @@ def test_dot_general_falls_back_for_unsupported_dimension_numbers():
     (lambda a, b: matmul(a, b, config={"schedule": "stream_k"}), ValueError, "cooperative"),
     (lambda a, b: matmul(a, b, config={"schedule": "pingpong", "cluster": "m"}), ValueError,
      "needs cluster='none'"),
+    (lambda a, b: matmul(a, b, bias=[1.0] * 6), TypeError, r"bias must be an array of shape \(N,\)=\(6,\)"),
+    (lambda a, b: matmul(a, b, bias=1.0), TypeError, "bias must be an array"),
+    (lambda a, b: matmul(a, b, out_dtype="int8"), ValueError, "out_dtype='int8' is not a known dtype name"),
+    (lambda a, b: matmul(a, b, out_dtype=jnp.int32), ValueError, "out_dtype=int32 must be a floating dtype"),
+    (lambda a, b: matmul(a, b, config={"num_stages": True}), ValueError, "num_stages=True must be an int"),
+    (lambda a, b: matmul(a, b, config={"num_warps": 4.0}), ValueError, "num_warps=4.0 must be an int"),
 ])
 def test_bad_inputs_raise_clear_errors(call, error, match):
     a = jnp.ones((4, 8), jnp.bfloat16)

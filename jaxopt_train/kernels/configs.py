@@ -88,9 +88,14 @@ class MatmulConfig:
     chain_tiles: bool = False
 
     def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k", "num_stages", "num_warps", "group_m",
+                     "wgmma_in_flight"):
+            value = getattr(self, name)  # True == 1 and 4.0 == 4 would pass the range checks
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"MatmulConfig.{name}={value!r} must be an int")
         for name in ("block_m", "block_n", "block_k"):
             value = getattr(self, name)
-            if not isinstance(value, int) or not _is_pow2(value) or value < 8:
+            if not _is_pow2(value) or value < 8:
                 raise ValueError(f"MatmulConfig.{name}={value!r} must be a power of two >= 8")
         if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
             raise ValueError(f"MatmulConfig.num_stages={self.num_stages!r} must be an int in [1, 8]")

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxopt_train.kernels.configs import MatmulConfig
+from jaxopt_train.kernels.configs import BACKENDS, MatmulConfig, as_config
 from jaxopt_train.kernels.matmul import matmul, resolve_backend
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,12 @@ def make_dot_general(backend: str = "auto", config: MatmulConfig | dict | None =
 
     The backend is resolved on first call (not here: nothing touches devices at
     construction). If it resolves to "xla" the function is `lax.dot_general`.
+    The name and the config are checked here, though: a typo should fail where the
+    layer is built, not inside the model's first forward pass.
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"{backend=} is unknown; expected one of {BACKENDS}")
+    config = as_config(config)
     state: dict[str, str] = {}
 
     def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,

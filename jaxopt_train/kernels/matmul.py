@@ -29,6 +29,7 @@ from jaxopt_train.kernels import configs
 from jaxopt_train.kernels.configs import (ACTIVATIONS, BACKENDS, TRANSPOSING_BACKENDS, MatmulConfig,
                                           as_config)
 from jaxopt_train.kernels.epilogue import ACTIVATION_FNS, apply_epilogue
+from jaxopt_train.precision import as_float_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +61,15 @@ def _check_inputs(a, b, bias, activation, out_dtype, transpose_b=False):
     if jnp.dtype(a.dtype) not in INPUT_DTYPES:
         raise TypeError(f"{a.dtype=} is not supported; expected one of bfloat16, float16, float32")
     if bias is not None:
+        if not hasattr(bias, "shape") or not hasattr(bias, "dtype"):
+            raise TypeError(f"bias must be an array of shape (N,)=({n},) or None, got {type(bias).__name__}")
         if bias.shape != (n,):
             raise ValueError(f"bias must have shape (N,)=({n},); got {bias.shape=}")
         if not jnp.issubdtype(bias.dtype, jnp.floating):
             raise TypeError(f"bias must be floating point; got {bias.dtype=}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"{activation=} is not supported; expected one of {ACTIVATIONS}")
-    out_dtype = jnp.dtype(a.dtype if out_dtype is None else out_dtype)
+    out_dtype = jnp.dtype(a.dtype if out_dtype is None else as_float_dtype(out_dtype, "out_dtype"))
     if out_dtype not in OUTPUT_DTYPES:
         raise TypeError(f"{out_dtype=} is not supported; expected one of bfloat16, float16, float32")
     compute = jnp.dtype(jnp.bfloat16) if a.dtype == jnp.float32 else jnp.dtype(a.dtype)
