@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxopt_train.collectives import all_reduce_tree, ring_all_gather, ring_reduce_scatter
+from jaxopt_train.collectives._axis import axis_size
 
 STAGES = (0, 1, 3)
 METHODS = ("psum", "ring")
@@ -74,13 +75,43 @@ class FlatLayout:
     def padded_size(self) -> int:
         return self.shard_size * self.num_shards
 
+    def check(self, tree, what: str = "params", *, dtype: bool = True) -> None:
+        """Raises ValueError unless `tree` has the layout's structure, leaf shapes and
+        (with `dtype`) dtype.
+
+        The message names the missing or unexpected leaf paths, or the first
+        leaf whose shape or dtype differs, with what was expected.
+        """
+        given, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        fix = "pass a tree like the example params the layout (or ZeRO step) was built from"
+        if treedef != self.treedef:
+            placeholder = jax.tree.unflatten(self.treedef, range(self.treedef.num_leaves))
+            expected = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(placeholder)[0]]
+            paths = [jax.tree_util.keystr(p) for p, _ in given]
+            missing, extra = sorted(set(expected) - set(paths)), sorted(set(paths) - set(expected))
+            raise ValueError(f"{what} do not have the layout's tree structure: missing leaves {missing}, "
+                             f"unexpected leaves {extra}"
+                             + ("" if missing or extra else f"; expected {self.treedef}, got {treedef}")
+                             + f" ({fix})")
+        for (path, leaf), want in zip(given, self.shapes):
+            shape, leaf_dtype = tuple(np.shape(leaf)), np.dtype(jnp.result_type(leaf))
+            if shape != want or (dtype and leaf_dtype != self.dtype):
+                raise ValueError(f"{what} leaf {jax.tree_util.keystr(path)} has shape {shape} dtype "
+                                 f"{leaf_dtype}; expected shape {want}"
+                                 + (f" dtype {self.dtype}" if dtype else "") + f" ({fix})")
+
     def flatten(self, tree):
-        """The leaves raveled, concatenated and zero-padded to `padded_size`."""
+        """The leaves raveled, cast to the layout's dtype (gradients may be narrower),
+        concatenated and zero-padded to `padded_size`."""
+        self.check(tree, "tree", dtype=False)
         flat = jnp.concatenate([jnp.ravel(x).astype(self.dtype) for x in jax.tree.leaves(tree)])
         return jnp.pad(flat, (0, self.padded_size - self.size))
 
     def unflatten(self, flat):
-        """Inverse of `flatten`."""
+        """Inverse of `flatten` (`flat` padded or not)."""
+        if np.shape(flat) not in ((self.size,), (self.padded_size,)):
+            raise ValueError(f"flat vector of shape {np.shape(flat)}; expected ({self.padded_size},) "
+                             f"(padded) or ({self.size},) for this layout")
         leaves, offset = [], 0
         for shape in self.shapes:
             size = math.prod(shape)
@@ -96,13 +127,30 @@ def make_layout(params, num_shards: int) -> FlatLayout:
     if len(dtypes) != 1 or not jnp.issubdtype(next(iter(dtypes)), jnp.floating):
         raise ValueError(f"ZeRO sharding needs parameters of one floating dtype; got {sorted(map(str, dtypes))} "
                          "(cast them to the param dtype first)")
-    if not isinstance(num_shards, int) or num_shards < 1:
-        raise ValueError(f"{num_shards=} must be a positive int (the size of the data axis)")
+    _check_num_shards(num_shards)
     return FlatLayout(treedef, tuple(tuple(x.shape) for x in leaves), dtypes.pop(), num_shards)
 
 
+def _check_num_shards(num_shards: int) -> None:
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"{num_shards=} must be a positive int (the size of the data axis)")
+
+
+def _check_axis_name(axis_name: str) -> None:
+    if not isinstance(axis_name, str) or not axis_name:
+        raise ValueError(f"{axis_name=} must be a non-empty str naming the mesh axis (e.g. 'data')")
+
+
+def _mesh_axis_size(mesh: jax.sharding.Mesh, axis_name: str) -> int:
+    _check_axis_name(axis_name)
+    if axis_name not in mesh.shape:
+        raise ValueError(f"{axis_name=} is not an axis of the mesh, whose axes are {tuple(mesh.axis_names)}; "
+                         "pass one of them as axis_name")
+    return mesh.shape[axis_name]
+
+
 def _check(stage: int, method: str):
-    if stage not in STAGES:
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in STAGES:
         raise ValueError(f"{stage=} must be one of {STAGES} (0: replicated, 1: optimizer state, 3: + params)")
     if method not in METHODS:
         raise ValueError(f"{method=} must be one of {METHODS}")
@@ -171,9 +219,12 @@ def make_zero_step(loss_fn: Callable, optimizer: optax.GradientTransformation, p
       mesh: mesh with `axis_name`.
       stage: 0, 1 or 3.
       method: "ring" (ppermute rings) or "psum" (XLA collectives).
+
+    `init(params)` raises ValueError unless `params` has the example params'
+    structure, leaf shapes and dtype.
     """
     _check(stage, method)
-    n = mesh.shape[axis_name]
+    n = _mesh_axis_size(mesh, axis_name)
     layout = make_layout(params, n)
     slice_specs = opt_state_specs(optimizer, layout, axis_name)
     param_spec = P(axis_name) if stage == 3 else jax.tree.map(lambda _: P(), params)
@@ -203,6 +254,7 @@ def make_zero_step(loss_fn: Callable, optimizer: optax.GradientTransformation, p
     step = smap(per_device, (specs, P(axis_name)), (specs, P()))
 
     def init(params) -> ZeroState:
+        layout.check(params)
         if stage == 0:
             replicated = jax.device_put(params, NamedSharding(mesh, P()))
             return ZeroState(replicated, jax.jit(optimizer.init)(replicated))
@@ -224,6 +276,7 @@ def shard_dim(shape: tuple[int, ...], num_shards: int) -> int | None:
     no transposes. None (keep the leaf replicated) for scalars and for shapes
     with no divisible dimension.
     """
+    _check_num_shards(num_shards)
     for dim, size in enumerate(shape):
         if size % num_shards == 0 and size >= num_shards:
             return dim
@@ -232,6 +285,7 @@ def shard_dim(shape: tuple[int, ...], num_shards: int) -> int | None:
 
 def leaf_spec(shape: tuple[int, ...], num_shards: int, axis_name: str = "data") -> P:
     """P sharding `shard_dim(shape, num_shards)` over the axis, else P() (replicated)."""
+    _check_axis_name(axis_name)
     dim = shard_dim(shape, num_shards)
     return P() if dim is None else P(*([None] * dim + [axis_name]))
 
@@ -245,7 +299,7 @@ def zero_shardings(params, opt_state, mesh: jax.sharding.Mesh, *, stage: int, ax
     stay replicated.
     """
     _check(stage, "psum")
-    n = mesh.shape[axis_name]
+    n = _mesh_axis_size(mesh, axis_name)
     sharded = lambda tree: jax.tree.map(  # noqa: E731
         lambda spec: NamedSharding(mesh, spec), leaf_specs(tree, n, axis_name))
     replicated = lambda tree: jax.tree.map(lambda _: NamedSharding(mesh, P()), tree)  # noqa: E731
@@ -265,7 +319,18 @@ def zero_shardings(params, opt_state, mesh: jax.sharding.Mesh, *, stage: int, ax
 
 
 def spec_dim(spec: P, axis_name: str = "data") -> int | None:
-    """The dimension `spec` shards over `axis_name`, or None (replicated)."""
+    """The dimension `spec` shards over `axis_name`, or None (replicated).
+
+    Raises:
+      ValueError: if `spec` is not a PartitionSpec, or names an axis other than
+        `axis_name` (a leaf sharded over another axis is not replicated over this one).
+    """
+    _check_axis_name(axis_name)
+    if not isinstance(spec, P):
+        raise ValueError(f"{spec=} must be a jax.sharding.PartitionSpec, e.g. from leaf_specs")
+    if any(name not in (None, axis_name) for name in spec):
+        raise ValueError(f"{spec=} names an axis other than {axis_name=}; the per-leaf specs must "
+                         f"shard over {axis_name!r} only (leaf_specs(..., axis_name={axis_name!r}))")
     return next((dim for dim, name in enumerate(spec) if name == axis_name), None)
 
 
@@ -275,8 +340,8 @@ def leaf_specs(params, num_shards: int, axis_name: str = "data"):
     Leaves with no dimension divisible by `num_shards` get P(): they stay
     replicated, their gradient is all-reduced and every device updates them.
     """
-    if not isinstance(num_shards, int) or num_shards < 1:
-        raise ValueError(f"{num_shards=} must be a positive int (the size of the data axis)")
+    _check_num_shards(num_shards)
+    _check_axis_name(axis_name)
     return jax.tree.map(lambda x: leaf_spec(tuple(jnp.shape(x)), num_shards, axis_name), params)
 
 
@@ -332,7 +397,13 @@ def gather_leaves(shards, specs, axis_name: str = "data"):
     """Inside shard_map: the full leaves from every device's shard (an all-gather per leaf).
 
     Replicated leaves (spec without `axis_name`) are returned as they are.
+
+    Raises:
+      ValueError: outside shard_map over `axis_name`, or for a spec that is not
+        a PartitionSpec or names another axis (see `spec_dim`).
     """
+    axis_size(axis_name)  # a clear error when the axis is not bound here
+
     def gather(shard, spec):
         dim = spec_dim(spec, axis_name)
         return shard if dim is None else lax.all_gather(shard, axis_name, axis=dim, tiled=True)
@@ -346,7 +417,9 @@ def reduce_scatter_leaves(grads, specs, axis_name: str = "data", method: str = "
     Sharded leaves: one `lax.psum_scatter` each, along their spec's dimension.
     Replicated leaves are summed whole, together, by
     `all_reduce_tree(method=method)` (every device then holds the full sum).
+    Raises ValueError like `gather_leaves`.
     """
+    axis_size(axis_name)  # a clear error when the axis is not bound here
     leaves, treedef = jax.tree.flatten(grads)
     dims = [spec_dim(spec, axis_name) for spec in treedef.flatten_up_to(specs)]
     out = [g if dim is None else lax.psum_scatter(g, axis_name, scatter_dimension=dim, tiled=True)

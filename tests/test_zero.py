@@ -190,3 +190,150 @@ def test_opt_state_leaf_specs_refuses_what_it_cannot_split():
     peeks = optax.GradientTransformation(lambda p: {"rows": jnp.zeros(p["w"].shape[:1])}, None)
     with pytest.raises(ValueError, match="could not match the optimizer state"):
         opt_state_leaf_specs(peeks, peeks.init(params), params, specs)
+
+
+# Bad input: a clear error, never a silently wrong result ----------------------
+
+
+def _bad_params():
+    params, _ = _problem()
+    return {"transposed": {**params, "w2": params["w2"].T},  # same size, another shape
+            "smaller": {**params, "w2": params["w2"][:-1]},
+            "bf16": {**params, "b1": params["b1"].astype(jnp.bfloat16)},
+            "missing": {k: v for k, v in params.items() if k != "b1"},
+            "extra": {**params, "b2": params["b1"]}}
+
+
+BAD_PARAMS = {"transposed": r"leaf \['w2'\] has shape \(7, 96\) dtype float32; expected shape \(96, 7\)",
+              "smaller": r"leaf \['w2'\] has shape \(95, 7\) dtype float32; expected shape \(96, 7\)",
+              "bf16": r"leaf \['b1'\] has shape \(96,\) dtype bfloat16; expected shape \(96,\) dtype float32",
+              "missing": r"missing leaves \[\"\['b1'\]\"\], unexpected leaves \[\]",
+              "extra": r"missing leaves \[\], unexpected leaves \[\"\['b2'\]\"\]"}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+@pytest.mark.parametrize("case", list(BAD_PARAMS))
+def test_init_refuses_params_unlike_the_layout(mesh, stage, case):
+    params, _ = _problem()
+    zero = make_zero_step(_loss, optax.sgd(0.1), params, mesh, stage=stage)
+    with pytest.raises(ValueError, match=BAD_PARAMS[case]):
+        zero.init(_bad_params()[case])
+
+
+@pytest.mark.parametrize("case", [c for c in BAD_PARAMS if c != "bf16"])
+def test_layout_flatten_refuses_trees_unlike_the_layout(case):
+    layout = make_layout(_problem()[0], N)
+    match = BAD_PARAMS[case].replace(" dtype float32", "( dtype float32)?")
+    with pytest.raises(ValueError, match=match):
+        layout.flatten(_bad_params()[case])
+
+
+def test_layout_flatten_widens_narrower_gradients():
+    """Gradients may come in the compute dtype (bf16): flatten casts them, as before."""
+    params = _problem()[0]
+    layout = make_layout(params, N)
+    narrow = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    flat = layout.flatten(narrow)
+    assert flat.dtype == layout.dtype
+    np.testing.assert_array_equal(np.asarray(flat), np.asarray(layout.flatten(
+        jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(layout.dtype), params))))
+
+
+def test_layout_names_another_tree_structure_with_the_same_leaf_paths():
+    layout = make_layout((jnp.zeros(3, jnp.float32), jnp.zeros(2, jnp.float32)), N)
+    with pytest.raises(ValueError, match=r"missing leaves \[\], unexpected leaves \[\]; "
+                                         r"expected PyTreeDef\(\(\*, \*\)\), got PyTreeDef\(\[\*, \*\]\)"):
+        layout.flatten([jnp.zeros(3, jnp.float32), jnp.zeros(2, jnp.float32)])
+
+
+@pytest.mark.parametrize("length", [10, 36, 96 * 96 + 96 + 96 * 7 + N])
+def test_layout_unflatten_refuses_a_vector_of_another_length(length):
+    layout = make_layout(_problem()[0], N)
+    with pytest.raises(ValueError, match=rf"flat vector of shape \({length},\); expected \({layout.padded_size},\)"):
+        layout.unflatten(jnp.zeros((length,), jnp.float32))
+
+
+def _in_shard_map(fn, mesh, shard_shape=(2, 4)):
+    """Runs `fn(local_shard)` inside shard_map over every axis of `mesh`."""
+    x = jnp.zeros((mesh.size * shard_shape[0], *shard_shape[1:]), jnp.float32)
+    spec = P(mesh.axis_names)
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))(x)
+
+
+def _leaf_fns():
+    return {"gather_leaves": gather_leaves,
+            "reduce_scatter_leaves": lambda tree, specs, axis: reduce_scatter_leaves(tree, specs, axis)}
+
+
+GRID = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+@pytest.mark.parametrize("fn", list(_leaf_fns()))
+@pytest.mark.parametrize("spec, axis, mesh_axes, error", [
+    (P("data"), "model", ("data",), r"axis_name='model' is not a mapped axis here"),  # was: the local shard
+    (P("data"), "model", ("data", "model"), r"spec=P\('data',\) names an axis other than axis_name='model'"),
+    (P(None, "model"), "data", ("data", "model"), r"names an axis other than axis_name='data'"),
+    ("data", "data", ("data",), r"spec='data' must be a jax.sharding.PartitionSpec"),
+    (None, "data", ("data",), r"spec=None must be a jax.sharding.PartitionSpec"),
+    (P("data"), "", ("data",), r"axis_name='' is not a mapped axis here"),
+], ids=["unmapped-axis", "other-axis", "other-axis-dim1", "str-spec", "none-spec", "empty-axis"])
+def test_leaf_collectives_refuse_specs_they_would_ignore(mesh, fn, spec, axis, mesh_axes, error):
+    on = mesh if mesh_axes == ("data",) else GRID
+    with pytest.raises(ValueError, match=error):
+        _in_shard_map(lambda x: _leaf_fns()[fn]({"w": x}, {"w": spec}, axis)["w"], on)
+
+
+@pytest.mark.parametrize("fn", list(_leaf_fns()))
+def test_leaf_collectives_outside_shard_map_say_how_to_bind_the_axis(fn):
+    with pytest.raises(ValueError, match=r"axis_name='data' is not a mapped axis here; call this inside "
+                                         r"jax.shard_map"):
+        _leaf_fns()[fn]({"w": jnp.zeros((16, 4), jnp.float32)}, {"w": P("data")}, "data")
+
+
+def test_leaf_collectives_with_valid_specs_still_gather_and_scatter(mesh):
+    gathered = _in_shard_map(lambda x: gather_leaves({"w": x}, {"w": P("data")}, "data")["w"][:2], mesh)
+    assert gathered.shape == (16, 4)
+    summed = _in_shard_map(lambda x: reduce_scatter_leaves({"w": jnp.ones((16, 4))}, {"w": P("data")})["w"],
+                           mesh)
+    np.testing.assert_array_equal(summed, np.full((16, 4), N, np.float32))
+
+
+@pytest.mark.parametrize("build", ["zero_shardings", "make_zero_step"])
+@pytest.mark.parametrize("axis", ["model", "", None, 0])
+def test_an_axis_not_in_the_mesh_is_named(mesh, build, axis):
+    params, _ = _problem()
+    error = (r"axis_name='model' is not an axis of the mesh, whose axes are \('data',\)" if axis == "model"
+             else rf"axis_name={axis!r} must be a non-empty str")
+    with pytest.raises(ValueError, match=error):
+        if build == "zero_shardings":
+            zero_shardings(params, optax.sgd(0.1).init(params), mesh, stage=1, axis_name=axis)
+        else:
+            make_zero_step(_loss, optax.sgd(0.1), params, mesh, stage=1, axis_name=axis)
+
+
+@pytest.mark.parametrize("n", [0, -4, True, False, 2.0, None])
+def test_num_shards_must_be_a_positive_int(n):
+    error = rf"num_shards={n!r} must be a positive int"
+    for call in (lambda: shard_dim((8, 6), n), lambda: leaf_spec((8, 6), n),
+                 lambda: leaf_specs(_leaf_problem()[0], n), lambda: make_layout(_problem()[0], n)):
+        with pytest.raises(ValueError, match=error):
+            call()
+
+
+@pytest.mark.parametrize("axis", [None, "", 0, ("data",)])
+def test_leaf_specs_axis_name_must_be_a_non_empty_str(axis):
+    error = rf"axis_name={axis!r} must be a non-empty str".replace("(", r"\(").replace(")", r"\)")
+    for call in (lambda: leaf_spec((8, 6), 4, axis), lambda: leaf_specs(_leaf_problem()[0], 4, axis),
+                 lambda: spec_dim(P(), axis)):
+        with pytest.raises(ValueError, match=error):
+            call()
+
+
+@pytest.mark.parametrize("stage", [True, False, 1.0, 3.0, 2, "1", None])
+def test_stage_must_be_an_int_in_the_allowed_set(mesh, stage):
+    params, _ = _problem()
+    error = rf"stage={stage!r} must be one of \(0, 1, 3\)"
+    with pytest.raises(ValueError, match=error):
+        zero_shardings(params, optax.sgd(0.1).init(params), mesh, stage=stage)
+    with pytest.raises(ValueError, match=error):
+        make_zero_step(_loss, optax.sgd(0.1), params, mesh, stage=stage)
