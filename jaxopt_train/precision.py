@@ -50,6 +50,9 @@ MATMUL_PRECISIONS = ("default", "high", "highest", "bfloat16", "tensorfloat32", 
 
 def as_float_dtype(value: Any, field: str) -> np.dtype:
     """`value` (a dtype or a name such as "bf16") as a floating numpy dtype; `field` names it in errors."""
+    if value is None:  # np.dtype(None) would silently be float64
+        raise TypeError(f"{field}=None is not a dtype; expected a floating dtype or one of "
+                        f"{sorted(_DTYPE_ALIASES)}")
     if isinstance(value, str):
         if value.lower() not in _DTYPE_ALIASES:
             raise ValueError(f"{field}={value!r} is not a known dtype name; "
@@ -109,7 +112,11 @@ class Policy:
             if not sep or key not in _STRING_KEYS:
                 raise ValueError(f"bad policy item {part!r} in {spec=}; expected key=value with "
                                  f"key in {sorted(_STRING_KEYS)}")
-            fields[_STRING_KEYS[key]] = value.strip()
+            field = _STRING_KEYS[key]
+            if field in fields:  # "p=f32,param=bf16": neither value may silently win
+                raise ValueError(f"policy item {part!r} in {spec=} sets {field} again (already "
+                                 f"{fields[field]!r}); give each key once")
+            fields[field] = value.strip()
         if "param_dtype" not in fields:
             raise ValueError(f"{spec=} must name the param dtype, e.g. 'p=f32,c=bf16,o=f32'")
         fields.setdefault("compute_dtype", fields["param_dtype"])
@@ -171,23 +178,26 @@ def _is_floating_array(x) -> bool:
 
 
 def cast_floating(tree, dtype):
-    """`tree` with every floating array leaf cast to `dtype`."""
+    """`tree` with every floating array leaf cast to `dtype` (a floating dtype or a name: "bf16")."""
+    dtype = as_float_dtype(dtype, "dtype")  # an int dtype would truncate the floats silently
     # Only array leaves with a floating dtype: ints, bools, PRNG keys (typed
     # or raw uint32) and Python scalars keep their type.
     return jax.tree.map(lambda x: x.astype(dtype) if _is_floating_array(x) else x, tree)
 
 
-def nnx_apply_with_state(policy: Policy, graphdef, state, *args, **kwargs):
+def nnx_apply_with_state(policy: str | Policy, graphdef, state, *args, **kwargs):
     """Runs an NNX module under `policy`; returns `(outputs, new_state)`.
 
     `nnx.Param`s and floating inputs are cast to the compute dtype (other
     state, e.g. BatchStat, keeps its dtype), outputs to the
     output dtype, and the state after the call (BatchNorm statistics, RNG
     counters) back to the param dtype. Gradients w.r.t. `state` come back in
-    the dtype of `state`, i.e. the f32 master weights.
+    the dtype of `state`, i.e. the f32 master weights. `policy` is a Policy or
+    a name `get_policy` accepts.
     """
     from flax import nnx  # noqa: PLC0415  (keeps precision importable without flax)
 
+    policy = get_policy(policy)
     model = nnx.merge(graphdef, state)
     # Only Params go to the compute dtype: statistics (BatchStat) and other
     # state keep their own dtype, as mixed-precision training wants.
@@ -198,7 +208,7 @@ def nnx_apply_with_state(policy: Policy, graphdef, state, *args, **kwargs):
     return policy.cast_to_output(out), _cast_like(new_state, state)
 
 
-def nnx_apply(policy: Policy, graphdef, state, *args, **kwargs):
+def nnx_apply(policy: str | Policy, graphdef, state, *args, **kwargs):
     """Runs `nnx.merge(graphdef, state)(*args, **kwargs)` under `policy`; returns outputs only.
 
     Use `nnx_apply_with_state` when the module updates its own state.
@@ -206,14 +216,16 @@ def nnx_apply(policy: Policy, graphdef, state, *args, **kwargs):
     return nnx_apply_with_state(policy, graphdef, state, *args, **kwargs)[0]
 
 
-def linen_apply(policy: Policy, module, variables, *args, **kwargs):
+def linen_apply(policy: str | Policy, module, variables, *args, **kwargs):
     """`module.apply(variables, *args, **kwargs)` under `policy`.
 
     The "params" collection (all variables if there is none) and floating
     inputs are cast to the compute dtype; other collections such as
     "batch_stats" keep theirs. With `mutable=...` Linen returns `(outputs, updates)`; the outputs are cast to
     the output dtype and the updated collections back to the param dtype.
+    `policy` is a Policy or a name `get_policy` accepts.
     """
+    policy = get_policy(policy)
     with policy.matmul_scope():
         result = module.apply(_cast_linen_params(policy, variables),
                               *policy.cast_to_compute(args), **_cast_kwargs(policy, kwargs))
@@ -242,6 +254,46 @@ def _cast_like(tree, reference):
 
 
 # ----------------------------------------------------------------------------- loss scales
+
+
+_F32 = np.finfo(np.float32)
+# Scales live in float32 and unscale multiplies by 1/scale, so a scale must be a
+# normal float32: 1e40 rounds to inf, 1e-50 to 0, and below `tiny` 1/scale overflows.
+_F32_NORMAL = f"{_F32.tiny:.3g}..{_F32.max:.3g}"
+
+
+def _real_scalar(value, name: str) -> float:
+    """`value` as a Python float; TypeError for None, strings, bools, complex numbers, arrays."""
+    bad = (str, bytes, bool, np.bool_, complex, np.complexfloating)
+    if value is None or isinstance(value, bad) or np.ndim(value) != 0:
+        raise TypeError(f"{name}={value!r} must be a scalar real number (an int or a float)")
+    return float(value)
+
+
+def _as_float32(value: float) -> float:
+    """`value` as the float32 it is stored in (overflow to inf is the point: no warning)."""
+    with np.errstate(over="ignore", under="ignore"):
+        return float(np.float32(value))
+
+
+def _is_normal_float32(value: float) -> bool:
+    return _F32.tiny <= value <= _F32.max
+
+
+def _finite_flag(grads_finite) -> jax.Array:
+    """`grads_finite` checked to be one boolean (shape and dtype are static: works under jit)."""
+    if isinstance(grads_finite, (bool, np.bool_)):
+        return jnp.asarray(grads_finite)
+    dtype = getattr(grads_finite, "dtype", None)
+    # Truthiness would let "yes", nan or 0.5 count as finite.
+    if dtype is None or dtype != np.dtype(np.bool_):
+        raise TypeError(f"grads_finite must be a bool or a boolean array such as all_finite(grads); "
+                        f"got {type(grads_finite).__name__} with dtype {dtype}")
+    if grads_finite.shape != ():
+        # A vector would broadcast the loss scale and counters to its shape.
+        raise ValueError(f"grads_finite must be a scalar boolean (shape ()); got shape "
+                         f"{grads_finite.shape}; reduce it with all_finite(grads) or jnp.all(...)")
+    return grads_finite
 
 
 class _LossScale:
@@ -327,7 +379,7 @@ class NoOpLossScale(_LossScale):
         return tree
 
     def adjust(self, grads_finite) -> NoOpLossScale:
-        return self._replace(skipped_steps=self._count_skip(grads_finite))
+        return self._replace(skipped_steps=self._count_skip(_finite_flag(grads_finite)))
 
 
 class StaticLossScale(_LossScale):
@@ -336,15 +388,16 @@ class StaticLossScale(_LossScale):
     _arrays = ("loss_scale", "skipped_steps")
 
     def __init__(self, scale: float):
-        if not np.isscalar(scale) and np.ndim(scale) != 0:
-            raise TypeError(f"scale={scale!r} must be a scalar")
-        if not float(scale) > 0 or not np.isfinite(float(scale)):
-            raise ValueError(f"scale={scale!r} must be a finite positive number")
-        self._init(loss_scale=jnp.asarray(scale, jnp.float32),
+        stored = _as_float32(_real_scalar(scale, "scale"))
+        if not _is_normal_float32(stored):
+            raise ValueError(f"scale={scale!r} must be a finite positive number in float32's normal "
+                             f"range {_F32_NORMAL} (it is stored in float32, where it is "
+                             f"{np.float32(stored)!s})")
+        self._init(loss_scale=jnp.asarray(stored, jnp.float32),
                    skipped_steps=jnp.zeros((), jnp.int32))
 
     def adjust(self, grads_finite) -> StaticLossScale:
-        return self._replace(skipped_steps=self._count_skip(grads_finite))
+        return self._replace(skipped_steps=self._count_skip(_finite_flag(grads_finite)))
 
 
 class DynamicLossScale(_LossScale):
@@ -373,20 +426,26 @@ class DynamicLossScale(_LossScale):
     def __init__(self, initial_scale: float = 2.0**15, growth_interval: int = 2000,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  hysteresis: int = 2, min_scale: float = 1.0):
+        # Checked as the float32 values the arithmetic uses, not as the float64 given.
+        given = {"initial_scale": initial_scale, "growth_factor": growth_factor,
+                 "backoff_factor": backoff_factor, "min_scale": min_scale}
+        initial, growth, backoff, minimum = (_as_float32(_real_scalar(v, k)) for k, v in given.items())
         checks = {
-            "initial_scale > 0": float(initial_scale) > 0,
+            f"initial_scale > 0 in float32's normal range {_F32_NORMAL}": _is_normal_float32(initial),
             "growth_interval >= 1 (an int)": isinstance(growth_interval, int) and growth_interval >= 1,
-            "growth_factor >= 1": float(growth_factor) >= 1,
-            "0 < backoff_factor <= 1": 0 < float(backoff_factor) <= 1,
+            "growth_factor > 1 and finite in float32": 1 < growth <= _F32.max,
+            "0 < backoff_factor < 1 in float32": 0 < backoff < 1,
             "hysteresis >= 1 (an int)": isinstance(hysteresis, int) and hysteresis >= 1,
-            "min_scale > 0": float(min_scale) > 0,
+            f"min_scale > 0 in float32's normal range {_F32_NORMAL}": _is_normal_float32(minimum),
+            # Raising it to min_scale instead would silently ignore initial_scale.
+            "initial_scale >= min_scale": initial >= minimum,
         }
         failed = [rule for rule, ok in checks.items() if not ok]
         if failed:
             raise ValueError(
                 f"DynamicLossScale needs {', '.join(failed)}; got {initial_scale=}, "
                 f"{growth_interval=}, {growth_factor=}, {backoff_factor=}, {hysteresis=}, {min_scale=}")
-        self._init(loss_scale=jnp.asarray(max(float(initial_scale), float(min_scale)), jnp.float32),
+        self._init(loss_scale=jnp.asarray(initial, jnp.float32),
                    growth_counter=jnp.zeros((), jnp.int32),
                    hysteresis_left=jnp.asarray(hysteresis, jnp.int32),
                    skipped_steps=jnp.zeros((), jnp.int32),
@@ -395,7 +454,7 @@ class DynamicLossScale(_LossScale):
                    min_scale=float(min_scale))
 
     def adjust(self, grads_finite) -> DynamicLossScale:
-        finite = jnp.asarray(grads_finite, jnp.bool_)
+        finite = _finite_flag(grads_finite)
         counter = jnp.where(finite, self.growth_counter + 1, 0)
         grow = counter >= self.growth_interval
         grown = self.loss_scale * self.growth_factor
@@ -419,9 +478,17 @@ def loss_scale_for(policy: str | Policy) -> LossScale:
     return DynamicLossScale() if get_policy(policy).needs_loss_scale else NoOpLossScale()
 
 
+def _is_inexact(x) -> bool:
+    # Python floats are leaves too: {"loss": float("nan")} must not pass as finite.
+    if isinstance(x, (float, complex)):
+        return True
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+
+
 def all_finite(tree) -> jax.Array:
-    """Scalar bool: every floating leaf of `tree` is free of inf and nan."""
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if _is_floating_array(x)]
+    """Scalar bool: every floating or complex leaf of `tree` (array or Python number) is finite."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if _is_inexact(x)]
     if not leaves:
         return jnp.asarray(True)
     return jnp.all(jnp.stack(leaves))
@@ -432,6 +499,7 @@ def select_tree(pred, on_true, on_false):
     pred = jnp.asarray(pred)
     if pred.shape != ():
         raise ValueError(f"pred must be a scalar, got shape {pred.shape}")
+    _check_leaves_match(on_true, on_false, "on_true", "on_false", dtypes=True)
     return jax.tree.map(lambda a, b: jax.lax.select(pred.astype(jnp.bool_), a, b)
                         if hasattr(a, "dtype") else (a if a == b else _bad_static(a, b)),
                         on_true, on_false)
@@ -439,6 +507,43 @@ def select_tree(pred, on_true, on_false):
 
 def _bad_static(a, b):
     raise ValueError(f"select_tree: non-array leaves differ ({a!r} vs {b!r}); only arrays can be selected")
+
+
+def _leaf_dtype(x):
+    # A Python number opposite an array is fine for lax.select when its dtype would match.
+    if hasattr(x, "dtype"):
+        return x.dtype
+    return jnp.result_type(x) if isinstance(x, (int, float, complex)) else None
+
+
+def _check_leaves_match(given, expected, given_name: str, expected_name: str, *, dtypes: bool):
+    """Raises ValueError at the first leaf where `given` differs from `expected` in tree path,
+    shape or (with `dtypes`) dtype. All static, so it runs once, at trace time."""
+    given_leaves, given_def = jax.tree_util.tree_flatten_with_path(given)
+    expected_leaves, expected_def = jax.tree_util.tree_flatten_with_path(expected)
+    if given_def != expected_def:
+        given_paths = [jax.tree_util.keystr(path) for path, _ in given_leaves]
+        expected_paths = [jax.tree_util.keystr(path) for path, _ in expected_leaves]
+        given_set, expected_set = set(given_paths), set(expected_paths)
+        missing = [p for p in expected_paths if p not in given_set]
+        extra = [p for p in given_paths if p not in expected_set]
+        found = []
+        if missing:
+            found.append(f"{given_name} has no leaf at {missing[0]} ({expected_name} has)")
+        if extra:
+            found.append(f"{given_name} has a leaf at {extra[0]} ({expected_name} has none)")
+        # Same leaf paths in other containers (a tuple for a list): only the treedefs tell.
+        detail = "; ".join(found) or f"expected {expected_def}, given {given_def}"
+        raise ValueError(f"{given_name} must have the tree structure of {expected_name}; {detail}")
+    for (path, g), (_, e) in zip(given_leaves, expected_leaves):
+        where = jax.tree_util.keystr(path)
+        if np.shape(g) != np.shape(e):
+            raise ValueError(f"{given_name}{where} has shape {np.shape(g)}; expected "
+                             f"{np.shape(e)}, the shape of {expected_name}{where}")
+        arrays = hasattr(g, "dtype") or hasattr(e, "dtype")  # static leaves are compared by value
+        if dtypes and arrays and _leaf_dtype(g) != _leaf_dtype(e):
+            raise ValueError(f"{given_name}{where} has dtype {_leaf_dtype(g)}; expected "
+                             f"{_leaf_dtype(e)}, the dtype of {expected_name}{where}")
 
 
 def apply_updates_if_finite(optimizer, grads, opt_state, params, loss_scale: LossScale):
@@ -458,6 +563,8 @@ def apply_updates_if_finite(optimizer, grads, opt_state, params, loss_scale: Los
     """
     import optax  # noqa: PLC0415
 
+    # optax would broadcast a (1,) or () gradient onto a (3,) param without a word.
+    _check_leaves_match(grads, params, "grads", "params", dtypes=False)
     grads = loss_scale.unscale(grads)
     finite = all_finite(grads)
     updates, new_opt_state = optimizer.update(grads, opt_state, params)

@@ -1,6 +1,7 @@
 """Tests for jaxopt_train.precision against fp32 / hand-worked references."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,37 @@ def test_bad_policy_types():
         prec.Policy(jnp.int32, jnp.float32, jnp.float32)
     with pytest.raises(TypeError, match="must be a Policy or one of"):
         prec.get_policy(3)
+
+
+def test_policy_rejects_none_dtype():
+    # np.dtype(None) is float64: it must not become the param dtype silently.
+    with pytest.raises(TypeError, match="param_dtype=None is not a dtype.*bf16"):
+        prec.Policy(None, "f32", "f32")
+    with pytest.raises(TypeError, match="output_dtype=None is not a dtype"):
+        prec.Policy("f32", "f32", None)
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("p=f32,p=bf16", "item 'p=bf16' in spec='p=f32,p=bf16' sets param_dtype again (already 'f32')"),
+    ("p=f32,param=bf16", "item 'param=bf16' in spec='p=f32,param=bf16' sets param_dtype again"),
+    ("p=f32,c=bf16,compute=f16", "sets compute_dtype again (already 'bf16')"),
+    ("p=f32,m=high,m=highest", "sets matmul_precision again (already 'high')"),
+])
+def test_from_string_rejects_repeated_keys(spec, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        prec.Policy.from_string(spec)
+
+
+def test_cast_floating_parses_dtype_names_and_rejects_non_floating():
+    tree = {"w": jnp.array([1.5, -2.5], jnp.float32), "i": jnp.arange(2)}
+    out = prec.cast_floating(tree, "bf16")
+    assert out["w"].dtype == BF16 and out["i"].dtype == tree["i"].dtype
+    np.testing.assert_array_equal(out["w"].astype(jnp.float32), tree["w"])
+    assert prec.cast_floating(tree, jnp.float16)["w"].dtype == F16
+    with pytest.raises(ValueError, match="dtype=int32 must be a floating dtype"):
+        prec.cast_floating(tree, jnp.int32)  # would truncate 1.5 to 1
+    with pytest.raises(ValueError, match="dtype='bf17' is not a known dtype name"):
+        prec.cast_floating(tree, "bf17")
 
 
 def test_casts_leave_non_floating_leaves_alone():
@@ -175,6 +207,21 @@ def test_nnx_apply_with_state_and_linen_mutable():
     np.testing.assert_allclose(updates["batch_stats"]["mean"], mean, rtol=1e-6)
 
 
+def test_apply_functions_take_policy_names():
+    x = jax.random.normal(jax.random.key(4), (2, 8), jnp.float32)
+    graphdef, state = nnx.split(_NNXMLP(nnx.Rngs(0)))
+    by_name = prec.nnx_apply("bf16", graphdef, state, x)
+    np.testing.assert_array_equal(by_name, prec.nnx_apply(prec.get_policy("bf16"), graphdef, state, x))
+    out, _ = prec.nnx_apply_with_state("p=f32,c=bf16,o=bf16", graphdef, state, x)
+    assert by_name.dtype == F32 and out.dtype == BF16
+    variables = _LinenMLP().init(jax.random.key(0), x)
+    assert prec.linen_apply("fp16", _LinenMLP(), variables, x).dtype == F32
+    with pytest.raises(ValueError, match="unknown precision policy 'bf17'"):
+        prec.nnx_apply("bf17", graphdef, state, x)
+    with pytest.raises(TypeError, match="must be a Policy or one of"):
+        prec.linen_apply(None, _LinenMLP(), variables, x)
+
+
 # ----------------------------------------------------------------------------- loss scales
 
 
@@ -209,8 +256,8 @@ def test_dynamic_loss_scale_growth_never_overflows():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(initial_scale=0.0), "initial_scale > 0"),
     (dict(growth_interval=0), "growth_interval >= 1"),
-    (dict(growth_factor=0.5), "growth_factor >= 1"),
-    (dict(backoff_factor=1.5), "0 < backoff_factor <= 1"),
+    (dict(growth_factor=0.5), "growth_factor > 1"),
+    (dict(backoff_factor=1.5), "0 < backoff_factor < 1"),
     (dict(hysteresis=0), "hysteresis >= 1"),
     (dict(min_scale=-1.0), "min_scale > 0"),
 ])
@@ -224,6 +271,86 @@ def test_static_loss_scale_bad_scale():
         prec.StaticLossScale(0.0)
     with pytest.raises(TypeError, match="must be a scalar"):
         prec.StaticLossScale(jnp.ones(2))
+
+
+@pytest.mark.parametrize("scale, stored", [
+    (1e40, "inf"), (1e-50, "0.0"), (float("inf"), "inf"), (float("nan"), "nan"),
+    (1e-40, "1e-40"),  # a float32 subnormal: 1/scale would overflow to inf
+])
+def test_static_loss_scale_checked_as_float32(scale, stored):
+    with pytest.raises(ValueError, match=f"finite positive number in float32's normal range.*"
+                                         f"where it is {stored}"):
+        prec.StaticLossScale(scale)
+
+
+@pytest.mark.parametrize("scale", [None, "1024", True, 1 + 2j, [2.0]])
+def test_static_loss_scale_needs_a_real_number(scale):
+    with pytest.raises(TypeError, match="must be a scalar real number"):
+        prec.StaticLossScale(scale)
+
+
+def test_static_loss_scale_float32_extremes_are_kept():
+    big, tiny = float(np.finfo(np.float32).max), float(np.finfo(np.float32).tiny)
+    assert float(prec.StaticLossScale(big).loss_scale) == big
+    assert float(prec.StaticLossScale(tiny).unscale(jnp.ones((), jnp.float32))) == 1 / np.float32(tiny)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(initial_scale=float("inf")), "initial_scale > 0 in float32's normal range"),
+    (dict(initial_scale=1e40), "initial_scale > 0 in float32's normal range"),
+    (dict(min_scale=float("inf")), "min_scale > 0 in float32's normal range"),
+    (dict(min_scale=1e-50), "min_scale > 0 in float32's normal range"),
+    (dict(growth_factor=float("inf")), "growth_factor > 1 and finite in float32"),
+    (dict(growth_factor=1e39), "growth_factor > 1 and finite in float32"),
+    (dict(growth_factor=1.0), "growth_factor > 1"),
+    (dict(backoff_factor=1.0), "0 < backoff_factor < 1"),
+    (dict(backoff_factor=1e-50), "0 < backoff_factor < 1 in float32"),
+    (dict(backoff_factor=float("nan")), "0 < backoff_factor < 1"),
+    (dict(initial_scale=0.5), "initial_scale >= min_scale; got initial_scale=0.5.*min_scale=1.0"),
+])
+def test_dynamic_loss_scale_checked_as_float32(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        prec.DynamicLossScale(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["initial_scale", "growth_factor", "backoff_factor", "min_scale"])
+def test_dynamic_loss_scale_needs_real_numbers(name):
+    with pytest.raises(TypeError, match=f"{name}=None must be a scalar real number"):
+        prec.DynamicLossScale(**{name: None})
+
+
+def test_dynamic_loss_scale_initial_equal_to_min_is_kept():
+    scale = prec.DynamicLossScale(initial_scale=4.0, min_scale=4.0)
+    assert float(scale.loss_scale) == 4.0
+
+
+@pytest.mark.parametrize("make", [prec.NoOpLossScale, lambda: prec.StaticLossScale(8.0),
+                                  lambda: prec.DynamicLossScale(initial_scale=8.0)])
+@pytest.mark.parametrize("bad, error, message", [
+    (jnp.array([True, False]), ValueError, "must be a scalar boolean (shape ()); got shape (2,)"),
+    (np.array([True]), ValueError, "got shape (1,)"),
+    ("yes", TypeError, "must be a bool or a boolean array such as all_finite(grads); got str"),
+    (float("nan"), TypeError, "got float"),
+    (0.5, TypeError, "got float"),
+    (1, TypeError, "got int"),
+    (jnp.float32(1.0), TypeError, "with dtype float32"),
+])
+def test_adjust_needs_one_boolean(make, bad, error, message):
+    scale, match = make(), re.escape(message)
+    with pytest.raises(error, match=match):
+        scale.adjust(bad)
+    if hasattr(bad, "dtype"):  # shape and dtype are static: the check fires under jit too
+        with pytest.raises(error, match=match):
+            jax.jit(lambda s, f: s.adjust(f))(scale, bad)
+
+
+@pytest.mark.parametrize("make", [prec.NoOpLossScale, lambda: prec.StaticLossScale(8.0),
+                                  lambda: prec.DynamicLossScale(initial_scale=8.0)])
+@pytest.mark.parametrize("flag", [False, np.bool_(False), jnp.asarray(False)])
+def test_adjust_accepts_python_numpy_and_jax_booleans(make, flag):
+    scale = make().adjust(flag)
+    assert scale.skipped_steps.shape == () and int(scale.skipped_steps) == 1
+    assert scale.loss_scale.shape == ()
 
 
 @pytest.mark.parametrize("make", [prec.NoOpLossScale, lambda: prec.StaticLossScale(1024.0),
@@ -255,6 +382,64 @@ def test_all_finite_and_select_tree():
     np.testing.assert_array_equal(picked["i"], other["i"])
     with pytest.raises(ValueError, match="pred must be a scalar"):
         prec.select_tree(jnp.array([True, False]), good, other)
+
+
+@pytest.mark.parametrize("tree, want", [
+    ({"a": float("nan")}, False),
+    ({"a": float("inf"), "b": jnp.ones(2)}, False),
+    ({"a": complex(0, float("inf"))}, False),
+    ({"a": jnp.array([1 + 1j, complex(float("nan"), 0)], jnp.complex64)}, False),
+    ({"a": 1.5, "b": 2, "c": jnp.ones(2)}, True),
+])
+def test_all_finite_sees_python_scalars_and_complex(tree, want):
+    assert bool(prec.all_finite(tree)) is want
+
+
+@pytest.mark.parametrize("on_true, on_false, message", [
+    ({"a": jnp.ones(2)}, {"a": jnp.ones(3)},
+     "on_true['a'] has shape (2,); expected (3,), the shape of on_false['a']"),
+    ({"a": jnp.ones(())}, {"a": jnp.ones(1)}, "on_true['a'] has shape (); expected (1,)"),
+    ({"a": jnp.ones(2)}, {"a": jnp.ones(2, jnp.bfloat16)},
+     "on_true['a'] has dtype float32; expected bfloat16, the dtype of on_false['a']"),
+    ({"a": jnp.arange(2)}, {"a": jnp.ones(2)}, "has dtype int32; expected float32"),
+    ({"a": jnp.ones(2)}, {"b": jnp.ones(2)}, "on_true must have the tree structure of on_false; "
+     "on_true has no leaf at ['b'] (on_false has); on_true has a leaf at ['a'] (on_false has none)"),
+    ({"a": jnp.ones(2), "b": jnp.ones(2)}, {"a": jnp.ones(2)}, "on_true has a leaf at ['b']"),
+    ((jnp.ones(2),), [jnp.ones(2)], "tree structure of on_false; expected PyTreeDef([*])"),
+])
+def test_select_tree_mismatches_are_clear(on_true, on_false, message):
+    match = re.escape(message)
+    with pytest.raises(ValueError, match=match):
+        prec.select_tree(jnp.asarray(True), on_true, on_false)
+    with pytest.raises(ValueError, match=match):  # raised while tracing, before lax.select
+        jax.jit(prec.select_tree)(jnp.asarray(True), on_true, on_false)
+
+
+def test_select_tree_keeps_keys_and_python_numbers():
+    on_true = {"k": jax.random.key(0), "s": jnp.ones(()), "tag": "x"}
+    on_false = {"k": jax.random.key(1), "s": 2.0, "tag": "x"}
+    picked = prec.select_tree(jnp.asarray(False), on_true, on_false)
+    np.testing.assert_array_equal(jax.random.key_data(picked["k"]), jax.random.key_data(on_false["k"]))
+    assert float(picked["s"]) == 2.0 and picked["tag"] == "x"
+
+
+@pytest.mark.parametrize("grads, message", [
+    ({"w": jnp.ones((1,))}, "grads['w'] has shape (1,); expected (3,), the shape of params['w']"),
+    ({"w": jnp.ones(())}, "grads['w'] has shape (); expected (3,)"),
+    ({"w": jnp.ones((4,))}, "grads['w'] has shape (4,); expected (3,)"),
+    ({"w": jnp.ones((3, 1))}, "grads['w'] has shape (3, 1); expected (3,)"),
+    ({"v": jnp.ones((3,))}, "grads must have the tree structure of params; grads has no leaf at ['w']"),
+    ({"w": jnp.ones((3,)), "b": jnp.ones(1)}, "grads has a leaf at ['b'] (params has none)"),
+    ([jnp.ones((3,))], "grads has no leaf at ['w'] (params has); grads has a leaf at [0]"),
+])
+def test_apply_updates_if_finite_checks_grads_against_params(grads, message):
+    params = {"w": jnp.ones((3,), jnp.float32)}
+    optimizer = optax.sgd(0.1)
+    state = optimizer.init(params)
+    step = jax.jit(lambda g: prec.apply_updates_if_finite(optimizer, g, state, params,
+                                                           prec.NoOpLossScale()))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        step(grads)
 
 
 @pytest.mark.parametrize("bad", [jnp.inf, jnp.nan])
