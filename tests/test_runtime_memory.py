@@ -75,6 +75,7 @@ def test_memory_env_bytes_without_nvml_says_what_to_do(monkeypatch):
     ({"bytes": "200GiB", "total_bytes": "100GiB"}, "no more than the device holds"),
     ({"bytes": "1GiB", "total_bytes": 0}, "total_bytes must be > 0"),
     ({"fraction": 0.5, "allocator": "magic"}, "allocator must be one of"),
+    ({"fraction": 0.5, "total_bytes": "80GiB"}, "total_bytes= only converts bytes= into a fraction"),
 ])
 def test_memory_env_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -158,3 +158,29 @@ def test_multisink_fans_out_and_closes_all(tmp_path):
         multi.close()
     assert jsonl._file.closed
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] == 1.0
+
+
+def test_multisink_checks_every_sink_before_any_writes(tmp_path):
+    """A metric one sink refuses is written by none (the JSONL log must not get a half step)."""
+    written = []
+
+    class Recorder:
+        def write(self, step, metrics):
+            written.append((step, dict(metrics)))
+
+        def close(self):
+            pass
+
+    jsonl = JsonlSink(tmp_path / "metrics.jsonl")
+    multi = MultiSink([Recorder(), jsonl])
+    with pytest.raises(ValueError, match="metric names \\['time'\\] are reserved"):
+        multi.write(0, {"loss": 1.0, "time": 3.0})
+    multi.close()
+    assert written == [] and (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_metric_names_must_stay_distinct_as_strings(tmp_path):
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    with pytest.raises(ValueError, match="distinct as strings"):
+        sink.write(0, {1: 1.0, "1": 2.0})
+    sink.close()

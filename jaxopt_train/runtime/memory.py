@@ -83,6 +83,8 @@ def memory_env(*, fraction: float | None = None, bytes: int | str | None = None,
     """
     if (fraction is None) == (bytes is None):
         raise ValueError(f"pass exactly one of fraction= or bytes=; got {fraction=}, {bytes=}")
+    if fraction is not None and total_bytes is not None:  # it would be silently ignored
+        raise ValueError(f"total_bytes= only converts bytes= into a fraction; got it with {fraction=}")
     if fraction is None:
         limit = parse_bytes(bytes)
         total = parse_bytes(total_bytes) if total_bytes is not None else _gpu_total_bytes()

@@ -23,6 +23,9 @@ def _as_floats(step: int, metrics: Mapping[str, Any], *, reserved: tuple[str, ..
     if clash:  # the sink's own field would silently overwrite the metric, or the reverse
         raise ValueError(f"{sink} writes {list(reserved)} itself; metric names {clash} are reserved "
                          f"there: rename them (e.g. 'train_{clash[0]}'); got {sorted(map(str, metrics))}")
+    names = [str(name) for name in metrics]
+    if len(set(names)) < len(names):  # 1 and "1" would both be written as "1"
+        raise ValueError(f"metric names must stay distinct as strings; got {list(metrics)}")
     try:
         return {str(name): float(value) for name, value in metrics.items()}
     except (TypeError, ValueError) as err:
@@ -43,9 +46,14 @@ class JsonlSink:
         self.path = os.fspath(path)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
+    def check(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """What `write` would write, validated: ValueError for a metric named "step" or
+        "time" (the record's own fields), TypeError for a non-scalar value."""
+        return _as_floats(step, metrics, reserved=("step", "time"), sink="JsonlSink")
+
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Raises ValueError for a metric named "step" or "time" (the record's own fields)."""
-        values = _as_floats(step, metrics, reserved=("step", "time"), sink="JsonlSink")
+        """Appends the record (see `check` for what is refused)."""
+        values = self.check(step, metrics)
         record = {"step": int(step), "time": time.time(), **values}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
@@ -83,11 +91,15 @@ class TensorBoardSink:
         self.logdir = os.fspath(logdir)
         self._writer = EventFileWriter(self.logdir, flush_secs=flush_secs)
 
+    def check(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """What `write` would write, validated (TypeError for a non-scalar value)."""
+        return _as_floats(step, metrics)
+
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         from tensorboard.compat.proto import event_pb2, summary_pb2
 
         values = [summary_pb2.Summary.Value(tag=name, simple_value=value)
-                  for name, value in _as_floats(step, metrics).items()]
+                  for name, value in self.check(step, metrics).items()]
         event = event_pb2.Event(wall_time=time.time(), step=int(step),
                                 summary=summary_pb2.Summary(value=values))
         self._writer.add_event(event)
@@ -145,9 +157,14 @@ class PrometheusSink:
             self._gauges[metric] = gauge
         return gauge
 
+    def check(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """What `write` would set, validated: ValueError for a metric named "step" (the
+        `jaxopt_train_step` gauge), TypeError for a non-scalar value."""
+        return _as_floats(step, metrics, reserved=("step",), sink="PrometheusSink")
+
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Raises ValueError for a metric named "step" (the `jaxopt_train_step` gauge)."""
-        values = _as_floats(step, metrics, reserved=("step",), sink="PrometheusSink")
+        """Sets the gauges (see `check` for what is refused)."""
+        values = self.check(step, metrics)
         self._gauge("step").set(int(step))
         for metric, value in values.items():
             self._gauge(metric).set(value)
@@ -171,6 +188,11 @@ class MultiSink:
         self.sinks = list(sinks)
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        # Every sink's checks first, so a metric one sink refuses is written by none.
+        for sink in self.sinks:
+            check = getattr(sink, "check", None)
+            if check is not None:
+                check(step, metrics)
         for sink in self.sinks:
             sink.write(step, metrics)
 
