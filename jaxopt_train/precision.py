@@ -5,7 +5,8 @@ weights), `compute_dtype` (what the forward and backward passes run in) and
 `output_dtype` (what the model hands to the loss), plus an optional
 `matmul_precision` for float32 matmuls (e.g. TensorFloat-32).
 
-Loss scales are pytrees, so they live inside a jitted train state:
+Loss scales (defined in `jaxopt_train.loss_scale`, re-exported here) are pytrees,
+so they live inside a jitted train state:
 
     scale = loss_scale_for(policy)
     def step(params, opt_state, scale, batch):
@@ -30,6 +31,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxopt_train.loss_scale import DynamicLossScale as DynamicLossScale
+from jaxopt_train.loss_scale import LossScale as LossScale
+from jaxopt_train.loss_scale import NoOpLossScale as NoOpLossScale
+from jaxopt_train.loss_scale import StaticLossScale as StaticLossScale
+from jaxopt_train.loss_scale import is_floating_array
 
 _DTYPE_ALIASES = {
     "f32": jnp.float32, "float32": jnp.float32, "fp32": jnp.float32,
@@ -172,17 +179,12 @@ def get_policy(name_or_policy: str | Policy) -> Policy:
                      "or a spec like 'p=f32,c=bf16,o=f32'")
 
 
-def _is_floating_array(x) -> bool:
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
-
-
 def cast_floating(tree, dtype):
     """`tree` with every floating array leaf cast to `dtype` (a floating dtype or a name: "bf16")."""
     dtype = as_float_dtype(dtype, "dtype")  # an int dtype would truncate the floats silently
     # Only array leaves with a floating dtype: ints, bools, PRNG keys (typed
     # or raw uint32) and Python scalars keep their type.
-    return jax.tree.map(lambda x: x.astype(dtype) if _is_floating_array(x) else x, tree)
+    return jax.tree.map(lambda x: x.astype(dtype) if is_floating_array(x) else x, tree)
 
 
 def nnx_apply_with_state(policy: str | Policy, graphdef, state, *args, **kwargs):
@@ -249,228 +251,13 @@ def _cast_kwargs(policy: Policy, kwargs):
 
 def _cast_like(tree, reference):
     return jax.tree.map(
-        lambda x, r: x.astype(r.dtype) if _is_floating_array(x) and _is_floating_array(r) else x,
+        lambda x, r: x.astype(r.dtype) if is_floating_array(x) and is_floating_array(r) else x,
         tree, reference)
 
 
 # ----------------------------------------------------------------------------- loss scales
-
-
-_F32 = np.finfo(np.float32)
-# Scales live in float32 and unscale multiplies by 1/scale, so a scale must be a
-# normal float32: 1e40 rounds to inf, 1e-50 to 0, and below `tiny` 1/scale overflows.
-_F32_NORMAL = f"{_F32.tiny:.3g}..{_F32.max:.3g}"
-
-
-def _real_scalar(value, name: str) -> float:
-    """`value` as a Python float; TypeError for None, strings, bools, complex numbers, arrays."""
-    bad = (str, bytes, bool, np.bool_, complex, np.complexfloating)
-    if value is None or isinstance(value, bad) or np.ndim(value) != 0:
-        raise TypeError(f"{name}={value!r} must be a scalar real number (an int or a float)")
-    return float(value)
-
-
-def _as_float32(value: float) -> float:
-    """`value` as the float32 it is stored in (overflow to inf is the point: no warning)."""
-    with np.errstate(over="ignore", under="ignore"):
-        return float(np.float32(value))
-
-
-def _is_normal_float32(value: float) -> bool:
-    return _F32.tiny <= value <= _F32.max
-
-
-def _finite_flag(grads_finite) -> jax.Array:
-    """`grads_finite` checked to be one boolean (shape and dtype are static: works under jit)."""
-    if isinstance(grads_finite, (bool, np.bool_)):
-        return jnp.asarray(grads_finite)
-    dtype = getattr(grads_finite, "dtype", None)
-    # Truthiness would let "yes", nan or 0.5 count as finite.
-    if dtype is None or dtype != np.dtype(np.bool_):
-        raise TypeError(f"grads_finite must be a bool or a boolean array such as all_finite(grads); "
-                        f"got {type(grads_finite).__name__} with dtype {dtype}")
-    if grads_finite.shape != ():
-        # A vector would broadcast the loss scale and counters to its shape.
-        raise ValueError(f"grads_finite must be a scalar boolean (shape ()); got shape "
-                         f"{grads_finite.shape}; reduce it with all_finite(grads) or jnp.all(...)")
-    return grads_finite
-
-
-class _LossScale:
-    """Pytree plumbing: `_arrays` are traced leaves, `_statics` hashable config."""
-
-    _arrays: tuple[str, ...] = ()
-    _statics: tuple[str, ...] = ()
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        jax.tree_util.register_pytree_with_keys_class(cls)
-
-    def tree_flatten_with_keys(self):
-        children = tuple((jax.tree_util.GetAttrKey(n), getattr(self, n)) for n in self._arrays)
-        return children, tuple(getattr(self, n) for n in self._statics)
-
-    def tree_flatten(self):
-        return tuple(getattr(self, n) for n in self._arrays), tuple(
-            getattr(self, n) for n in self._statics)
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        obj = object.__new__(cls)
-        for name, value in zip(cls._statics, aux):
-            object.__setattr__(obj, name, value)
-        for name, value in zip(cls._arrays, children):
-            object.__setattr__(obj, name, value)
-        return obj
-
-    def __setattr__(self, name, value):
-        raise dataclasses.FrozenInstanceError(f"{type(self).__name__} is immutable; use adjust()")
-
-    def _init(self, **fields):
-        for name, value in fields.items():
-            object.__setattr__(self, name, value)
-
-    def _replace(self, **changes):
-        leaves, aux = self.tree_flatten()
-        new = type(self).tree_unflatten(aux, leaves)
-        new._init(**changes)
-        return new
-
-    def __repr__(self):
-        parts = [f"{n}={getattr(self, n)!r}" for n in self._arrays + self._statics]
-        return f"{type(self).__name__}({', '.join(parts)})"
-
-    def scale(self, tree):
-        """Multiplies every floating leaf (usually the loss) by the loss scale."""
-        return jax.tree.map(lambda x: x * self.loss_scale.astype(x.dtype)
-                            if _is_floating_array(x) else x, tree)
-
-    def unscale(self, tree):
-        """Divides every floating leaf (usually gradients) by the loss scale, in f32."""
-        inverse = 1.0 / self.loss_scale
-
-        def one(x):
-            if not _is_floating_array(x):
-                return x
-            wide = x.dtype if jnp.finfo(x.dtype).bits > 32 else np.dtype(jnp.float32)
-            return (x.astype(wide) * inverse.astype(wide)).astype(x.dtype)
-        return jax.tree.map(one, tree)
-
-    def _count_skip(self, grads_finite):
-        return self.skipped_steps + jnp.logical_not(grads_finite).astype(jnp.int32)
-
-
-class NoOpLossScale(_LossScale):
-    """Scale 1: for fp32/bf16. Still counts skipped (non-finite) steps."""
-
-    _arrays = ("skipped_steps",)
-
-    def __init__(self):
-        self._init(skipped_steps=jnp.zeros((), jnp.int32))
-
-    @property
-    def loss_scale(self) -> jax.Array:
-        return jnp.ones((), jnp.float32)
-
-    def scale(self, tree):
-        return tree
-
-    def unscale(self, tree):
-        return tree
-
-    def adjust(self, grads_finite) -> NoOpLossScale:
-        return self._replace(skipped_steps=self._count_skip(_finite_flag(grads_finite)))
-
-
-class StaticLossScale(_LossScale):
-    """A fixed loss scale (the scale never changes; non-finite steps are counted)."""
-
-    _arrays = ("loss_scale", "skipped_steps")
-
-    def __init__(self, scale: float):
-        stored = _as_float32(_real_scalar(scale, "scale"))
-        if not _is_normal_float32(stored):
-            raise ValueError(f"scale={scale!r} must be a finite positive number in float32's normal "
-                             f"range {_F32_NORMAL} (it is stored in float32, where it is "
-                             f"{np.float32(stored)!s})")
-        self._init(loss_scale=jnp.asarray(stored, jnp.float32),
-                   skipped_steps=jnp.zeros((), jnp.int32))
-
-    def adjust(self, grads_finite) -> StaticLossScale:
-        return self._replace(skipped_steps=self._count_skip(_finite_flag(grads_finite)))
-
-
-class DynamicLossScale(_LossScale):
-    """Loss scale that grows while gradients stay finite and backs off on overflow.
-
-    Rules, applied by `adjust(grads_finite)` once per optimizer step
-    (Megatron-LM's semantics for hysteresis):
-
-    - finite step: `growth_counter += 1`; when it reaches `growth_interval`
-      the scale is multiplied by `growth_factor` (kept if that overflows f32),
-      the counter restarts at 0 and the hysteresis budget refills.
-    - non-finite step: `skipped_steps += 1`, `growth_counter = 0`,
-      `hysteresis_left -= 1`; once `hysteresis_left <= 0` the scale is
-      multiplied by `backoff_factor`, never below `min_scale`. The budget
-      refills only on growth, so after the first back-off every further
-      overflow backs off again until the scale grows.
-
-    Attributes (arrays): loss_scale (f32), growth_counter, hysteresis_left,
-    skipped_steps (int32). Config (static): growth_interval, growth_factor,
-    backoff_factor, hysteresis, min_scale.
-    """
-
-    _arrays = ("loss_scale", "growth_counter", "hysteresis_left", "skipped_steps")
-    _statics = ("growth_interval", "growth_factor", "backoff_factor", "hysteresis", "min_scale")
-
-    def __init__(self, initial_scale: float = 2.0**15, growth_interval: int = 2000,
-                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 hysteresis: int = 2, min_scale: float = 1.0):
-        # Checked as the float32 values the arithmetic uses, not as the float64 given.
-        given = {"initial_scale": initial_scale, "growth_factor": growth_factor,
-                 "backoff_factor": backoff_factor, "min_scale": min_scale}
-        initial, growth, backoff, minimum = (_as_float32(_real_scalar(v, k)) for k, v in given.items())
-        checks = {
-            f"initial_scale > 0 in float32's normal range {_F32_NORMAL}": _is_normal_float32(initial),
-            "growth_interval >= 1 (an int)": isinstance(growth_interval, int) and growth_interval >= 1,
-            "growth_factor > 1 and finite in float32": 1 < growth <= _F32.max,
-            "0 < backoff_factor < 1 in float32": 0 < backoff < 1,
-            "hysteresis >= 1 (an int)": isinstance(hysteresis, int) and hysteresis >= 1,
-            f"min_scale > 0 in float32's normal range {_F32_NORMAL}": _is_normal_float32(minimum),
-            # Raising it to min_scale instead would silently ignore initial_scale.
-            "initial_scale >= min_scale": initial >= minimum,
-        }
-        failed = [rule for rule, ok in checks.items() if not ok]
-        if failed:
-            raise ValueError(
-                f"DynamicLossScale needs {', '.join(failed)}; got {initial_scale=}, "
-                f"{growth_interval=}, {growth_factor=}, {backoff_factor=}, {hysteresis=}, {min_scale=}")
-        self._init(loss_scale=jnp.asarray(initial, jnp.float32),
-                   growth_counter=jnp.zeros((), jnp.int32),
-                   hysteresis_left=jnp.asarray(hysteresis, jnp.int32),
-                   skipped_steps=jnp.zeros((), jnp.int32),
-                   growth_interval=growth_interval, growth_factor=float(growth_factor),
-                   backoff_factor=float(backoff_factor), hysteresis=hysteresis,
-                   min_scale=float(min_scale))
-
-    def adjust(self, grads_finite) -> DynamicLossScale:
-        finite = _finite_flag(grads_finite)
-        counter = jnp.where(finite, self.growth_counter + 1, 0)
-        grow = counter >= self.growth_interval
-        grown = self.loss_scale * self.growth_factor
-        grown = jnp.where(jnp.isfinite(grown), grown, self.loss_scale)
-        hysteresis_left = jnp.where(finite, self.hysteresis_left, self.hysteresis_left - 1)
-        back_off = jnp.logical_not(finite) & (hysteresis_left <= 0)
-        backed = jnp.maximum(self.loss_scale * self.backoff_factor, self.min_scale)
-        new_scale = jnp.where(grow, grown, jnp.where(back_off, backed, self.loss_scale))
-        return self._replace(
-            loss_scale=new_scale.astype(jnp.float32),
-            growth_counter=jnp.where(grow, 0, counter).astype(jnp.int32),
-            hysteresis_left=jnp.where(grow, self.hysteresis, hysteresis_left).astype(jnp.int32),
-            skipped_steps=self._count_skip(finite))
-
-
-LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
+# The classes live in jaxopt_train.loss_scale (imported above); this module picks one per
+# policy and applies updates only when the gradients are finite.
 
 
 def loss_scale_for(policy: str | Policy) -> LossScale:
