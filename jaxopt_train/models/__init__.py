@@ -6,7 +6,7 @@ from jaxopt_train.models.gpt import GPT as GPT
 from jaxopt_train.models.gpt import GPT_PRESETS as GPT_PRESETS
 from jaxopt_train.models.gpt import GPTConfig as GPTConfig
 from jaxopt_train.models.gpt import get_gpt_config as get_gpt_config
-from jaxopt_train.models.gpt import gpt_loss as gpt_loss
+from jaxopt_train.models.losses import gpt_loss as gpt_loss
 from jaxopt_train.models.flops import resnet_flops_per_image as resnet_flops_per_image
 from jaxopt_train.models.resnet import VISION_PRESETS as VISION_PRESETS
 from jaxopt_train.models.resnet import ResNet as ResNet

@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxopt_train.models.gpt import canonical_dtype, gpt_loss
+from jaxopt_train.models.gpt import canonical_dtype
+from jaxopt_train.models.losses import gpt_loss
 
 
 @dataclasses.dataclass(frozen=True)
