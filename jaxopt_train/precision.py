@@ -286,8 +286,10 @@ def select_tree(pred, on_true, on_false):
     pred = jnp.asarray(pred)
     if pred.shape != ():
         raise ValueError(f"pred must be a scalar, got shape {pred.shape}")
+    if pred.dtype != jnp.bool_:  # 0.5 or nan would be read as True
+        raise TypeError(f"pred must be a boolean (e.g. all_finite(grads)), got dtype {pred.dtype}")
     _check_leaves_match(on_true, on_false, "on_true", "on_false", dtypes=True)
-    return jax.tree.map(lambda a, b: jax.lax.select(pred.astype(jnp.bool_), a, b)
+    return jax.tree.map(lambda a, b: jax.lax.select(pred, a, b)
                         if hasattr(a, "dtype") else (a if a == b else _bad_static(a, b)),
                         on_true, on_false)
 

@@ -415,6 +415,12 @@ def test_select_tree_mismatches_are_clear(on_true, on_false, message):
         jax.jit(prec.select_tree)(jnp.asarray(True), on_true, on_false)
 
 
+@pytest.mark.parametrize("pred", [0.5, jnp.float32(float("nan")), jnp.int32(1)])
+def test_select_tree_pred_must_be_boolean(pred):
+    with pytest.raises(TypeError, match="pred must be a boolean"):
+        prec.select_tree(pred, {"a": jnp.ones(2)}, {"a": jnp.zeros(2)})
+
+
 def test_select_tree_keeps_keys_and_python_numbers():
     on_true = {"k": jax.random.key(0), "s": jnp.ones(()), "tag": "x"}
     on_false = {"k": jax.random.key(1), "s": 2.0, "tag": "x"}
