@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+
 def is_floating_array(x) -> bool:
     """True for an array (or anything with a dtype) of a floating dtype; ints, bools and
     PRNG keys are False, so casts and unscaling leave them alone."""
