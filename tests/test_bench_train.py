@@ -20,7 +20,7 @@ def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_train")
     argv = ["--quick", "--devices", "2", "--xla-preset", "none", "--peak-tflops", "0.5",
             "--memory-budget", "1GiB", "--compare-matmul", "pallas", "--compute-copy",
-            "--split-qkv",
+            "--split-qkv", "--compare-plain",
             "--out", str(out), "--json", str(out / "raw.json")]
     assert train.main(argv) == 0
     return out, json.loads((out / "train_bench.json").read_text())
@@ -91,6 +91,25 @@ def test_quick_bench_compares_the_pallas_matmul(quick_run):
     table = (out / "train_bench.md").read_text()
     assert "| matmul | step ms |" in table and "| pallas |" in table and "| xla |" in table
     assert f"| {pallas['step_ms'] / xla['step_ms']:.3f}x |" in table
+
+
+def test_quick_bench_adds_the_plain_flax_rows(quick_run):
+    out, result = quick_run
+    rows = {r["name"]: r for r in result["rows"]}
+    mixed, pure = rows["plain Flax+optax, f32 master"], rows["plain Flax+optax, bf16 params"]
+    assert mixed["config"]["param_dtype"] == "float32" and pure["config"]["param_dtype"] == "bfloat16"
+    assert mixed["attention_resolved"] == rows["optimised"]["attention_resolved"] == "xla"
+    for row in (mixed, pure):  # data parallel over the same 2 devices, ratios against the baseline
+        assert row["num_devices"] == 2 and row["memory_swing_bytes"] < 1024  # donated (a loss scalar)
+        assert row["speedup_vs_baseline"] == pytest.approx(rows["baseline"]["step_ms"] / row["step_ms"])
+    text = (out / "train_bench.md").read_text()
+    ratio = mixed["step_ms"] / rows["optimised"]["step_ms"]
+    assert f"optimised vs plain Flax+optax, f32 master: {ratio:.3f}x the throughput" in text
+
+
+def test_compare_plain_is_for_gpt_models_only():
+    with pytest.raises(SystemExit, match="--compare-plain applies to GPT models, not --model resnet50"):
+        train._parse(["--model", "resnet50", "--compare-plain"])
 
 
 def test_pallas_matmul_step_matches_xla_step():
@@ -279,11 +298,13 @@ def test_bad_values_exit_with_the_reason(argv, message):
 @pytest.mark.gpu
 def test_gpu_optimised_uses_cudnn_and_reports_mfu(tmp_path):
     argv = ["--model", "gpt-tiny", "--steps", "8", "--bursts", "2", "--trace-steps", "2",
-            "--devices", "1", "--json", str(tmp_path / "r.json")]
+            "--devices", "1", "--compare-plain", "--json", str(tmp_path / "r.json")]
     assert train.main(argv) == 0
     result = json.loads((tmp_path / "r.json").read_text())
     opt = next(r for r in result["rows"] if r["name"] == "optimised")
     assert opt["attention_resolved"] == "cudnn"
+    plain_rows = [r for r in result["rows"] if r["config"].get("plain")]
+    assert [r["attention_resolved"] for r in plain_rows] == ["cudnn", "cudnn"]
     assert opt["peak_memory_source"] in ("allocator", "xla-estimate") and opt["memory_source"] == "allocator"
     if result["peak_tflops_per_device"] is not None:
         assert 0 < opt["mfu"] < 1

@@ -15,7 +15,10 @@ Configs run one after the other on the same model and global batch:
   its f32 master params and AdamW state are sharded per leaf over the devices
   (`--zero 1`, the default; ZeRO-1: all-gather params, reduce-scatter gradients;
   on 2 H200s it lifted gpt-1b's scaling from 90.8% to 95.1%);
-- with `--ablate`, each technique alone over the baseline.
+- with `--ablate`, each technique alone over the baseline;
+- with `--compare-plain` (GPT), a careful plain Flax NNX + optax loop with f32
+  master weights and with pure bf16 params (`jaxopt_train.bench.plain`): the
+  yardstick issue 6 says the optimised row must beat, not only the baseline.
 
 Timing: warm up, then bursts of back-to-back dispatches with one sync per
 burst (median burst), compilation excluded. A separate trace pass syncs per
@@ -69,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
                    "config at each k and report host dispatch vs wall time per step")
     p.add_argument("--compare-matmul", help="comma list of GPT dense-layer kernels (pallas, "
                    "triton): rerun the optimised config with each and report it against XLA's dot")
+    p.add_argument("--compare-plain", action="store_true",
+                   help="GPT: add rows for a careful plain Flax NNX + optax loop (f32 master and "
+                   "pure bf16; jaxopt_train.bench.plain), the yardstick the optimised row must beat")
     p.add_argument("--remat", choices=("auto",) + REMAT_ORDER, default="auto")
     p.add_argument("--memory-budget", help="per-device bytes for remat choice, e.g. 16GiB "
                    "(default: the allocator's limit where known, else no remat)")
@@ -153,6 +159,8 @@ def _parse(argv):
                          f"{[m for m in MATMULS if m != 'xla']} (xla is the optimised row itself)")
     if args.matmuls and not args.model.startswith("gpt"):
         raise SystemExit(f"--compare-matmul applies to GPT models, not --model {args.model}")
+    if args.compare_plain and not args.model.startswith("gpt"):
+        raise SystemExit(f"--compare-plain applies to GPT models, not --model {args.model}")
     if args.split_qkv and not args.model.startswith("gpt"):
         raise SystemExit(f"--split-qkv applies to GPT models, not --model {args.model}")
     if args.compute_copy and args.grad_dtype != "compute":
@@ -184,6 +192,7 @@ class Bench:
 
     def measure(self, run, workload=None, devices=None, runner=None, peak_window=None):
         from jaxopt_train.bench import _timing, train_report, train_steps  # noqa: PLC0415
+        from jaxopt_train.bench.plain import PlainRun  # noqa: PLC0415
 
         workload = workload or self.workload
         devices = devices or self.devices
@@ -212,7 +221,8 @@ class Bench:
             peak_memory=peak, dataset_items=self.dataset_items,
             gpu_hour_usd=self.args.gpu_hour_usd, steps_per_call=k)
         row["config"] = run.describe()
-        row["attention_resolved"] = train_steps.resolved_attention(workload, run)
+        row["attention_resolved"] = (run.attention if isinstance(run, PlainRun)
+                                     else train_steps.resolved_attention(workload, run))
         row["global_batch"] = workload.global_batch
         print(f"[bench train] {run.name}: {row['step_ms']:.2f} ms/step, "
               f"{row['throughput']:,.0f} {workload.unit}/s, compile {runner.compile_s:.1f} s",
@@ -402,6 +412,8 @@ def run_bench(args, xla_report) -> dict:
     if args.ablate:
         runs, skipped = _ablation_runs(baseline, optimised, workload, len(devices))
         rows += [bench.measure(run) for run in runs]
+    if args.compare_plain:
+        rows += _plain_rows(bench, rows[1]["attention_resolved"])
     train_report.add_ratios(rows, rows[0])
     result = {
         "device_kind": kind, "platform": devices[0].platform, "num_devices": len(devices),
@@ -430,6 +442,18 @@ def run_bench(args, xla_report) -> dict:
     return result
 
 
+def _plain_rows(bench, attention: str) -> list[dict]:
+    from jaxopt_train.bench import plain, train_steps  # noqa: PLC0415
+
+    workload, mesh = bench.workload, train_steps.data_mesh(bench.devices)
+    rows = []
+    for variant in plain.VARIANTS:
+        run = plain.plain_run(variant, attention)
+        runner = plain.build_plain_runner(workload.gpt_config(), workload.global_batch, run, mesh)
+        rows.append(bench.measure(run, runner=runner))
+    return rows
+
+
 def _scaling(bench, optimised, row_n) -> dict:
     n, workload = len(bench.devices), bench.workload
     one = dataclasses.replace(workload, global_batch=workload.global_batch // n)
@@ -441,68 +465,6 @@ def _scaling(bench, optimised, row_n) -> dict:
             "efficiency": row_n["throughput"] / (n * row_1["throughput"]), "one_device_row": row_1}
 
 
-def render(result) -> str:
-    from jaxopt_train.bench import train_report  # noqa: PLC0415
-
-    unit = result["unit"]
-    flags = result["xla_flags"]
-    lines = [f"device: {result['device_kind']} x {result['num_devices']} ({result['platform']}), "
-             f"jax {result['jax']}; model {result['model']}, global batch {result['global_batch']}, "
-             f"{result['microbatches']} micro-batch(es), {result['items_per_step']:,} {unit}/step",
-             f"MFU denominator: {result['mfu_denominator'] or 'n/a (unknown device; pass --peak-tflops)'}",
-             f"XLA flags (preset {flags['preset']}{', ' + flags['note'] if flags['note'] else ''}): "
-             f"{' '.join(f'{k}={v}' for k, v in flags['in_force'].items()) or '(none)'}",
-             f"epoch = {result['dataset_items']:,.0f} {unit}; cost at ${result['gpu_hour_usd']}/device-hour",
-             "", train_report.markdown_table(result["rows"], unit),
-             "peak mem: allocator high-water mark; * = XLA memory-analysis estimate (args + outputs "
-             f"+ temps; the process-wide mark was not raised); swing source: {result['rows'][0]['memory_source']}",
-             "dispatch: host time of a burst's fastest dispatch call, per step (the other calls also "
-             "wait for the device's queue; all in-call time is host_in_calls_ms_per_step in the JSON)"]
-    opt = next(r for r in result["rows"] if r["name"] == "optimised")
-    lines.append(f"optimised: remat={opt['config']['remat']}, grad_sync={opt['config']['grad_sync']}, "
-                 f"attention={opt['attention_resolved']}, steps_per_dispatch={opt['steps_per_dispatch']}, "
-                 f"optimizer state {opt['config']['opt_state']}, gradients in the "
-                 f"{opt['config']['grad_dtype']} dtype, {_zero_note(opt)}"
-                 + (", bf16 weight copy kept in the state" if opt["config"]["compute_copy"] else "")
-                 + (", q/k/v from three products" if opt["config"]["split_qkv"] else ""))
-    for skip in result["ablations_skipped"]:
-        lines.append(f"ablation {skip['name']} skipped: {skip['reason']}")
-    if "scaling" in result:
-        lines += ["", "data parallel (weak scaling: same per-device batch):",
-                  train_report.scaling_table(result["scaling"], unit)]
-    if "matmul" in result:
-        lines += ["", "dense-layer matmul (optimised config):",
-                  train_report.matmul_table(result["matmul"], result["unit"])]
-    if "dispatch" in result:
-        lines += ["", "steps_per_dispatch (optimised config):",
-                  train_report.dispatch_table(result["dispatch"])]
-    return "\n".join(lines)
-
-
-def _zero_note(row) -> str:
-    if not row["config"]["zero"]:
-        return "zero=0 (params and optimizer state replicated)"
-    if row["num_devices"] == 1:
-        return "zero=1 (a no-op on 1 device: nothing to shard)"
-    return "zero=1 (master params and optimizer state sharded per leaf)"
-
-
-def _write_outputs(args, result, text) -> None:
-    from jaxopt_train.bench import train_report  # noqa: PLC0415
-
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1, default=str)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "train_bench.md"), "w") as f:
-            f.write(text + "\n")
-        with open(os.path.join(args.out, "train_bench.json"), "w") as f:
-            json.dump(result, f, indent=1, default=str)
-        rows = [r for r in result["rows"] if r["name"] in ("baseline", "optimised")]
-        train_report.save_plot(rows, os.path.join(args.out, "train_bench.png"), result["unit"])
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     # XLA reads its flags once, when the backend starts: set them before any device use.
@@ -510,9 +472,11 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     result = run_bench(args, xla_report)
     result["bench_wall_s"] = time.perf_counter() - start
-    text = render(result)
+    from jaxopt_train.bench import train_report  # noqa: PLC0415
+
+    text = train_report.render(result)
     print(text)
-    _write_outputs(args, result, text)
+    train_report.write_outputs(args, result, text)
     return 0
 
 

@@ -8,7 +8,9 @@ matmuls is measured against the same hardware ceiling as the optimised one.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import statistics
 from typing import Any
 
@@ -144,3 +146,68 @@ def save_plot(rows: list[dict[str, Any]], path: str, unit: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def render(result) -> str:
+    """The printed report: header, table, notes and the optional scaling/matmul/dispatch tables."""
+    unit = result["unit"]
+    flags = result["xla_flags"]
+    lines = [f"device: {result['device_kind']} x {result['num_devices']} ({result['platform']}), "
+             f"jax {result['jax']}; model {result['model']}, global batch {result['global_batch']}, "
+             f"{result['microbatches']} micro-batch(es), {result['items_per_step']:,} {unit}/step",
+             f"MFU denominator: {result['mfu_denominator'] or 'n/a (unknown device; pass --peak-tflops)'}",
+             f"XLA flags (preset {flags['preset']}{', ' + flags['note'] if flags['note'] else ''}): "
+             f"{' '.join(f'{k}={v}' for k, v in flags['in_force'].items()) or '(none)'}",
+             f"epoch = {result['dataset_items']:,.0f} {unit}; cost at ${result['gpu_hour_usd']}/device-hour",
+             "", markdown_table(result["rows"], unit),
+             "peak mem: allocator high-water mark; * = XLA memory-analysis estimate (args + outputs "
+             f"+ temps; the process-wide mark was not raised); swing source: {result['rows'][0]['memory_source']}",
+             "dispatch: host time of a burst's fastest dispatch call, per step (the other calls also "
+             "wait for the device's queue; all in-call time is host_in_calls_ms_per_step in the JSON)"]
+    opt = next(r for r in result["rows"] if r["name"] == "optimised")
+    lines.append(f"optimised: remat={opt['config']['remat']}, grad_sync={opt['config']['grad_sync']}, "
+                 f"attention={opt['attention_resolved']}, steps_per_dispatch={opt['steps_per_dispatch']}, "
+                 f"optimizer state {opt['config']['opt_state']}, gradients in the "
+                 f"{opt['config']['grad_dtype']} dtype, {_zero_note(opt)}"
+                 + (", bf16 weight copy kept in the state" if opt["config"]["compute_copy"] else "")
+                 + (", q/k/v from three products" if opt["config"]["split_qkv"] else ""))
+    for row in result["rows"]:
+        if row["config"].get("plain"):  # the yardstick rows of --compare-plain
+            lines.append(f"optimised vs {row['name']}: {row['step_ms'] / opt['step_ms']:.3f}x "
+                         "the throughput (same model, batch and devices; plain loop: "
+                         "jaxopt_train.bench.plain)")
+    for skip in result["ablations_skipped"]:
+        lines.append(f"ablation {skip['name']} skipped: {skip['reason']}")
+    if "scaling" in result:
+        lines += ["", "data parallel (weak scaling: same per-device batch):",
+                  scaling_table(result["scaling"], unit)]
+    if "matmul" in result:
+        lines += ["", "dense-layer matmul (optimised config):",
+                  matmul_table(result["matmul"], result["unit"])]
+    if "dispatch" in result:
+        lines += ["", "steps_per_dispatch (optimised config):",
+                  dispatch_table(result["dispatch"])]
+    return "\n".join(lines)
+
+
+def _zero_note(row) -> str:
+    if not row["config"]["zero"]:
+        return "zero=0 (params and optimizer state replicated)"
+    if row["num_devices"] == 1:
+        return "zero=1 (a no-op on 1 device: nothing to shard)"
+    return "zero=1 (master params and optimizer state sharded per leaf)"
+
+
+def write_outputs(args, result, text) -> None:
+    """`--json` and `--out` (train_bench.md, .json and the baseline-vs-optimised .png)."""
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "train_bench.md"), "w") as f:
+            f.write(text + "\n")
+        with open(os.path.join(args.out, "train_bench.json"), "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        rows = [r for r in result["rows"] if r["name"] in ("baseline", "optimised")]
+        save_plot(rows, os.path.join(args.out, "train_bench.png"), result["unit"])
