@@ -28,3 +28,14 @@ def test_cli_unknown_command_exits_2():
     from jaxopt_train.cli import main
     assert main(["nonsense"]) == 2
     assert main(["--help"]) == 0
+
+
+def test_cli_dispatches_autotune(capsys):
+    # `jaxopt-train autotune` is the kernels' tuner (python -m of the module makes runpy warn).
+    import pytest
+
+    from jaxopt_train.cli import main
+    with pytest.raises(SystemExit) as exc:
+        main(["autotune", "--shapes", "16x16"])
+    assert exc.value.code == 2
+    assert "jaxopt-train autotune: error: --shapes='16x16' must be a comma list of MxNxK" in capsys.readouterr().err

@@ -294,10 +294,11 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m jaxopt_train.kernels.autotune --backend mosaic_gpu --shapes 8192x8192x8192`."""
+    """`jaxopt-train autotune --backend mosaic_gpu --shapes 8192x8192x8192`."""
     import argparse
 
-    parser = argparse.ArgumentParser(description="tune matmul tilings and cache the winners")
+    parser = argparse.ArgumentParser(prog="jaxopt-train autotune",
+                                     description="tune matmul tilings and cache the winners")
     parser.add_argument("--backend", default="auto",
                         choices=[b for b in BACKENDS if b != "xla"])
     parser.add_argument("--shapes", required=True, help="comma list of MxNxK")
