@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxopt_train.bench import collectives as bench
+from jaxopt_train.bench import collectives_gpt as bench_gpt
 from jaxopt_train.collectives import all_reduce_tree
 from jaxopt_train.models import GPT, get_gpt_config, gpt_loss
 from jaxopt_train.zero import leaf_specs, place_leaves
@@ -120,13 +121,13 @@ def test_zero1_dp_step_matches_the_all_reduce_step(grad_dtype):
     def plain(p, toks):
         q = p if grad_dtype is None else jax.tree.map(lambda x: x.astype(grad_dtype), p)
         loss, g = jax.value_and_grad(lambda q: gpt_loss(nnx.merge(graphdef, q)(toks[:, :-1]), toks[:, 1:]))(q)
-        return bench._sgd_update(p, all_reduce_tree(g, "data", method="psum")), lax.pmean(loss, "data")
+        return bench_gpt._sgd_update(p, all_reduce_tree(g, "data", method="psum")), lax.pmean(loss, "data")
 
     smap = lambda f, ins, outs: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=ins, out_specs=outs,  # noqa: E731
                                                       check_vma=False))
     want, want_loss = smap(plain, (P(), P("data")), (P(), P()))(
         jax.device_put(params, NamedSharding(mesh, P())), tokens)
-    got, got_loss = smap(bench.zero1_step_body(graphdef, specs, grad_dtype), (specs, P("data")),
+    got, got_loss = smap(bench_gpt.zero1_step_body(graphdef, specs, grad_dtype), (specs, P("data")),
                          (specs, P()))(place_leaves(params, specs, mesh), tokens)
     assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-6)
     # Same gradients summed in another order (reduce-scatter vs all-reduce), times lr 1e-4:

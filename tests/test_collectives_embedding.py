@@ -11,7 +11,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxopt_train.bench import collectives as bench
+from jaxopt_train.bench import collectives_gpt as bench_gpt
 from jaxopt_train.collectives import all_reduce_tree, embedding_grad_exchange
 from jaxopt_train.models import GPT, get_gpt_config, gpt_loss
 
@@ -83,7 +83,7 @@ def test_gpt_step_with_exchange_matches_plain_all_reduce(tie):
         return lax.pmean(loss, "data"), all_reduce_tree(g, "data", method="psum")
 
     def exchanged(p, toks):
-        loss, g = bench.exchange_gradients(graphdef, p, toks, method="ring", bucket_mb=0.01)
+        loss, g = bench_gpt.exchange_gradients(graphdef, p, toks, method="ring", bucket_mb=0.01)
         return lax.pmean(loss, "data"), g
 
     args = (jax.device_put(params, NamedSharding(mesh, P())), jax.device_put(tokens, NamedSharding(mesh, P("data"))))

@@ -33,9 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import math
-import os
 import sys
 import time
 import warnings
