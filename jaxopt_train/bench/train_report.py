@@ -142,7 +142,7 @@ def save_plot(rows: list[dict[str, Any]], path: str, unit: str) -> None:
     ax_mem.legend()
     ax_tput.set_ylabel(f"{unit}/s (synced per dispatch)")
     ax_tput.set_xlabel("traced dispatch")
-    fig.suptitle("baseline vs optimised: memory in use and throughput per step")
+    fig.suptitle("memory in use and throughput per step")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -199,7 +199,8 @@ def _zero_note(row) -> str:
 
 
 def write_outputs(args, result, text) -> None:
-    """`--json` and `--out` (train_bench.md, .json and the baseline-vs-optimised .png)."""
+    """`--json` and `--out` (train_bench.md, .json, and the .png of baseline, optimised and
+    the plain rows of `--compare-plain`)."""
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)
@@ -209,5 +210,6 @@ def write_outputs(args, result, text) -> None:
             f.write(text + "\n")
         with open(os.path.join(args.out, "train_bench.json"), "w") as f:
             json.dump(result, f, indent=1, default=str)
-        rows = [r for r in result["rows"] if r["name"] in ("baseline", "optimised")]
+        rows = [r for r in result["rows"]
+                if r["name"] in ("baseline", "optimised") or r["config"].get("plain")]
         save_plot(rows, os.path.join(args.out, "train_bench.png"), result["unit"])
