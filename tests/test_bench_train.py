@@ -107,6 +107,35 @@ def test_quick_bench_adds_the_plain_flax_rows(quick_run):
     assert f"optimised vs plain Flax+optax, f32 master: {ratio:.3f}x the throughput" in text
 
 
+def test_a_failing_plain_loop_costs_only_its_row(quick_run, monkeypatch):
+    # e.g. the plain loop (no remat, no accumulation) out of memory on a big model:
+    # the rows already measured and the other plain row stay, the table says why.
+    from jaxopt_train.bench import plain  # noqa: PLC0415
+
+    def build(cfg, global_batch, run, mesh):
+        if run.variant == "pure":
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate\nmore")
+        return "runner"
+
+    class FakeBench:
+        workload = train_steps.Workload("gpt-tiny", 4, 1, seq_len=16, n_layers=1)
+        devices = jax.devices()[:1]
+
+        def measure(self, run, runner):
+            assert runner == "runner"
+            return {"name": run.name}
+
+    monkeypatch.setattr(plain, "build_plain_runner", build)
+    rows, failed = train._plain_rows(FakeBench(), "xla")
+    assert rows == [{"name": "plain Flax+optax, f32 master"}]
+    assert failed == [{"name": "plain Flax+optax, bf16 params",
+                       "reason": "RuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate"}]
+    _, result = quick_run
+    text = train_report.render({**result, "plain_failed": failed})
+    assert ("plain Flax+optax, bf16 params: no row, the run failed (RuntimeError: RESOURCE_EXHAUSTED"
+            in text)
+
+
 def test_compare_plain_is_for_gpt_models_only():
     with pytest.raises(SystemExit, match="--compare-plain applies to GPT models, not --model resnet50"):
         train._parse(["--model", "resnet50", "--compare-plain"])

@@ -410,8 +410,10 @@ def run_bench(args, xla_report) -> dict:
     if args.ablate:
         runs, skipped = _ablation_runs(baseline, optimised, workload, len(devices))
         rows += [bench.measure(run) for run in runs]
+    plain_failed = []
     if args.compare_plain:
-        rows += _plain_rows(bench, rows[1]["attention_resolved"])
+        plain_rows, plain_failed = _plain_rows(bench, rows[1]["attention_resolved"])
+        rows += plain_rows
     train_report.add_ratios(rows, rows[0])
     result = {
         "device_kind": kind, "platform": devices[0].platform, "num_devices": len(devices),
@@ -424,6 +426,7 @@ def run_bench(args, xla_report) -> dict:
         "dataset_items": bench.dataset_items, "gpu_hour_usd": args.gpu_hour_usd,
         "xla_flags": xla_report, "memory_budget_bytes": budget, "remat_trials": remat_trials,
         "grad_sync_ms": sync_times, "rows": rows, "ablations_skipped": skipped,
+        "plain_failed": plain_failed,
         "args": {k: v for k, v in vars(args).items()},
     }
     if workload.is_gpt:
@@ -440,16 +443,26 @@ def run_bench(args, xla_report) -> dict:
     return result
 
 
-def _plain_rows(bench, attention: str) -> list[dict]:
+def _plain_rows(bench, attention: str) -> tuple[list[dict], list[dict]]:
+    """The `--compare-plain` rows, and {name, reason} for each plain loop that failed.
+
+    The plain loop has no remat and no accumulation, so on a model that needs them it
+    can run out of memory: that costs its row, never the rows already measured."""
     from jaxopt_train.bench import plain, train_steps  # noqa: PLC0415
 
     workload, mesh = bench.workload, train_steps.data_mesh(bench.devices)
-    rows = []
+    rows, failed = [], []
     for variant in plain.VARIANTS:
         run = plain.plain_run(variant, attention)
-        runner = plain.build_plain_runner(workload.gpt_config(), workload.global_batch, run, mesh)
-        rows.append(bench.measure(run, runner=runner))
-    return rows
+        try:
+            runner = plain.build_plain_runner(workload.gpt_config(), workload.global_batch, run, mesh)
+            rows.append(bench.measure(run, runner=runner))
+        except Exception as err:  # noqa: BLE001 - e.g. RESOURCE_EXHAUSTED; reported in the table
+            reason = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+            print(f"[bench train] {run.name} failed: {reason}", file=sys.stderr, flush=True)
+            failed.append({"name": run.name, "reason": reason})
+        gc.collect()
+    return rows, failed
 
 
 def _scaling(bench, optimised, row_n) -> dict:

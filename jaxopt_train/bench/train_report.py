@@ -178,6 +178,8 @@ def render(result) -> str:
                          "jaxopt_train.bench.plain)")
     for skip in result["ablations_skipped"]:
         lines.append(f"ablation {skip['name']} skipped: {skip['reason']}")
+    for fail in result.get("plain_failed", ()):
+        lines.append(f"{fail['name']}: no row, the run failed ({fail['reason']})")
     if "scaling" in result:
         lines += ["", "data parallel (weak scaling: same per-device batch):",
                   scaling_table(result["scaling"], unit)]
