@@ -33,17 +33,21 @@ def _copy_weights(ours, theirs):
                     getattr(b, name).set_value(getattr(a, name)[...])
     theirs.ln_f.scale.set_value(ours.ln_f.scale[...])
     theirs.ln_f.bias.set_value(ours.ln_f.bias[...])
+    if theirs.head is not None:
+        theirs.head.kernel.set_value(ours.head.kernel[...])
 
 
-def test_plain_model_is_the_library_gpt():
+@pytest.mark.parametrize("tied", [True, False])
+def test_plain_model_is_the_library_gpt(tied):
     # Same function as models.gpt given the same weights (f32 compute), and the same size,
     # so the bench's MFU formula and the comparison hold for it.
-    ours = GPT(CFG, rngs=nnx.Rngs(0))
-    theirs = plain._model(CFG, jnp.float32, "xla", seed=1, compute=jnp.float32)
+    cfg = get_gpt_config("gpt-tiny", n_layers=2, seq_len=16, dtype=jnp.float32, tie_embeddings=tied)
+    ours = GPT(cfg, rngs=nnx.Rngs(0))
+    theirs = plain._model(cfg, jnp.float32, "xla", seed=1, compute=jnp.float32)
     n_plain = sum(x.size for x in jax.tree.leaves(nnx.state(theirs, nnx.Param)))
-    assert n_plain == gpt_param_count(CFG)
+    assert n_plain == gpt_param_count(cfg)
     _copy_weights(ours, theirs)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 16)), jnp.int32)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 16)), jnp.int32)
     with jax.default_matmul_precision("highest"):
         np.testing.assert_allclose(theirs(tokens), ours(tokens), rtol=2e-5, atol=2e-5)
 

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import jaxopt_train
 
 
@@ -32,8 +34,6 @@ def test_cli_unknown_command_exits_2():
 
 def test_cli_dispatches_autotune(capsys):
     # `jaxopt-train autotune` is the kernels' tuner (python -m of the module makes runpy warn).
-    import pytest
-
     from jaxopt_train.cli import main
     with pytest.raises(SystemExit) as exc:
         main(["autotune", "--shapes", "16x16"])

@@ -98,7 +98,9 @@ def _model(cfg: GPTConfig, param_dtype, attention: str, seed: int, compute=jnp.b
                                  embedding_init=init, rngs=rngs)
             self.blocks = nnx.List([Block(rngs) for _ in range(cfg.n_layers)])
             self.ln_f = norm(rngs)
-            self.head = None if cfg.tie_embeddings else dense(d, cfg.vocab_size, std, rngs)
+            self.head = None if cfg.tie_embeddings else nnx.Linear(  # models.gpt: no bias
+                d, cfg.vocab_size, use_bias=False, dtype=compute, param_dtype=param_dtype,
+                kernel_init=init, rngs=rngs)
 
         def __call__(self, tokens):
             x = self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1]))[None]
