@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxopt_train._trees import leaf_path_diff
 from jaxopt_train.loss_scale import DynamicLossScale as DynamicLossScale
 from jaxopt_train.loss_scale import LossScale as LossScale
 from jaxopt_train.loss_scale import NoOpLossScale as NoOpLossScale
@@ -311,11 +312,7 @@ def _check_leaves_match(given, expected, given_name: str, expected_name: str, *,
     given_leaves, given_def = jax.tree_util.tree_flatten_with_path(given)
     expected_leaves, expected_def = jax.tree_util.tree_flatten_with_path(expected)
     if given_def != expected_def:
-        given_paths = [jax.tree_util.keystr(path) for path, _ in given_leaves]
-        expected_paths = [jax.tree_util.keystr(path) for path, _ in expected_leaves]
-        given_set, expected_set = set(given_paths), set(expected_paths)
-        missing = [p for p in expected_paths if p not in given_set]
-        extra = [p for p in given_paths if p not in expected_set]
+        missing, extra = leaf_path_diff(given, expected_def)
         found = []
         if missing:
             found.append(f"{given_name} has no leaf at {missing[0]} ({expected_name} has)")

@@ -40,6 +40,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxopt_train._trees import leaf_path_diff
 from jaxopt_train.collectives import all_reduce_tree, ring_all_gather, ring_reduce_scatter
 from jaxopt_train.collectives._axis import axis_size
 
@@ -85,10 +86,7 @@ class FlatLayout:
         given, treedef = jax.tree_util.tree_flatten_with_path(tree)
         fix = "pass a tree like the example params the layout (or ZeRO step) was built from"
         if treedef != self.treedef:
-            placeholder = jax.tree.unflatten(self.treedef, range(self.treedef.num_leaves))
-            expected = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(placeholder)[0]]
-            paths = [jax.tree_util.keystr(p) for p, _ in given]
-            missing, extra = sorted(set(expected) - set(paths)), sorted(set(paths) - set(expected))
+            missing, extra = map(sorted, leaf_path_diff(tree, self.treedef))
             raise ValueError(f"{what} do not have the layout's tree structure: missing leaves {missing}, "
                              f"unexpected leaves {extra}"
                              + ("" if missing or extra else f"; expected {self.treedef}, got {treedef}")

@@ -97,11 +97,11 @@ class MatmulConfig:
             value = getattr(self, name)
             if not _is_pow2(value) or value < 8:
                 raise ValueError(f"MatmulConfig.{name}={value!r} must be a power of two >= 8")
-        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
+        if not 1 <= self.num_stages <= 8:
             raise ValueError(f"MatmulConfig.num_stages={self.num_stages!r} must be an int in [1, 8]")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"MatmulConfig.num_warps={self.num_warps!r} must be one of 1, 2, 4, 8, 16")
-        if not isinstance(self.group_m, int) or self.group_m < 1:
+        if self.group_m < 1:
             raise ValueError(f"MatmulConfig.group_m={self.group_m!r} must be an int >= 1")
         if self.wgmma_in_flight not in (0, 1):
             raise ValueError(f"MatmulConfig.wgmma_in_flight={self.wgmma_in_flight!r} must be 0 or 1")
