@@ -21,6 +21,11 @@ in the same process against psum (f32), and checked on random data:
                one add over all pieces at the end
   psum_bf16    NCCL's own all-reduce of the bf16 cast (not bit-equal: the sum is rounded to
                bf16 before it is widened; for scale only)
+  ag           NCCL's all-gather as the transport (tenth session): the bf16 casts of both
+               devices gathered into one (2, n) buffer, then one add in f32. Both devices add
+               the same gathered pair in the same order, so no pin is needed
+  ag_f32       the same with the f32 data itself (the f32 ring's transport; vs psum f32)
+  lib_f32      the library's f32 exchange (ppermute, no wire dtype), for comparison with ag_f32
 
 With --hlo DIR each variant's optimised HLO is written there (to see the schedule).
 Prints time, f32-equivalent bus bandwidth and the ratio to psum f32; writes
@@ -70,6 +75,10 @@ def _variants():
             source, _ = lax.optimization_barrier((x, mine))
         return jnp.concatenate([m.astype(acc) + t.astype(acc) for m, t in zip(mines, theirs)])
 
+    def gathered_sum(x):
+        both = lax.all_gather(x, "data")  # (2, n), identical on both devices
+        return both[0].astype(acc) + both[1].astype(acc)
+
     def cat2(x):
         half = x.shape[0] // 2
         return jnp.concatenate([exchange(x[:half], True), exchange(x[half:], True)])
@@ -84,6 +93,9 @@ def _variants():
         "ovl2": lambda x: overlapped(x, 2),
         "ovl4": lambda x: overlapped(x, 4),
         "psum_bf16": lambda x: lax.psum(x.astype(wire), "data").astype(acc),
+        "ag": lambda x: gathered_sum(x.astype(wire)),
+        "ag_f32": gathered_sum,
+        "lib_f32": lambda x: ring_all_reduce(x, "data"),
     }
 
 
@@ -135,7 +147,7 @@ def main(argv=None) -> int:
                 with open(os.path.join(args.hlo, f"{name}_{fmt_size(size)}.txt"), "w") as f:
                     f.write(fn.lower(x).compile().as_text())
             out = np.asarray(fn(x)).reshape(2, elems)
-            if name == "psum":
+            if name in ("psum", "ag_f32", "lib_f32"):
                 ok = bool(np.allclose(out[0], halves.sum(0), rtol=1e-6, atol=1e-6))
             elif name == "psum_bf16":  # the sum is rounded to bf16: close, not equal
                 ok = bool(np.allclose(out[0], exact, rtol=2**-7, atol=1e-2))
