@@ -1,0 +1,252 @@
+"""Issue 4: a 2-GPU exchange whose cast and send are ONE Mosaic GPU kernel (NVSHMEM peer stores).
+
+    python tools/probe_nvshmem.py [--sizes 16M,256M,1G] [--configs 132x8192,264x8192]   # GPU pair
+
+The library's bf16-wire exchange is three kernels: a cast (0.43 ms at 1 GiB), a ppermute (NCCL
+send/recv, 1.41 ms) and an add (0.58 ms); nothing overlaps. Here each device's kernel reads its
+f32 data, rounds it to the wire dtype, keeps that copy and stores it straight into the peer's
+receive buffer with plain stores through NVLink (`plgpu.remote_ref`, symmetric memory from
+NVSHMEM); each CTA then signals the peer's semaphore and waits for its own. XLA adds the two
+copies afterwards. Mosaic GPU's peer memory needs one process per GPU, so this launcher starts
+two workers (jax.distributed on localhost, one GPU each) and prints rank 0's table.
+
+Checks before timing: the NVSHMEM setup (what jax reports), a one-tile peer store, and the
+exchange on random data against the exact sum of the two rounded inputs, on both ranks.
+Multicast is never used (NVSHMEM_DISABLE_NVLS=1, NCCL_NVLS_ENABLE=0: ../shared/GPU.md).
+Writes $OUT/nvshmem_probe.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _find(patterns):
+    hits = []
+    for base in {sys.prefix, *sys.path}:
+        if base and os.path.isdir(base):
+            for pattern in patterns:
+                hits += glob.glob(os.path.join(base, "**", pattern), recursive=True)
+    return sorted(set(hits))
+
+
+def launch(args) -> int:
+    env = dict(os.environ, NVSHMEM_DISABLE_NVLS="1", NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
+    bc = _find(["libnvshmem_device.bc"])
+    so = _find(["libnvshmem_host.so*"])
+    print(f"[launch] nvshmem bitcode: {bc}\n[launch] nvshmem host lib: {so}", flush=True)
+    if bc and "MOSAIC_GPU_NVSHMEM_BC_PATH" not in env:
+        env["MOSAIC_GPU_NVSHMEM_BC_PATH"] = bc[0]
+    if so and "MOSAIC_GPU_NVSHMEM_SO_PATH" not in env:
+        env["MOSAIC_GPU_NVSHMEM_SO_PATH"] = so[0]
+    flag = "--xla_gpu_experimental_enable_nvshmem=true"
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flag).strip()
+    env["PYTHONPATH"] = ROOT + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank", str(r), "--port", str(port),
+                               "--sizes", args.sizes, "--configs", args.configs, "--iters", str(args.iters),
+                               "--bursts", str(args.bursts)] + (["--check-only"] if args.check_only else []),
+                              env=env) for r in range(2)]
+    deadline = time.time() + args.timeout
+    rcs = [None, None]
+    while time.time() < deadline and None in rcs:
+        rcs = [p.poll() for p in procs]
+        time.sleep(0.5)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    rcs = [p.wait() for p in procs]
+    print(f"[launch] worker exit codes {rcs}", flush=True)
+    return 0 if rcs == [0, 0] else 1
+
+
+def exchange_kernel_fn(axis, n, wire, grid, tile):
+    """A function of this device's flat f32 `x` (n,) -> (mine, recv): mine = x rounded to `wire`,
+    recv = the peer's rounded copy, stored here by the peer's kernel."""
+    import jax
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    import jax.numpy as jnp
+    from jax import lax
+
+    tiles = n // tile
+    per_cta = -(-tiles // grid)
+
+    def kernel(x_ref, mine_ref, recv_ref, sem_ref):
+        cta = lax.axis_index("cta")
+        peer = 1 - lax.axis_index(axis)
+
+        @pl.loop(0, per_cta)
+        def _tile(i):
+            t = i * grid + cta
+
+            @pl.when(t < tiles)
+            def _send():
+                span = pl.ds(t * tile, tile)
+                v = x_ref[span].astype(wire)
+                mine_ref[span] = v
+                plgpu.remote_ref(recv_ref.at[span], peer)[...] = v
+
+        pl.semaphore_signal(sem_ref.at[cta], 1, device_id=peer)
+        pl.semaphore_wait(sem_ref.at[cta], 1)
+
+    import inspect
+    params = inspect.signature(plgpu.kernel).parameters
+    out_kw = "out_type" if "out_type" in params else "out_shape"
+    scratch_kw = "scratch_types" if "scratch_types" in params else "scratch_shapes"
+    return plgpu.kernel(
+        kernel, grid=(grid,), grid_names=("cta",),
+        **{out_kw: (jax.ShapeDtypeStruct((n,), wire), jax.ShapeDtypeStruct((n,), wire)),
+           scratch_kw: [plgpu.SemaphoreType.REGULAR((grid,))]})
+
+
+def worker(args) -> int:
+    import jax
+
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}", num_processes=2,
+                               process_id=args.rank, local_device_ids=[args.rank],
+                               initialization_timeout=60, heartbeat_timeout_seconds=10)
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxopt_train.bench.collectives import fmt_size, parse_size, time_burst
+    from jaxopt_train.collectives import ring_all_reduce
+
+    say = (lambda *a: print(f"[rank0]", *a, flush=True)) if args.rank == 0 else (lambda *a: None)
+    import jax.experimental.mosaic.gpu as mgpu
+    info = {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()],
+            "local": [str(d) for d in jax.local_devices()]}
+    for name in ("supports_cross_device_collectives", "is_nvshmem_available"):
+        fn = getattr(mgpu, name, None)
+        info[name] = None if fn is None else bool(fn())
+    say(json.dumps(info))
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("data",))
+    sharding = NamedSharding(mesh, P("data"))
+    results = {"info": info, "rows": []}
+
+    def global_array(host):  # host: (2, n) -> a (2n,) array sharded one row per device
+        flat = host.reshape(-1)
+        return jax.make_array_from_callback(flat.shape, sharding, lambda idx: flat[idx])
+
+    def local(arr):
+        return np.asarray(arr.addressable_data(0))
+
+    # 1. One tile stored into the peer's output.
+    def tiny(x_ref, y_ref, sem):
+        peer = 1 - lax.axis_index("data")
+        plgpu.remote_ref(y_ref, peer)[...] = x_ref[...]
+        pl.semaphore_signal(sem, 1, device_id=peer)
+        pl.semaphore_wait(sem, 1)
+
+    tiny_call = pl.pallas_call(tiny, in_specs=[pl.BlockSpec(memory_space=plgpu.GMEM)],
+                               out_specs=pl.BlockSpec(memory_space=plgpu.GMEM),
+                               out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                               scratch_shapes=[plgpu.SemaphoreType.REGULAR],
+                               compiler_params=plgpu.CompilerParams())
+    host = np.arange(2 * 8 * 128, dtype=np.float32).reshape(2, 8 * 128)
+    fn = jax.jit(jax.shard_map(lambda x: tiny_call(x.reshape(8, 128)).reshape(-1), mesh=mesh,
+                               in_specs=P("data"), out_specs=P("data"), check_vma=False))
+    got = local(fn(global_array(host)))
+    ok = bool(np.array_equal(got, host[1 - args.rank]))
+    results["tiny_peer_store"] = ok
+    print(f"[rank{args.rank}] tiny peer store: {'ok' if ok else 'WRONG'}", flush=True)
+
+    wire, acc = jnp.bfloat16, jnp.float32
+    configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    if args.check_only:
+        sizes = [4 << 20]
+    for size in sizes:
+        n = size // 4
+        x = jax.make_array_from_callback(
+            (2 * n,), sharding,
+            lambda idx: np.random.default_rng(0).standard_normal(2 * n, dtype=np.float32)[idx])
+        halves = None
+        if n <= (64 << 20):  # exact reference on the host (both rows), affordable up to 256 MiB
+            full = np.random.default_rng(0).standard_normal(2 * n, dtype=np.float32).reshape(2, n)
+            import ml_dtypes
+            halves = full.astype(ml_dtypes.bfloat16).astype(np.float32).sum(0)
+        variants = {"psum": lambda v: lax.psum(v, "data"),
+                    "lib": lambda v: ring_all_reduce(v, "data", wire_dtype=wire)}
+        for grid, tile in configs:
+            if n % tile:
+                continue
+
+            def fused(v, grid=grid, tile=tile):
+                mine, recv = exchange_kernel_fn("data", n, wire, grid, tile)(v)
+                return mine.astype(acc) + recv.astype(acc)
+            variants[f"fused_g{grid}_t{tile}"] = fused
+        base = None
+        for name, body in variants.items():
+            f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
+                                      check_vma=False))
+            try:
+                out = local(f(x))
+            except Exception as e:  # noqa: BLE001 - report and go on with the next variant
+                print(f"[rank{args.rank}] {name} {fmt_size(size)} FAILED: {type(e).__name__}: "
+                      f"{str(e)[:2000]}", flush=True)
+                results["rows"].append({"size_bytes": size, "variant": name, "error": str(e)[:2000]})
+                continue
+            if halves is None:
+                check = None
+            elif name == "psum":
+                check = bool(np.allclose(out, full.sum(0), rtol=1e-6, atol=1e-6))
+            else:
+                check = bool(np.array_equal(out, halves))
+            if args.check_only:
+                row = {"size_bytes": size, "variant": name, "checked": check}
+            else:
+                seconds = time_burst(f, (x,), warmup=3, iters=args.iters, bursts=args.bursts)
+                row = {"size_bytes": size, "variant": name, "time_us": seconds * 1e6,
+                       "f32_busbw_gbs": size / seconds / 1e9, "checked": check}
+                base = base or row
+                row["x_psum_f32"] = base["time_us"] / row["time_us"]
+            results["rows"].append(row)
+            print(f"[rank{args.rank}] " + json.dumps(row), flush=True)
+        del x
+    if args.rank == 0:
+        out_dir = os.environ.get("OUT", "/tmp")
+        with open(os.path.join(out_dir, "nvshmem_probe.json"), "w") as fh:
+            json.dump(results, fh, indent=1)
+        print(f"\n{'size':>6} {'variant':<20} {'time_us':>10} {'f32 GB/s':>9} {'x psum':>7} check")
+        for r in results["rows"]:
+            if "time_us" in r:
+                print(f"{fmt_size(r['size_bytes']):>6} {r['variant']:<20} {r['time_us']:>10.1f} "
+                      f"{r['f32_busbw_gbs']:>9.1f} {r['x_psum_f32']:>7.3f} {r['checked']}")
+    jax.distributed.shutdown()
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="16M,256M,1G", help="f32 bytes per device")
+    p.add_argument("--configs", default="132x8192,264x8192,132x16384",
+                   help="comma-separated GRIDxTILE: CTAs and elements per tile of the fused kernel")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--bursts", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=200.0, help="seconds for both workers (launcher)")
+    p.add_argument("--check-only", action="store_true", help="one 4 MiB size, checks, no timing")
+    p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    return launch(args) if args.rank is None else worker(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
