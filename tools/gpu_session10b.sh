@@ -13,4 +13,5 @@ OUT=$R step check 130 $PY tools/probe_nvshmem.py --check-only --timeout 120
 if grep -q '"checked": true' "$R/check.log" && ! grep -q '"checked": false' "$R/check.log"; then
   OUT=$R step time 200 $PY tools/probe_nvshmem.py --sizes ${SIZES:-16M,256M,1G} --timeout 190
 fi
+OUT=$R step single 70 $PY tools/probe_nvshmem.py --single --check-only
 finish s10b 60

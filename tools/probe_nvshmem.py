@@ -19,7 +19,6 @@ Writes $OUT/nvshmem_probe.json.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import socket
@@ -30,26 +29,12 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _find(patterns):
-    hits = []
-    for base in {sys.prefix, *sys.path}:
-        if base and os.path.isdir(base):
-            for pattern in patterns:
-                hits += glob.glob(os.path.join(base, "**", pattern), recursive=True)
-    return sorted(set(hits))
-
-
 def launch(args) -> int:
+    if args.single:  # one process driving both GPUs
+        return worker(args)
     env = dict(os.environ, NVSHMEM_DISABLE_NVLS="1", NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
-    bc = _find(["libnvshmem_device.bc"])
-    so = _find(["libnvshmem_host.so*"])
-    print(f"[launch] nvshmem bitcode: {bc}\n[launch] nvshmem host lib: {so}", flush=True)
-    if bc and "MOSAIC_GPU_NVSHMEM_BC_PATH" not in env:
-        env["MOSAIC_GPU_NVSHMEM_BC_PATH"] = bc[0]
-    if so and "MOSAIC_GPU_NVSHMEM_SO_PATH" not in env:
-        env["MOSAIC_GPU_NVSHMEM_SO_PATH"] = so[0]
-    flag = "--xla_gpu_experimental_enable_nvshmem=true"
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flag).strip()
+    # jax 0.11.2's XLA does not know --xla_gpu_experimental_enable_nvshmem; without it Mosaic GPU
+    # uses XLA's collective metadata (peer pointers to symmetric buffers XLA allocates).
     env["PYTHONPATH"] = ROOT + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -114,9 +99,12 @@ def exchange_kernel_fn(axis, n, wire, grid, tile):
 def worker(args) -> int:
     import jax
 
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}", num_processes=2,
-                               process_id=args.rank, local_device_ids=[args.rank],
-                               initialization_timeout=60, heartbeat_timeout_seconds=10)
+    if not args.single:
+        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}", num_processes=2,
+                                   process_id=args.rank, local_device_ids=[args.rank],
+                                   initialization_timeout=60, heartbeat_timeout_seconds=10)
+    else:
+        args.rank = 0
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
     import jax.numpy as jnp
@@ -144,8 +132,9 @@ def worker(args) -> int:
         flat = host.reshape(-1)
         return jax.make_array_from_callback(flat.shape, sharding, lambda idx: flat[idx])
 
-    def local(arr):
-        return np.asarray(arr.addressable_data(0))
+    def local(arr):  # {device index on the axis: this process's shard}
+        index = {d: i for i, d in enumerate(mesh.devices.flat)}
+        return {index[s.device]: np.asarray(s.data) for s in arr.addressable_shards}
 
     # 1. One tile stored into the peer's output.
     def tiny(x_ref, y_ref, sem):
@@ -163,7 +152,7 @@ def worker(args) -> int:
     fn = jax.jit(jax.shard_map(lambda x: tiny_call(x.reshape(8, 128)).reshape(-1), mesh=mesh,
                                in_specs=P("data"), out_specs=P("data"), check_vma=False))
     got = local(fn(global_array(host)))
-    ok = bool(np.array_equal(got, host[1 - args.rank]))
+    ok = all(np.array_equal(v, host[1 - i]) for i, v in got.items())
     results["tiny_peer_store"] = ok
     print(f"[rank{args.rank}] tiny peer store: {'ok' if ok else 'WRONG'}", flush=True)
 
@@ -206,9 +195,9 @@ def worker(args) -> int:
             if halves is None:
                 check = None
             elif name == "psum":
-                check = bool(np.allclose(out, full.sum(0), rtol=1e-6, atol=1e-6))
+                check = all(np.allclose(v, full.sum(0), rtol=1e-6, atol=1e-6) for v in out.values())
             else:
-                check = bool(np.array_equal(out, halves))
+                check = all(np.array_equal(v, halves) for v in out.values())
             if args.check_only:
                 row = {"size_bytes": size, "variant": name, "checked": check}
             else:
@@ -229,7 +218,8 @@ def worker(args) -> int:
             if "time_us" in r:
                 print(f"{fmt_size(r['size_bytes']):>6} {r['variant']:<20} {r['time_us']:>10.1f} "
                       f"{r['f32_busbw_gbs']:>9.1f} {r['x_psum_f32']:>7.3f} {r['checked']}")
-    jax.distributed.shutdown()
+    if not args.single:
+        jax.distributed.shutdown()
     return 0
 
 
@@ -241,6 +231,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--bursts", type=int, default=3)
     p.add_argument("--timeout", type=float, default=200.0, help="seconds for both workers (launcher)")
+    p.add_argument("--single", action="store_true", help="one process with both GPUs (no jax.distributed)")
     p.add_argument("--check-only", action="store_true", help="one 4 MiB size, checks, no timing")
     p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
