@@ -143,11 +143,17 @@ def worker(args) -> int:
         pl.semaphore_signal(sem, 1, device_id=peer)
         pl.semaphore_wait(sem, 1)
 
-    tiny_call = pl.pallas_call(tiny, in_specs=[pl.BlockSpec(memory_space=plgpu.GMEM)],
-                               out_specs=pl.BlockSpec(memory_space=plgpu.GMEM),
-                               out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
-                               scratch_shapes=[plgpu.SemaphoreType.REGULAR],
-                               compiler_params=plgpu.CompilerParams())
+    import inspect
+    params = inspect.signature(plgpu.kernel).parameters
+    out_kw = "out_type" if "out_type" in params else "out_shape"
+    scratch_kw = "scratch_types" if "scratch_types" in params else "scratch_shapes"
+
+    def tiny_kernel(x_ref, y_ref, sem):
+        tiny(x_ref, y_ref, sem)
+
+    tiny_call = plgpu.kernel(tiny_kernel, grid=(1,), grid_names=("cta",),
+                             **{out_kw: jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                                scratch_kw: [plgpu.SemaphoreType.REGULAR]})
     host = np.arange(2 * 8 * 128, dtype=np.float32).reshape(2, 8 * 128)
     fn = jax.jit(jax.shard_map(lambda x: tiny_call(x.reshape(8, 128)).reshape(-1), mesh=mesh,
                                in_specs=P("data"), out_specs=P("data"), check_vma=False))
