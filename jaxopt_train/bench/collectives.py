@@ -126,7 +126,7 @@ def trace_overlap(fn: Callable, args: tuple, logdir: str, *, iters: int) -> dict
 
 
 # The `--methods` names: the ring variants that `variants` builds besides psum.
-RING_VARIANTS = ("ring", "ring_bidir", "ring_wire_bf16", "hierarchical")
+RING_VARIANTS = ("ring", "ring_bidir", "ring_wire_bf16", "hierarchical", "peer", "peer_wire_bf16")
 
 
 def variants(n: int, dtype: str, chunks: list[int]) -> dict[str, Callable]:
@@ -134,7 +134,8 @@ def variants(n: int, dtype: str, chunks: list[int]) -> dict[str, Callable]:
     import jax.numpy as jnp  # noqa: PLC0415
     from jax import lax  # noqa: PLC0415
 
-    from jaxopt_train.collectives import grouped_all_reduce, ring_all_reduce  # noqa: PLC0415
+    from jaxopt_train.collectives import grouped_all_reduce, peer_all_reduce, ring_all_reduce  # noqa: PLC0415
+    from jaxopt_train.collectives.peer import check_platform  # noqa: PLC0415
 
     out: dict[str, Callable] = {"psum": lambda x: lax.psum(x, "data")}
     for c in chunks:
@@ -144,6 +145,15 @@ def variants(n: int, dtype: str, chunks: list[int]) -> dict[str, Callable]:
         if dtype == "f32":
             out[f"ring_wire_bf16/c{c}"] = lambda x, c=c: ring_all_reduce(x, "data", wire_dtype=jnp.bfloat16,
                                                                          num_chunks=c)
+    if n == 2:  # the one-kernel peer exchange (2 Hopper GPUs, one process)
+        try:
+            check_platform()
+        except (ValueError, NotImplementedError) as err:
+            print(f"  peer variants skipped: {err}", file=sys.stderr)
+        else:
+            out["peer"] = lambda x: peer_all_reduce(x, "data")
+            if dtype == "f32":
+                out["peer_wire_bf16"] = lambda x: peer_all_reduce(x, "data", wire_dtype=jnp.bfloat16)
     if n >= 4 and n % 2 == 0:
         out[f"hierarchical/{n // 2}x2"] = lambda x: grouped_all_reduce(x, "data", n // 2, num_chunks=chunks[0])
     return out
@@ -229,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtypes", type=_csv(str, "f32,bf16"), default=["f32", "bf16"], help="f32,bf16")
     p.add_argument("--chunks", type=_csv(_positive_int, "1,4"), default=None, help="ring pipeline chunks to try (default 1,4)")
     p.add_argument("--methods", type=_csv(str, "ring,ring_bidir"), default=None,
-                   help="ring variants besides psum: ring,ring_bidir,ring_wire_bf16,hierarchical (default all)")
+                   help="variants besides psum: ring,ring_bidir,ring_wire_bf16,hierarchical,peer,peer_wire_bf16 "
+                        "(default all; peer ones on 2 Hopper GPUs only)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10, help="calls per timed burst")
     p.add_argument("--bursts", type=int, default=5)

@@ -1,7 +1,9 @@
 """Explicit, inspectable all-reduce algorithms for data-parallel training.
 
 Everything here runs inside `jax.shard_map` or `jax.pmap` and is built from
-`lax.ppermute` steps (or XLA's own collectives for the "psum" baseline).
+`lax.ppermute` steps (or XLA's own collectives for the "psum" baseline), except
+`peer_all_reduce`: one Mosaic GPU kernel storing into the peer GPU's memory
+(2 Hopper GPUs, `jax.shard_map`).
 """
 
 from jaxopt_train.collectives.buckets import Bucket as Bucket
@@ -12,6 +14,7 @@ from jaxopt_train.collectives.compression import init_error_feedback as init_err
 from jaxopt_train.collectives.embedding import embedding_grad_exchange as embedding_grad_exchange
 from jaxopt_train.collectives.hierarchical import grouped_all_reduce as grouped_all_reduce
 from jaxopt_train.collectives.hierarchical import hierarchical_all_reduce as hierarchical_all_reduce
+from jaxopt_train.collectives.peer import peer_all_reduce as peer_all_reduce
 from jaxopt_train.collectives.ring import ring_all_gather as ring_all_gather
 from jaxopt_train.collectives.ring import ring_all_reduce as ring_all_reduce
 from jaxopt_train.collectives.ring import ring_reduce_scatter as ring_reduce_scatter

@@ -144,7 +144,8 @@ def _pair_exchange(v, codec: str, ring: _Ring):
     return (decode(lo, codec) + decode(hi, codec))[:size], (padded - mine)[:size]
 
 
-def compressed_all_reduce(flat, axis_name, n: int, *, codec: str, ring: _Ring | None, error=None):
+def compressed_all_reduce(flat, axis_name, n: int, *, codec: str, ring: _Ring | None, error=None,
+                          peer: bool = False):
     """Sums the 1-D `flat` over `axis_name` through `codec`; returns (sum f32, new error or None).
 
     Args:
@@ -155,11 +156,20 @@ def compressed_all_reduce(flat, axis_name, n: int, *, codec: str, ring: _Ring | 
         `lax.all_to_all` / `lax.all_gather`. A ring of 2 devices makes the
         reduction one exchange of the whole encoded vector.
       error: this device's carried error, f32, `flat`'s shape (or None: no feedback).
+      peer: exchange through `peer.peer_all_reduce` (2 devices, bf16 only)
+        instead of a ppermute; same sums and errors as the ring exchange.
     """
     size = flat.size
     v = flat.astype(jnp.float32)
     if error is not None:
         v = v + error.reshape(-1)
+    if peer:
+        if codec != "bf16":
+            raise ValueError(f"the peer exchange compresses to bf16 only; got codec={codec!r}")
+        from jaxopt_train.collectives.peer import peer_all_reduce  # noqa: PLC0415 - peer imports ring
+
+        result, sent = peer_all_reduce(v, axis_name, wire_dtype=jnp.bfloat16, return_wire_copy=True)
+        return result, None if error is None else (v - sent).reshape(error.shape)
     if ring is not None and ring.size == 2:
         result, local_error = _pair_exchange(v, codec, ring)
         return result, None if error is None else local_error.reshape(error.shape)

@@ -13,9 +13,10 @@ from jaxopt_train.collectives import buckets as buckets_lib
 from jaxopt_train.collectives import compression as compression_lib
 from jaxopt_train.collectives._axis import AxisName, axis_size
 from jaxopt_train.collectives.hierarchical import group_rings
+from jaxopt_train.collectives.peer import peer_all_reduce
 from jaxopt_train.collectives.ring import _Ring, all_reduce_rings, single_ring
 
-METHODS = ("psum", "ring", "ring_bidir", "hierarchical")
+METHODS = ("psum", "ring", "ring_bidir", "hierarchical", "peer")
 
 
 def _default_group_size(n: int) -> int:
@@ -41,6 +42,8 @@ def _reducer(method: str, axis_name, *, ring_order, group_size, num_chunks):
     """The function flat -> sum over the axis for one bucket, by `method`."""
     if method == "psum":
         return lambda flat: lax.psum(flat, axis_name)
+    if method == "peer":
+        return lambda flat: peer_all_reduce(flat, axis_name)
     if method == "hierarchical":
         rings = _hierarchy(axis_name, group_size, ring_order)
     else:
@@ -76,9 +79,11 @@ def all_reduce_tree(tree: Any, axis_name: AxisName, *, method: str = "psum", buc
       tree: pytree of floating or integer arrays (e.g. gradients).
       axis_name: mapped axis; for "hierarchical" also a pair (outer_axis, inner_axis).
       method: "psum" (XLA's all-reduce), "ring", "ring_bidir" (two opposite
-        rings over halves), or "hierarchical" (rings inside groups of
+        rings over halves), "hierarchical" (rings inside groups of
         `group_size` consecutive devices, default the devices of one process,
-        then across groups).
+        then across groups), or "peer" (2 Hopper GPUs in one process: one
+        Mosaic GPU kernel stores into the peer's memory, see `peer`; with
+        compression "bf16" only).
       bucket_mb: bucket size in MiB (0: one bucket per leaf).
       first_bucket_mb: size of the first bucket (default min(1, bucket_mb)).
       compression: None, "bf16" or "int8" (see `compression` module for the
@@ -98,8 +103,11 @@ def all_reduce_tree(tree: Any, axis_name: AxisName, *, method: str = "psum", buc
     compression_lib.check_codec(compression)
     if error_state is not None and compression is None:
         raise ValueError("error_state= is only used with compression='bf16' or 'int8'; got compression=None")
-    if method in ("ring", "ring_bidir") and isinstance(axis_name, tuple):
+    if method in ("ring", "ring_bidir", "peer") and isinstance(axis_name, tuple):
         raise ValueError(f"method={method!r} runs over one axis; got {axis_name=} (use 'hierarchical' for a pair)")
+    if method == "peer" and (num_chunks != 1 or compression == "int8"):
+        raise ValueError(f"method='peer' sends each bucket in one kernel with a bf16 or unchanged wire; "
+                         f"got {num_chunks=}, {compression=} (use method='ring' for those)")
     n = axis_size(axis_name)
     leaves, treedef = jax.tree.flatten(tree)
     _check_leaves(leaves)
@@ -115,7 +123,7 @@ def all_reduce_tree(tree: Any, axis_name: AxisName, *, method: str = "psum", buc
     if compression is not None:
         if isinstance(axis_name, tuple):
             raise ValueError(f"compression runs over one axis; got {axis_name=}")
-        if method != "psum":  # "hierarchical" exchanges over the flat ring: chunks are not re-reduced
+        if method not in ("psum", "peer"):  # "hierarchical" exchanges over the flat ring
             exchange_ring = single_ring(axis_name, ring_order)
     out: list = [None] * len(leaves)
     new_errors: list = [None] * len(leaves)
@@ -129,7 +137,7 @@ def all_reduce_tree(tree: Any, axis_name: AxisName, *, method: str = "psum", buc
             continue
         error = None if errors is None else buckets_lib.pack(bucket, [e.astype(jnp.float32) for e in errors])
         summed, error = compression_lib.compressed_all_reduce(
-            flat, axis_name, n, codec=compression, ring=exchange_ring, error=error)
+            flat, axis_name, n, codec=compression, ring=exchange_ring, error=error, peer=method == "peer")
         buckets_lib.unpack(bucket, summed.astype(bucket.dtype), leaves, out)
         if error is not None:
             buckets_lib.unpack(bucket, error, errors, new_errors)

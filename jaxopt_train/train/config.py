@@ -17,7 +17,7 @@ GPT_PRESETS = ("gpt-tiny", "gpt-124m", "gpt-350m", "gpt-1b", "gpt-7b")
 VISION_PRESETS = ("cnn-small", "resnet18", "resnet50")
 PRESETS = GPT_PRESETS + VISION_PRESETS
 PRECISIONS = ("fp32", "tf32", "bf16", "bf16-pure", "fp16")
-GRAD_SYNCS = ("psum", "ring", "ring_bidir", "hierarchical")
+GRAD_SYNCS = ("psum", "ring", "ring_bidir", "hierarchical", "peer")
 GRAD_COMPRESSIONS = ("none", "bf16", "int8")
 GRAD_DTYPES = ("param", "compute")
 MATMULS = ("xla", "pallas", "triton")
@@ -59,7 +59,9 @@ class TrainConfig:
       checkpoint_every: steps between checkpoints; 0 saves only at the end.
       keep_checkpoints: how many recent checkpoints to keep.
       seed: seed of parameter init and of per-step RNG keys.
-      grad_sync: cross-device gradient reduction (`GRAD_SYNCS`).
+      grad_sync: cross-device gradient reduction (`GRAD_SYNCS`); "peer" is the
+        one-kernel exchange of 2 Hopper GPUs in one process
+        (`collectives.peer_all_reduce`).
       grad_compression: wire format of the gradient reduction.
       zero: ZeRO stage over the data axis (`ZERO_STAGES`): 0 replicated, 1
         optimizer state sharded per leaf (each gradient leaf reduce-scattered
@@ -160,6 +162,9 @@ class TrainConfig:
         _check_precision(self.precision)
         _check_choice("grad_sync", self.grad_sync, GRAD_SYNCS)
         _check_choice("grad_compression", self.grad_compression, GRAD_COMPRESSIONS)
+        if self.grad_sync == "peer" and self.grad_compression == "int8":
+            raise ValueError("grad_sync='peer' sends bf16 or uncompressed gradients; got grad_compression='int8' "
+                             "(use grad_sync 'ring' for int8)")
         from jaxopt_train.train.zero_step import check_zero  # noqa: PLC0415
 
         check_zero(self.zero, self.grad_sync, self.grad_compression)

@@ -80,7 +80,8 @@ class Trainer:
         warmup-cosine schedule over `total_steps` and global-norm clipping.
       precision: policy name or `Policy` (see `jaxopt_train.precision`).
       microbatches: micro-batches accumulated per device per step.
-      grad_sync: "psum", "ring", "ring_bidir" or "hierarchical".
+      grad_sync: "psum", "ring", "ring_bidir", "hierarchical" or "peer" (2 Hopper
+        GPUs driven by one process: `collectives.peer_all_reduce`).
       grad_compression: None/"none", "bf16" or "int8" on the wire; the error
         feedback state is then carried in `state.grad_error` across steps.
       steps_per_dispatch: optimizer steps per compiled call; `step()` then
