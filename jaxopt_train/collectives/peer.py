@@ -27,8 +27,6 @@ imports are lazy.
 
 from __future__ import annotations
 
-import inspect
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -142,11 +140,10 @@ def _kernel_call(n_tiles: int, tile: int, grid: int, has_tail: bool, wire, narro
     shapes = [jax.ShapeDtypeStruct((n_tiles * tile,), wire)] * per_segment if n_tiles else []
     if has_tail:
         shapes += [jax.ShapeDtypeStruct((tile,), wire)] * per_segment
-    params = inspect.signature(plgpu.kernel).parameters
-    out_kw = "out_type" if "out_type" in params else "out_shape"
-    scratch_kw = "scratch_types" if "scratch_types" in params else "scratch_shapes"
+    from jaxopt_train.kernels.mosaic_gpu import kernel_io_kwargs  # noqa: PLC0415
+
     return plgpu.kernel(kernel, grid=(grid,), grid_names=("cta",),
-                        **{out_kw: tuple(shapes), scratch_kw: [plgpu.SemaphoreType.REGULAR((grid,))]})
+                        **kernel_io_kwargs(plgpu, tuple(shapes), [plgpu.SemaphoreType.REGULAR((grid,))]))
 
 
 def peer_all_reduce(x, axis_name: AxisName, *, wire_dtype=None, tile: int = DEFAULT_TILE,

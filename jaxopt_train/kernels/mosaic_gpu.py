@@ -318,12 +318,18 @@ def _store_epilogue(out, slots, out_gmem, epi_m: int, epi_n: int):
             plgpu.copy_smem_to_gmem(slots.at[slot], out_gmem.at[rows, cols])
 
 
-def _kernel_fn(plgpu, body, out_shape, scratch, grid, compiler_params, cluster: int = 1):
-    """`plgpu.kernel` across spellings: out_shape/out_type, scratch_shapes/scratch_types."""
+def kernel_io_kwargs(plgpu, out_shape, scratch) -> dict:
+    """`plgpu.kernel`'s output and scratch keywords in this jax's spelling
+    (out_shape/out_type, scratch_shapes/scratch_types)."""
     params = inspect.signature(plgpu.kernel).parameters
     out_kw = "out_type" if "out_type" in params else "out_shape"
     scratch_kw = "scratch_types" if "scratch_types" in params else "scratch_shapes"
-    kwargs = {out_kw: out_shape, scratch_kw: scratch}
+    return {out_kw: out_shape, scratch_kw: scratch}
+
+
+def _kernel_fn(plgpu, body, out_shape, scratch, grid, compiler_params, cluster: int = 1):
+    """`plgpu.kernel` for the matmul's layout (one CTA per SM, 2 consumers + a producer)."""
+    kwargs = kernel_io_kwargs(plgpu, out_shape, scratch)
     if compiler_params is not None:
         kwargs["compiler_params"] = compiler_params
     if cluster > 1:
