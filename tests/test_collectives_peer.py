@@ -108,6 +108,13 @@ def test_tree_method_peer_matches_psum_and_bf16_error_feedback(emulated):
     assert np.abs(np.asarray(err["a"])).max() > 0
 
 
+def test_tree_method_peer_sums_integer_leaves_with_psum(emulated):
+    mesh = _mesh()
+    counts = jnp.arange(2 * 5, dtype=jnp.int32).reshape(2, 5)
+    out = _run(mesh, lambda v: all_reduce_tree({"n": v[0]}, "data", method="peer")["n"][None], counts)
+    np.testing.assert_array_equal(out[0], np.asarray(counts).sum(0))
+
+
 def test_lowers_to_one_mosaic_gpu_kernel_for_cuda(monkeypatch):
     """Traces the real kernel and builds its Mosaic GPU module, here on CPU (no GPU needed)."""
     monkeypatch.setattr(peer_lib, "check_platform", lambda: None)

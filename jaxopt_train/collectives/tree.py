@@ -13,6 +13,7 @@ from jaxopt_train.collectives import buckets as buckets_lib
 from jaxopt_train.collectives import compression as compression_lib
 from jaxopt_train.collectives._axis import AxisName, axis_size
 from jaxopt_train.collectives.hierarchical import group_rings
+from jaxopt_train.collectives.peer import DTYPES as PEER_DTYPES
 from jaxopt_train.collectives.peer import peer_all_reduce
 from jaxopt_train.collectives.ring import _Ring, all_reduce_rings, single_ring
 
@@ -42,8 +43,9 @@ def _reducer(method: str, axis_name, *, ring_order, group_size, num_chunks):
     """The function flat -> sum over the axis for one bucket, by `method`."""
     if method == "psum":
         return lambda flat: lax.psum(flat, axis_name)
-    if method == "peer":
-        return lambda flat: peer_all_reduce(flat, axis_name)
+    if method == "peer":  # the kernel moves floats; other buckets (integer leaves) go through psum
+        return lambda flat: (peer_all_reduce(flat, axis_name) if flat.dtype in PEER_DTYPES
+                             else lax.psum(flat, axis_name))
     if method == "hierarchical":
         rings = _hierarchy(axis_name, group_size, ring_order)
     else:
@@ -83,7 +85,8 @@ def all_reduce_tree(tree: Any, axis_name: AxisName, *, method: str = "psum", buc
         `group_size` consecutive devices, default the devices of one process,
         then across groups), or "peer" (2 Hopper GPUs in one process: one
         Mosaic GPU kernel stores into the peer's memory, see `peer`; with
-        compression "bf16" only).
+        compression "bf16" only; buckets of other than f16/bf16/f32 leaves
+        are summed by psum).
       bucket_mb: bucket size in MiB (0: one bucket per leaf).
       first_bucket_mb: size of the first bucket (default min(1, bucket_mb)).
       compression: None, "bf16" or "int8" (see `compression` module for the
