@@ -460,7 +460,17 @@ summation order is exact, so the results must be bit-equal; on random data they 
 rounding only. (`bucket_mb=0`: one bucket per leaf, here the whole array.)
 """),
     code('''
-METHODS = collectives.METHODS  # ("psum", "ring", "ring_bidir", "hierarchical")
+def peer_runs_here() -> bool:
+    """"peer" is one Mosaic GPU kernel for exactly 2 Hopper GPUs driven by this process."""
+    try:
+        collectives.peer.check_platform()
+    except (ValueError, NotImplementedError):
+        return False
+    return n == 2
+
+
+METHODS = tuple(m for m in collectives.METHODS if m != "peer" or peer_runs_here())
+print("methods:", METHODS)
 SIZES = [4096, 32768, 262144] if SMALL else [2**12, 2**16, 2**20, 2**24, 2**26]  # float32 per device
 
 
