@@ -41,7 +41,7 @@ def launch(args) -> int:
         port = s.getsockname()[1]
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank", str(r), "--port", str(port),
                                "--sizes", args.sizes, "--configs", args.configs, "--iters", str(args.iters),
-                               "--bursts", str(args.bursts)] + (["--check-only"] if args.check_only else []),
+                               "--bursts", str(args.bursts), "--tma", args.tma] + (["--check-only"] if args.check_only else []),
                               env=env) for r in range(2)]
     deadline = time.time() + args.timeout
     rcs = [None, None]
@@ -94,6 +94,43 @@ def exchange_kernel_fn(axis, n, wire, grid, tile):
         kernel, grid=(grid,), grid_names=("cta",),
         **{out_kw: (jax.ShapeDtypeStruct((n,), wire), jax.ShapeDtypeStruct((n,), wire)),
            scratch_kw: [plgpu.SemaphoreType.REGULAR((grid,))]})
+
+
+def tma_kernel_fn(axis, n, wire, grid, rows, stages):
+    """The same exchange with few CTAs: each CTA pipelines (rows, 128) tiles through SMEM with TMA
+    (emit_pipeline, `stages` in flight), casts in registers and TMA-stores to the peer's buffer.
+    `n` must split into grid x whole tiles. Returns (mine, recv) of shape (n // 128, 128)."""
+    import jax
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax import lax
+
+    from jaxopt_train.kernels.mosaic_gpu import kernel_io_kwargs
+
+    total_rows = n // 128
+    per_cta = total_rows // (grid * rows)
+
+    def kernel(x_ref, mine_ref, recv_ref, sem_ref):
+        cta = lax.axis_index("cta")
+        peer = {axis: 1 - lax.axis_index(axis)}
+        span = pl.ds(cta * per_cta * rows, per_cta * rows)
+
+        def body(_, x_smem, mine_smem, out_smem):
+            v = x_smem[...].astype(wire)
+            mine_smem[...] = v
+            out_smem[...] = v
+
+        spec = plgpu.BlockSpec((rows, 128), lambda i: (i, 0))
+        plgpu.emit_pipeline(body, grid=(per_cta,), in_specs=[spec], out_specs=[spec, spec],
+                            max_concurrent_steps=stages)(
+            x_ref.at[span], mine_ref.at[span], plgpu.remote_ref(recv_ref.at[span], peer))
+        plgpu.wait_smem_to_gmem(0)
+        pl.semaphore_signal(sem_ref.at[cta], 1, device_id=peer)
+        pl.semaphore_wait(sem_ref.at[cta], 1)
+
+    shape = jax.ShapeDtypeStruct((total_rows, 128), wire)
+    return plgpu.kernel(kernel, grid=(grid,), grid_names=("cta",),
+                        **kernel_io_kwargs(plgpu, (shape, shape), [plgpu.SemaphoreType.REGULAR((grid,))]))
 
 
 def worker(args) -> int:
@@ -187,6 +224,14 @@ def worker(args) -> int:
                 mine, recv = exchange_kernel_fn("data", n, wire, grid, tile)(v)
                 return mine.astype(acc) + recv.astype(acc)
             variants[f"fused_g{grid}_t{tile}"] = fused
+        for grid, rows, stages in [tuple(int(v) for v in c.split("x")) for c in args.tma.split(",") if c]:
+            if n % (grid * rows * 128):
+                continue
+
+            def tma(v, grid=grid, rows=rows, stages=stages):
+                mine, recv = tma_kernel_fn("data", n, wire, grid, rows, stages)(v.reshape(-1, 128))
+                return (mine.astype(acc) + recv.astype(acc)).reshape(-1)
+            variants[f"tma_g{grid}_r{rows}_s{stages}"] = tma
         base = None
         for name, body in variants.items():
             f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
@@ -234,6 +279,7 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", default="16M,256M,1G", help="f32 bytes per device")
     p.add_argument("--configs", default="132x8192,264x8192,132x16384",
                    help="comma-separated GRIDxTILE: CTAs and elements per tile of the fused kernel")
+    p.add_argument("--tma", default="", help="comma-separated GRIDxROWSxSTAGES of the TMA-pipelined variant")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--bursts", type=int, default=3)
     p.add_argument("--timeout", type=float, default=200.0, help="seconds for both workers (launcher)")
