@@ -1,18 +1,25 @@
-"""Issue 4: a 2-GPU exchange whose cast and send are ONE Mosaic GPU kernel (NVSHMEM peer stores).
+"""Issue 4: a 2-GPU exchange whose cast and send are ONE Mosaic GPU kernel (peer stores).
 
-    python tools/probe_nvshmem.py [--sizes 16M,256M,1G] [--configs 132x8192,264x8192]   # GPU pair
+    python tools/probe_nvshmem.py --single [--sizes 16M,256M,1G] [--configs 528x1024] \
+        [--tma 64x32x4,128x64x3]            # one process, both GPUs (what works)
+    python tools/probe_nvshmem.py --check-only   # two processes, one GPU each (fails, see below)
 
-The library's bf16-wire exchange is three kernels: a cast (0.43 ms at 1 GiB), a ppermute (NCCL
+The library's bf16-wire exchange was three kernels: a cast (0.43 ms at 1 GiB), a ppermute (NCCL
 send/recv, 1.41 ms) and an add (0.58 ms); nothing overlaps. Here each device's kernel reads its
 f32 data, rounds it to the wire dtype, keeps that copy and stores it straight into the peer's
-receive buffer with plain stores through NVLink (`plgpu.remote_ref`, symmetric memory from
-NVSHMEM); each CTA then signals the peer's semaphore and waits for its own. XLA adds the two
-copies afterwards. Mosaic GPU's peer memory needs one process per GPU, so this launcher starts
-two workers (jax.distributed on localhost, one GPU each) and prints rank 0's table.
+receive buffer through NVLink (`plgpu.remote_ref`); each CTA then signals the peer's semaphore
+and waits for its own. XLA adds the two copies afterwards. The file is named after the first
+plan, NVSHMEM: jax 0.11.2's XLA has no --xla_gpu_experimental_enable_nvshmem, so Mosaic GPU uses
+XLA's collective metadata instead (peer pointers to symmetric buffers XLA allocates). That works
+with one process driving both GPUs (`--single`); with two processes XLA's
+ncclGetPeerDevicePointer failed (tenth session). The library's version is
+`jaxopt_train.collectives.peer`.
 
-Checks before timing: the NVSHMEM setup (what jax reports), a one-tile peer store, and the
-exchange on random data against the exact sum of the two rounded inputs, on both ranks.
-Multicast is never used (NVSHMEM_DISABLE_NVLS=1, NCCL_NVLS_ENABLE=0: ../shared/GPU.md).
+Variants: `fused_gGRID_tTILE` (register loads and stores, GRID CTAs, TILE elements a step; the
+library's kernel) and, with --tma, `tma_gGRID_rROWS_sSTAGES` (TMA pipeline of (ROWS x 128) tiles
+through shared memory, STAGES in flight, few CTAs). Checks before timing: a one-tile peer store,
+and every exchange on random data against the exact sum of the two rounded inputs, on both GPUs
+(sizes up to 256 MiB). Multicast is never used (NCCL_NVLS_ENABLE=0: ../shared/GPU.md).
 Writes $OUT/nvshmem_probe.json.
 """
 
