@@ -21,11 +21,15 @@ PRESETS: dict[str, dict[str, str]] = {
     # Large data-parallel / FSDP steps: overlap collectives with compute, combine small
     # gradient all-reduces into few large ones, pipeline collectives out of scanned
     # layers and double-buffer loop bodies so the next layer's collective can start.
+    # The per-leaf ZeRO gathers and reduce-scatters combine up to 1 GiB / 256 MiB: on
+    # 2 H200s gpt-1b's ZeRO-1 step took 91.1-91.2 ms with these against 91.7-91.8 ms at
+    # 256 / 64 MiB and 93.8 ms at 32 / 16 MiB (BENCHMARKS.md, tenth session; not
+    # profiled: presumably fewer NCCL launches next to the GEMMs).
     "gpu-throughput": {
         "xla_gpu_enable_latency_hiding_scheduler": "true",
         "xla_gpu_all_reduce_combine_threshold_bytes": str(256 * _MIB),
-        "xla_gpu_all_gather_combine_threshold_bytes": str(256 * _MIB),
-        "xla_gpu_reduce_scatter_combine_threshold_bytes": str(64 * _MIB),
+        "xla_gpu_all_gather_combine_threshold_bytes": str(1024 * _MIB),
+        "xla_gpu_reduce_scatter_combine_threshold_bytes": str(256 * _MIB),
         "xla_gpu_enable_pipelined_all_gather": "true",
         "xla_gpu_enable_pipelined_reduce_scatter": "true",
         "xla_gpu_enable_pipelined_all_reduce": "true",
