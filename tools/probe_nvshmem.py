@@ -93,14 +93,11 @@ def exchange_kernel_fn(axis, n, wire, grid, tile):
         pl.semaphore_signal(sem_ref.at[cta], 1, device_id=peer)
         pl.semaphore_wait(sem_ref.at[cta], 1)
 
-    import inspect
-    params = inspect.signature(plgpu.kernel).parameters
-    out_kw = "out_type" if "out_type" in params else "out_shape"
-    scratch_kw = "scratch_types" if "scratch_types" in params else "scratch_shapes"
-    return plgpu.kernel(
-        kernel, grid=(grid,), grid_names=("cta",),
-        **{out_kw: (jax.ShapeDtypeStruct((n,), wire), jax.ShapeDtypeStruct((n,), wire)),
-           scratch_kw: [plgpu.SemaphoreType.REGULAR((grid,))]})
+    from jaxopt_train.kernels.mosaic_gpu import kernel_io_kwargs
+
+    shape = jax.ShapeDtypeStruct((n,), wire)
+    return plgpu.kernel(kernel, grid=(grid,), grid_names=("cta",),
+                        **kernel_io_kwargs(plgpu, (shape, shape), [plgpu.SemaphoreType.REGULAR((grid,))]))
 
 
 def tma_kernel_fn(axis, n, wire, grid, rows, stages):
@@ -160,7 +157,7 @@ def worker(args) -> int:
     from jaxopt_train.bench.collectives import fmt_size, parse_size, time_burst
     from jaxopt_train.collectives import ring_all_reduce
 
-    say = (lambda *a: print(f"[rank0]", *a, flush=True)) if args.rank == 0 else (lambda *a: None)
+    say = (lambda *a: print("[rank0]", *a, flush=True)) if args.rank == 0 else (lambda *a: None)
     import jax.experimental.mosaic.gpu as mgpu
     info = {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()],
             "local": [str(d) for d in jax.local_devices()]}
@@ -187,17 +184,14 @@ def worker(args) -> int:
         pl.semaphore_signal(sem, 1, device_id=peer)
         pl.semaphore_wait(sem, 1)
 
-    import inspect
-    params = inspect.signature(plgpu.kernel).parameters
-    out_kw = "out_type" if "out_type" in params else "out_shape"
-    scratch_kw = "scratch_types" if "scratch_types" in params else "scratch_shapes"
+    from jaxopt_train.kernels.mosaic_gpu import kernel_io_kwargs
 
     def tiny_kernel(x_ref, y_ref, sem):
         tiny(x_ref, y_ref, sem)
 
     tiny_call = plgpu.kernel(tiny_kernel, grid=(1,), grid_names=("cta",),
-                             **{out_kw: jax.ShapeDtypeStruct((8, 128), jnp.float32),
-                                scratch_kw: [plgpu.SemaphoreType.REGULAR]})
+                             **kernel_io_kwargs(plgpu, jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                                                [plgpu.SemaphoreType.REGULAR]))
     host = np.arange(2 * 8 * 128, dtype=np.float32).reshape(2, 8 * 128)
     fn = jax.jit(jax.shard_map(lambda x: tiny_call(x.reshape(8, 128)).reshape(-1), mesh=mesh,
                                in_specs=P("data"), out_specs=P("data"), check_vma=False))

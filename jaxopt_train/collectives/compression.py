@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxopt_train.collectives.peer import peer_all_reduce
 from jaxopt_train.collectives.ring import _Ring, all_gather_chunks, wire_cast
 
 CODECS = ("bf16", "int8")
@@ -166,8 +167,6 @@ def compressed_all_reduce(flat, axis_name, n: int, *, codec: str, ring: _Ring | 
     if peer:
         if codec != "bf16":
             raise ValueError(f"the peer exchange compresses to bf16 only; got codec={codec!r}")
-        from jaxopt_train.collectives.peer import peer_all_reduce  # noqa: PLC0415 - peer imports ring
-
         result, sent = peer_all_reduce(v, axis_name, wire_dtype=jnp.bfloat16, return_wire_copy=True)
         return result, None if error is None else (v - sent).reshape(error.shape)
     if ring is not None and ring.size == 2:

@@ -40,10 +40,6 @@ DEFAULT_TILE = 1024  # elements per tile; 512-2048 measured, 1024 best
 DEFAULT_CTAS_PER_SM = 4
 
 
-def _num_sms() -> int:
-    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
-
-
 def check_platform() -> None:
     """Raises unless this process drives CUDA GPUs of compute capability >= 9.0 on its own."""
     backend = jax.default_backend()
@@ -100,6 +96,8 @@ def _kernel_call(n_tiles: int, tile: int, grid: int, has_tail: bool, wire, narro
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
+    from jaxopt_train.kernels.mosaic_gpu import kernel_io_kwargs  # noqa: PLC0415
+
     per_cta = -(-n_tiles // grid) if n_tiles else 0
     per_segment = 2 if narrow else 1
 
@@ -140,8 +138,6 @@ def _kernel_call(n_tiles: int, tile: int, grid: int, has_tail: bool, wire, narro
     shapes = [jax.ShapeDtypeStruct((n_tiles * tile,), wire)] * per_segment if n_tiles else []
     if has_tail:
         shapes += [jax.ShapeDtypeStruct((tile,), wire)] * per_segment
-    from jaxopt_train.kernels.mosaic_gpu import kernel_io_kwargs  # noqa: PLC0415
-
     return plgpu.kernel(kernel, grid=(grid,), grid_names=("cta",),
                         **kernel_io_kwargs(plgpu, tuple(shapes), [plgpu.SemaphoreType.REGULAR((grid,))]))
 
@@ -179,7 +175,9 @@ def peer_all_reduce(x, axis_name: AxisName, *, wire_dtype=None, tile: int = DEFA
     flat = x.reshape(-1)
     n = flat.size
     n_tiles, tail = divmod(n, tile)
-    grid = max(1, min(n_tiles, ctas_per_sm * _num_sms()))
+    from jaxopt_train.kernels.mosaic_gpu import num_sms  # noqa: PLC0415
+
+    grid = max(1, min(n_tiles, ctas_per_sm * num_sms()))
     operands = [flat]
     if tail:  # the last partial tile travels zero-padded in its own small buffer
         operands.append(jnp.pad(flat[n_tiles * tile:], (0, tile - tail)))

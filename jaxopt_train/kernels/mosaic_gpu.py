@@ -56,7 +56,8 @@ def _swizzled(plgpu, minor_dim: int, dtype) -> tuple:
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _num_sms() -> int:
+def num_sms() -> int:
+    """SMs of the default device (132 on an H100/H200 when the runtime does not say)."""
     return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
@@ -396,7 +397,7 @@ def mosaic_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
     if stages != config.num_stages:
         config = dataclasses.replace(config, num_stages=stages)
     cluster = 1 if config.cluster == "none" else 2
-    grid = (min(_num_sms() // cluster, m_iters * n_iters),)
+    grid = (min(num_sms() // cluster, m_iters * n_iters),)
     if config.schedule == "pingpong":
         from jaxopt_train.kernels import mosaic_gpu_pingpong as pingpong
 
