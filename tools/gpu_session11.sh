@@ -16,7 +16,7 @@ source "$(dirname "$0")/gpu_common.sh"
 SH="8192x8192x2048 16384x8192x2048 8192x6144x2048 8192x8192x8192"
 (
   export CUDA_VISIBLE_DEVICES=0
-  for mode in store skip nowait; do
+  for mode in ${MODES:-store skip nowait}; do
     step "epi_$mode" 110 $PY tools/probe_matmul.py --variants default,epi128 --no-example \
       --shapes $SH --epilogue $mode --budget-s 80 --grace-s 20 --json "$OUT/epi_$mode.json"
   done
