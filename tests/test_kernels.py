@@ -353,9 +353,12 @@ def test_mosaic_pipeline_depth_fits_shared_memory():
                    jnp.bfloat16, has_bias=False)
     with pytest.raises(ValueError, match="wgmma_in_flight"):
         MatmulConfig(num_stages=1, wgmma_in_flight=1)
-    # Ping-pong: one ring per consumer, each of 128x64 + 64x128 bf16 tiles (32 KiB a stage).
-    pingpong = MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=4, schedule="pingpong")
-    assert fit_stages(pingpong, jnp.bfloat16, jnp.bfloat16, has_bias=True) == 3
+    # Ping-pong: one shared ring of 128x64 + 64x128 bf16 tiles (32 KiB a stage) next to
+    # 32 KiB of output slots and 1 KiB of bias: 6 stages fit, 7 do not.
+    pingpong = MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=8, schedule="pingpong")
+    assert fit_stages(pingpong, jnp.bfloat16, jnp.bfloat16, has_bias=True) == 6
+    assert fit_stages(dataclasses.replace(pingpong, num_stages=4), jnp.bfloat16, jnp.bfloat16,
+                      has_bias=True) == 4
 
 
 def test_chained_pipeline_depth_divides_the_k_steps():

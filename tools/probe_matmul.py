@@ -53,6 +53,10 @@ VARIANTS: dict[str, dict] = {
     "wg_n_inflight": {"wg_split": "n", "wgmma_in_flight": 1},
     "wg_n_g8m": {"wg_split": "n", "group_m": 8, "grid_minor": "m"},
     "epi128": {"epilogue_tile": 128},
+    # Ping-pong with one shared ring (eleventh session): each consumer owns 128 x 128 tiles.
+    "pp4": {"schedule": "pingpong", "num_stages": 4},
+    "pp6": {"schedule": "pingpong", "num_stages": 6},
+    "pp6_inflight": {"schedule": "pingpong", "num_stages": 6, "wgmma_in_flight": 1},
 }
 # The default run (fits the 220 s budget with compile times of a few seconds).
 # Cluster variants go last: a cluster synchronisation bug would hang, not fail.
@@ -152,10 +156,16 @@ def _patch_epilogue(mode: str) -> None:
     def store_one(out, slots, out_gmem, epi_m, epi_n):
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
-        # Only the first sub-tile: the accumulator stays live (dropping every store lets
+        # Only one sub-tile, the sum of all: the accumulator stays live (dropping every store lets
         # the compiler drop the wgmmas too, so 'skip' times the loads alone).
+        bm, bn = out.shape
+        first = out[:epi_m, :epi_n]
+        for i in range(bm // epi_m):  # every sub-tile feeds it: each wgmma stays live
+            for j in range(bn // epi_n):
+                if i or j:
+                    first = first + out[i * epi_m:(i + 1) * epi_m, j * epi_n:(j + 1) * epi_n]
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        slots[0] = out[:epi_m, :epi_n]
+        slots[0] = first
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(slots.at[0], out_gmem.at[:epi_m, :epi_n])
 
@@ -201,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epilogue", choices=("store", "skip", "nowait", "one"), default="store",
                         help="diagnostic (timing only, results are wrong): 'skip' drops the "
                              "output stores of our kernel, 'nowait' stores without waiting for "
-                             "an SMEM slot's previous TMA store, 'one' stores only each tile's first "
-                             "sub-tile; the difference to 'store' is "
+                             "an SMEM slot's previous TMA store, 'one' stores one sub-tile per tile "
+                             "(the sum of all); the difference to 'store' is "
                              "the epilogue's share of the kernel's time. Implies --no-check")
     parser.add_argument("--no-check", action="store_true",
                         help="time without checking results against XLA first")

@@ -59,10 +59,10 @@ class MatmulConfig:
             because no thread both reads and writes one SMEM region.
         schedule: Mosaic GPU only: "cooperative" (both consumer warpgroups
             share each CTA tile, see `wg_split`) or "pingpong" (each consumer
-            owns a whole block_m x block_n tile and its own SMEM ring, and the
-            two alternate, so one's epilogue runs under the other's main loop).
-            On an H200 ping-pong measured 12-15% slower on gpt-1b's products: two
-            rings leave each consumer 3 stages, too shallow (BENCHMARKS.md).
+            owns a whole block_m x block_n tile, the two alternate, so one's
+            epilogue runs under the other's main loop; the producer fills one
+            SMEM ring for both in tile order). See BENCHMARKS.md for how it
+            compares on an H200.
         chain_tiles: Mosaic GPU only: chain the pipelines of the tiles an SM
             visits (Pallas's pipeline_state), so the producer loads the next
             tile's first stages during the current tile's last steps and

@@ -101,17 +101,16 @@ def epilogue_scratch(plgpu, config: MatmulConfig, out_dtype, has_bias: bool) -> 
 
 def fit_stages(config: MatmulConfig, in_dtype, out_dtype, has_bias: bool) -> int:
     """The deepest pipeline <= config.num_stages whose buffers fit in shared memory
-    (per consumer with the ping-pong schedule, which gives each its own ring)."""
+    (with the ping-pong schedule a stage holds one consumer's block_m x block_n tile's operands)."""
     bk, bn = config.block_k, config.block_n
     rows, cols = cta_tile(config)
     per_stage = (rows * bk + bk * cols) * jnp.dtype(in_dtype).itemsize
     epi_m, epi_n = _epilogue_tile(config)
     fixed = _NUM_CONSUMERS * _epilogue_slots(config) * epi_m * epi_n * jnp.dtype(out_dtype).itemsize + _SMEM_SLACK
     fixed += _NUM_CONSUMERS * bn * 4 if has_bias else 0
-    rings = _NUM_CONSUMERS if config.schedule == "pingpong" else 1  # one ring per consumer
-    stages = min(config.num_stages, (_SMEM_BYTES - fixed) // (rings * per_stage))
+    stages = min(config.num_stages, (_SMEM_BYTES - fixed) // per_stage)
     if stages < 2:
-        raise ValueError(f"{config} needs {fixed + 2 * rings * per_stage} bytes of shared memory for a "
+        raise ValueError(f"{config} needs {fixed + 2 * per_stage} bytes of shared memory for a "
                          f"2-stage pipeline; Hopper has {_SMEM_BYTES}: use smaller blocks")
     return int(stages)
 

@@ -2,25 +2,28 @@
 
 The cooperative kernel (`mosaic_gpu._matmul_kernel`) gives both consumer
 warpgroups halves of one CTA tile, so both reach the epilogue together and the
-tensor cores idle while the accumulators are converted and stored. With
-gpt-1b's K = 2048 products that is a ~1-2 us epilogue per ~18 us tile, the
-gap measured against cuBLAS in the training step (BENCHMARKS.md). Here each
-consumer owns whole block_m x block_n tiles, alternately (this CTA's even
-tiles go to consumer 0, odd ones to consumer 1), and has its own ring of SMEM
-stages and barriers; the producer warpgroup fills the rings in tile order. The
-producer can only run `stages` steps ahead, so the next consumer's data
-arrives as the current one finishes its main loop, and while one consumer runs
+tensor cores idle while the accumulators are converted and stored. Timed on an
+H200 (`tools/probe_matmul.py --epilogue one`, BENCHMARKS.md), that epilogue costs
+1-9% of the kernel on K = 2048 products (gpt-1b's forward) and ~1% at K = 8192.
+Here each consumer owns whole block_m x block_n tiles, alternately (this CTA's
+even tiles go to consumer 0, odd ones to consumer 1), so while one consumer runs
 its epilogue the other keeps the tensor cores busy (CUTLASS calls this the
-ping-pong schedule). Measured on an H200 it is 12-15% SLOWER than the
-cooperative kernel on gpt-1b's products (BENCHMARKS.md): two rings in 227 KiB
-leave each consumer 3 stages, and 128 x 128 tiles read more operand bytes per
-FLOP. It stays as a tested option, not a default.
+ping-pong schedule).
+
+The producer warpgroup fills ONE ring of SMEM stages in tile order, so whichever
+consumer runs its main loop has the whole ring ahead of it. (The first version
+gave each consumer its own ring: two rings in 227 KiB left each 3 stages, and it
+measured 12-15% slower than the cooperative kernel.) Each slot has one "empty"
+barrier, which the producer waits on before every refill after the first, and
+one "full" barrier per consumer, on which the producer's copies arrive for that
+consumer's tiles.
 
 Barrier phases in Pallas are tracked per thread, one parity bit per barrier,
 flipped by each wait: every barrier here is waited on by one thread kind in
-every phase, in order (consumer c waits on its own ring's "full" barriers, the
-producer on every "empty" barrier except for each slot's first fill), so the
-implicit tracking stays exact.
+every phase, in order (consumer c waits on its own "full" barriers, which only its
+tiles' copies complete; the producer on every "empty" barrier except for each
+slot's first fill), so the implicit tracking stays exact whatever K and the ring
+depth are.
 """
 
 from __future__ import annotations
@@ -42,17 +45,17 @@ _CONSUMER_REGISTERS = 232  # (512 - 40) / 2 rounded down to a multiple of 8
 
 def ring_scratch(plgpu, config: MatmulConfig, in_dtype, stages: int, transpose_a: bool,
                  transpose_b: bool) -> list:
-    """The SMEM rings (one per consumer, `stages` deep) and their barriers; the
-    epilogue's slots follow them (`mosaic_gpu.epilogue_scratch`)."""
+    """The shared SMEM ring (`stages` deep) and its barriers; the epilogue's slots
+    follow them (`mosaic_gpu.epilogue_scratch`)."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    ring = NUM_CONSUMERS * stages
     a_tile = (bk, bm) if transpose_a else (bm, bk)
     b_tile = (bn, bk) if transpose_b else (bk, bn)
     return [
-        plgpu.SMEM((ring, *a_tile), in_dtype, transforms=_swizzled(plgpu, a_tile[1], in_dtype)),
-        plgpu.SMEM((ring, *b_tile), in_dtype, transforms=_swizzled(plgpu, bk, in_dtype)),
-        plgpu.Barrier(num_arrivals=2, num_barriers=ring),  # "full": the A and B copies landed
-        plgpu.Barrier(num_arrivals=1, num_barriers=ring),  # "empty": the consumer is done with it
+        plgpu.SMEM((stages, *a_tile), in_dtype, transforms=_swizzled(plgpu, a_tile[1], in_dtype)),
+        plgpu.SMEM((stages, *b_tile), in_dtype, transforms=_swizzled(plgpu, bk, in_dtype)),
+        # "full" [consumer * stages + slot]: the A and B copies for that consumer's tile landed
+        plgpu.Barrier(num_arrivals=2, num_barriers=NUM_CONSUMERS * stages),
+        plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # "empty": its consumer is done with it
     ]
 
 
@@ -77,8 +80,9 @@ def kernel(a_gmem, b_gmem, bias_gmem, out_gmem, a_smem, b_smem, full, empty, out
                                           config.group_m)
         return m_idx * bm, n_idx * bn
 
-    def ring_slot(consumer, local_tile, k):
-        return consumer * stages + lax.rem(local_tile * k_iters + k, stages)
+    def ring_slot(tile, k):
+        """The slot of this CTA's `tile`-th tile's K step `k`: one shared ring, in tile order."""
+        return lax.rem(tile * k_iters + k, stages)
 
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
@@ -86,22 +90,22 @@ def kernel(a_gmem, b_gmem, bias_gmem, out_gmem, a_smem, b_smem, full, empty, out
 
         @pl.loop(0, my_tiles)
         def _tile(j):
-            consumer, local = lax.rem(j, 2), lax.div(j, 2)
+            full_base = lax.rem(j, 2) * stages  # this tile's consumer's "full" barriers
             row0, col0 = tile_origin(j)
 
             @pl.loop(0, k_iters)
             def _step(k):
-                slot = ring_slot(consumer, local, k)
+                slot = ring_slot(j, k)
 
-                @pl.when(local * k_iters + k >= stages)  # a slot's first fill has nothing to wait for
+                @pl.when(j * k_iters + k >= stages)  # a slot's first fill has nothing to wait for
                 def _():
                     plgpu.barrier_wait(empty.at[slot])
 
                 ks = pl.ds(k * bk, bk)
                 a_src = a_gmem.at[ks, pl.ds(row0, bm)] if transpose_a else a_gmem.at[pl.ds(row0, bm), ks]
                 b_src = b_gmem.at[pl.ds(col0, bn), ks] if transpose_b else b_gmem.at[ks, pl.ds(col0, bn)]
-                plgpu.copy_gmem_to_smem(a_src, a_smem.at[slot], full.at[slot])
-                plgpu.copy_gmem_to_smem(b_src, b_smem.at[slot], full.at[slot])
+                plgpu.copy_gmem_to_smem(a_src, a_smem.at[slot], full.at[full_base + slot])
+                plgpu.copy_gmem_to_smem(b_src, b_smem.at[slot], full.at[full_base + slot])
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
@@ -110,7 +114,8 @@ def kernel(a_gmem, b_gmem, bias_gmem, out_gmem, a_smem, b_smem, full, empty, out
 
         @pl.loop(0, (my_tiles - consumer + 1) // 2)
         def _tile(local):
-            row0, col0 = tile_origin(2 * local + consumer)
+            j = 2 * local + consumer  # this CTA's tile index
+            row0, col0 = tile_origin(j)
             if bias_gmem is not None:  # fetched while the main loop runs
                 plgpu.copy_gmem_to_smem(bias_gmem.at[pl.ds(col0, bn)], bias_smem.at[consumer],
                                         bias_barrier.at[consumer])
@@ -118,8 +123,8 @@ def kernel(a_gmem, b_gmem, bias_gmem, out_gmem, a_smem, b_smem, full, empty, out
             @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
             def _accumulate(acc_ref):
                 def step(k, acc):
-                    slot = ring_slot(consumer, local, k)
-                    plgpu.barrier_wait(full.at[slot])
+                    slot = ring_slot(j, k)
+                    plgpu.barrier_wait(full.at[consumer * stages + slot])
                     a_op = _transposed(plgpu, a_smem.at[slot]) if transpose_a else a_smem.at[slot]
                     b_op = _transposed(plgpu, b_smem.at[slot]) if transpose_b else b_smem.at[slot]
                     plgpu.wgmma(acc, a_op, b_op)
@@ -127,7 +132,7 @@ def kernel(a_gmem, b_gmem, bias_gmem, out_gmem, a_smem, b_smem, full, empty, out
                     if in_flight:
                         @pl.when(k > 0)
                         def _():
-                            plgpu.barrier_arrive(empty.at[ring_slot(consumer, local, k - 1)])
+                            plgpu.barrier_arrive(empty.at[ring_slot(j, k - 1)])
                     else:
                         plgpu.barrier_arrive(empty.at[slot])
                     return acc
@@ -135,7 +140,7 @@ def kernel(a_gmem, b_gmem, bias_gmem, out_gmem, a_smem, b_smem, full, empty, out
                 lax.fori_loop(0, k_iters, step, acc_ref)
                 if in_flight:
                     plgpu.wgmma_wait(0)
-                    plgpu.barrier_arrive(empty.at[ring_slot(consumer, local, k_iters - 1)])
+                    plgpu.barrier_arrive(empty.at[ring_slot(j, k_iters - 1)])
                 acc = acc_ref[...]
                 bias = None
                 if bias_gmem is not None:
