@@ -259,8 +259,6 @@ def test_out_dtype_takes_dtype_names():
     (lambda a, b: matmul(a, b, config={"tile": 4}), ValueError, "unknown MatmulConfig"),
     (lambda a, b: matmul(a, b, config=(1, 2)), TypeError, "MatmulConfig"),
     (lambda a, b: matmul(a, b, config={"schedule": "stream_k"}), ValueError, "cooperative"),
-    (lambda a, b: matmul(a, b, config={"epilogue_store": "smem"}), ValueError,
-     r"epilogue_store='smem' must be one of \('tma', 'direct'\)"),
     (lambda a, b: matmul(a, b, config={"schedule": "pingpong", "cluster": "m"}), ValueError,
      "needs cluster='none'"),
     (lambda a, b: matmul(a, b, bias=[1.0] * 6), TypeError, r"bias must be an array of shape \(N,\)=\(6,\)"),
@@ -380,11 +378,8 @@ def test_chained_pipeline_depth_divides_the_k_steps():
 
 
 @pytest.mark.parametrize("layout", [{}, {"schedule": "pingpong"}, {"cluster": "m"}, {"cluster": "n"},
-                                    {"chain_tiles": True, "wgmma_in_flight": 0},
-                                    {"chain_tiles": True, "wgmma_in_flight": 0, "epilogue_store": "direct"},
-                                    {"schedule": "pingpong", "epilogue_store": "direct"}],
-                         ids=["cooperative", "pingpong", "cluster_m", "cluster_n", "chained",
-                              "chained_direct", "pingpong_direct"])
+                                    {"chain_tiles": True, "wgmma_in_flight": 0}],
+                         ids=["cooperative", "pingpong", "cluster_m", "cluster_n", "chained"])
 @pytest.mark.parametrize("transposed", [None, "a", "b"])
 def test_mosaic_gpu_kernel_lowers_for_cuda_on_cpu(layout, transposed):
     """The Pallas -> Mosaic GPU lowering runs without a GPU: it catches layout, barrier

@@ -6,7 +6,9 @@
 #   shapes and the large shapes (shipped default vs direct stores), XLA in the same process.
 # GPU 1: the bench's optimised gpt-1b step (tools/probe_gpt1b.py --variants opt) with XLA's dot,
 #   our shipped config, and the shipped config with direct stores, for every product.
-#   bash tools/gpu_session11c.sh   # results in $OUT/summary.txt and $OUT/*.json
+# Ran at commit 11ef469 (as STEP_EXTRA='directnab={"epilogue_store":"direct","no_auto_barriers":true}'
+# bash tools/gpu_session11c.sh). Direct stores lost everywhere (BENCHMARKS.md), so the option was
+# removed again; this script is the record of that call and needs that commit to run.
 set -u
 OUT=${OUT:-/tmp/s11c_out}; R=/tmp/s11c; mkdir -p "$R" "$OUT"
 export DEADLINE=${DEADLINE:-540}

@@ -57,11 +57,6 @@ VARIANTS: dict[str, dict] = {
     "pp4": {"schedule": "pingpong", "num_stages": 4},
     "pp6": {"schedule": "pingpong", "num_stages": 6},
     "pp6_inflight": {"schedule": "pingpong", "num_stages": 6, "wgmma_in_flight": 1},
-    # Finished tiles stored from registers, no SMEM / TMA (eleventh session).
-    "direct": {"epilogue_store": "direct"},
-    "direct_noautobar": {"epilogue_store": "direct", "no_auto_barriers": True},
-    "pp6_inflight_direct": {"schedule": "pingpong", "num_stages": 6, "wgmma_in_flight": 1,
-                            "epilogue_store": "direct"},
 }
 # The default run (fits the 220 s budget with compile times of a few seconds).
 # Cluster variants go last: a cluster synchronisation bug would hang, not fail.

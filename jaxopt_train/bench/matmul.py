@@ -127,8 +127,6 @@ def _short(config: dict | None) -> str:
         text += f" cluster-{config['cluster']}"
     if config.get("schedule", "cooperative") != "cooperative":
         text += f" {config['schedule']}"
-    if config.get("epilogue_store", "tma") != "tma":
-        text += f" {config['epilogue_store']}-store"
     return text
 
 

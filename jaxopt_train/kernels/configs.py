@@ -20,7 +20,6 @@ GRID_MINOR = ("m", "n")
 WG_SPLITS = ("m", "n")
 CLUSTERS = ("none", "m", "n")
 SCHEDULES = ("cooperative", "pingpong")
-EPILOGUE_STORES = ("tma", "direct")
 
 
 def _is_pow2(x: int) -> bool:
@@ -64,11 +63,6 @@ class MatmulConfig:
             epilogue runs under the other's main loop; the producer fills one
             SMEM ring for both in tile order). See BENCHMARKS.md for how it
             compares on an H200.
-        epilogue_store: Mosaic GPU only: how a finished tile reaches global
-            memory: "tma" (staged through the SMEM output slots, see
-            `epilogue_tile`, and TMA-stored) or "direct" (each thread stores its
-            accumulator registers, converted, straight to global memory: no
-            SMEM, fences or TMA waits while the tensor cores idle).
         chain_tiles: Mosaic GPU only: chain the pipelines of the tiles an SM
             visits (Pallas's pipeline_state), so the producer loads the next
             tile's first stages during the current tile's last steps and
@@ -92,7 +86,6 @@ class MatmulConfig:
     no_auto_barriers: bool = False
     schedule: str = "cooperative"
     chain_tiles: bool = False
-    epilogue_store: str = "tma"
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "num_stages", "num_warps", "group_m",
@@ -127,9 +120,6 @@ class MatmulConfig:
             raise ValueError(f"MatmulConfig.schedule='pingpong' needs cluster='none' and "
                              f"warpgroup_lowering=False; got cluster={self.cluster!r}, "
                              f"warpgroup_lowering={self.warpgroup_lowering}")
-        if self.epilogue_store not in EPILOGUE_STORES:
-            raise ValueError(f"MatmulConfig.epilogue_store={self.epilogue_store!r} must be one of "
-                             f"{EPILOGUE_STORES}")
         if not isinstance(self.epilogue_tile, int) or not _is_pow2(self.epilogue_tile) \
                 or self.epilogue_tile < 16:
             raise ValueError(f"MatmulConfig.epilogue_tile={self.epilogue_tile!r} must be a "

@@ -16,8 +16,7 @@ Options of `MatmulConfig` (defaults give the layout above): `wg_split="n"`
 puts the consumers side by side (CTA tile block_m x 2*block_n, one shared A
 tile); `cluster="m"|"n"` pairs CTAs in a 2-CTA cluster that TMA-multicasts the
 shared B (resp. A) tile; `epilogue_tile` sets the output sub-tile edge;
-`epilogue_store="direct"` writes finished tiles from registers instead of through
-SMEM and TMA; `warpgroup_lowering` and `no_auto_barriers` are Mosaic GPU compiler switches;
+`warpgroup_lowering` and `no_auto_barriers` are Mosaic GPU compiler switches;
 `chain_tiles` (the Hopper default) chains the pipelines of the tiles an SM visits
 so loads never stop at a tile boundary; `schedule="pingpong"` is the alternative
 layout of `mosaic_gpu_pingpong` (measured slower, kept as an option).
@@ -228,7 +227,7 @@ def _matmul_kernel(a_gmem, b_gmem, bias_gmem, out_gmem, out_smem, bias_smem, bia
                             row = _load_bias(bias_smem.at[wg])
                         bias = lax.broadcast_in_dim(row, (bm, bn), [1])
                     out = apply_epilogue(acc, bias, activation).astype(out_gmem.dtype)
-                    write_tile(out, out_smem.at[wg], out_tile(), config)
+                    _store_epilogue(out, out_smem.at[wg], out_tile(), epi_m, epi_n)
 
             def mma_body(_, a_smem, b_smem, acc_ref):
                 # Slice this warpgroup's part as stored, then view it transposed.
@@ -299,16 +298,6 @@ def _transposed(plgpu, ref):
     if hasattr(plgpu, "transpose_ref"):
         return plgpu.transpose_ref(ref, (1, 0))
     return ref.transpose((1, 0))
-
-
-def write_tile(out, slots, out_gmem, config: MatmulConfig):
-    """Writes one consumer's finished tile `out` (registers) to `out_gmem` the config's way."""
-    if config.epilogue_store == "direct":
-        # Each thread stores its converted accumulator pairs (4-byte stores in the wgmma
-        # layout) straight to global memory; L2 merges the partial sectors before HBM.
-        out_gmem[...] = out
-    else:
-        _store_epilogue(out, slots, out_gmem, *_epilogue_tile(config))
 
 
 def _store_epilogue(out, slots, out_gmem, epi_m: int, epi_n: int):

@@ -36,7 +36,8 @@ from jax import lax
 from jaxopt_train.kernels.configs import MatmulConfig
 from jaxopt_train.kernels.epilogue import apply_epilogue
 from jaxopt_train.kernels.mosaic_gpu import _NUM_CONSUMERS as NUM_CONSUMERS
-from jaxopt_train.kernels.mosaic_gpu import _load_bias, _swizzled, _transposed, write_tile
+from jaxopt_train.kernels.mosaic_gpu import (_epilogue_tile, _load_bias, _store_epilogue,
+                                             _swizzled, _transposed)
 
 _PRODUCER_REGISTERS = 40
 _CONSUMER_REGISTERS = 232  # (512 - 40) / 2 rounded down to a multiple of 8
@@ -146,7 +147,7 @@ def kernel(a_gmem, b_gmem, bias_gmem, out_gmem, a_smem, b_smem, full, empty, out
                     plgpu.barrier_wait(bias_barrier.at[consumer])
                     bias = lax.broadcast_in_dim(_load_bias(bias_smem.at[consumer]), (bm, bn), [1])
                 out = apply_epilogue(acc, bias, activation).astype(out_gmem.dtype)
-                write_tile(out, out_smem.at[consumer], out_gmem.at[pl.ds(row0, bm), pl.ds(col0, bn)],
-                           config)
+                _store_epilogue(out, out_smem.at[consumer],
+                                out_gmem.at[pl.ds(row0, bm), pl.ds(col0, bn)], *_epilogue_tile(config))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
