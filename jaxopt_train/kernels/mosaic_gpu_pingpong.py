@@ -4,7 +4,7 @@ The cooperative kernel (`mosaic_gpu._matmul_kernel`) gives both consumer
 warpgroups halves of one CTA tile, so both reach the epilogue together and the
 tensor cores idle while the accumulators are converted and stored. Timed on an
 H200 (`tools/probe_matmul.py --epilogue one`, BENCHMARKS.md), that epilogue costs
-1-9% of the kernel on K = 2048 products (gpt-1b's forward) and ~1% at K = 8192.
+1-8% of the kernel on K = 2048 products (gpt-1b's forward) and ~1% at K = 8192.
 Here each consumer owns whole block_m x block_n tiles, alternately (this CTA's
 even tiles go to consumer 0, odd ones to consumer 1), so while one consumer runs
 its epilogue the other keeps the tensor cores busy (CUTLASS calls this the
@@ -13,7 +13,10 @@ ping-pong schedule).
 The producer warpgroup fills ONE ring of SMEM stages in tile order, so whichever
 consumer runs its main loop has the whole ring ahead of it. (The first version
 gave each consumer its own ring: two rings in 227 KiB left each 3 stages, and it
-measured 12-15% slower than the cooperative kernel.) Each slot has one "empty"
+measured 12-15% slower than the cooperative kernel.) The shared ring is no faster
+on an H200 (0.84x XLA's dot over 8 shapes against 0.99x for the cooperative kernel;
+0.89x with one wgmma in flight): one warpgroup at a time drives the tensor cores on
+128 x 128 tiles. So ping-pong stays an option, not the default. Each slot has one "empty"
 barrier, which the producer waits on before every refill after the first, and
 one "full" barrier per consumer, on which the producer's copies arrive for that
 consumer's tiles.
