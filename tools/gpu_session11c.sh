@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Eleventh session, call 3 (nvidia-h200-x2, <= 9 min): MatmulConfig(epilogue_store="direct"), the
 # consumers store their finished tiles from registers to global memory (no SMEM slots, fences or
-# TMA waits while the tensor cores idle; call 1 timed that epilogue at 1-9% of the kernel on K = 2048).
+# TMA waits while the tensor cores idle; call 1 timed that epilogue at 1-8% of the kernel on K = 2048).
 # GPU 0: the GPU tests of every "direct" config, then tools/probe_matmul.py on gpt-1b-like K = 2048
 #   shapes and the large shapes (shipped default vs direct stores), XLA in the same process.
 # GPU 1: the bench's optimised gpt-1b step (tools/probe_gpt1b.py --variants opt) with XLA's dot,
