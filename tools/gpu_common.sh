@@ -27,6 +27,13 @@ GPT1B_TRAIN="-m jaxopt_train.train.cli --preset gpt-1b --steps ${TRAIN_STEPS:-40
   --grad-dtype compute --opt-state-dtype bf16"
 GPT1B_BENCH="-m jaxopt_train.bench.train --model gpt-1b --global-batch 8 --microbatches 1 --steps 30 \
   --warmup 5 --bursts 3 --trace-steps 5 --steps-per-dispatch 1"
+gpt1b_probe() {  # gpt1b_probe TAG SPEC: the bench's optimised gpt-1b step (tools/probe_gpt1b.py
+                 # --variants opt) with SPEC = xla (XLA's dot), empty (our kernel, shipped config) or
+                 # MatmulConfig JSON fields without spaces; log $R/step_TAG.log, JSON $R/gpt1b_probe_TAG.json
+  local kernel=(--matmul pallas ${2:+--matmul-config "$2"})
+  if [ "$2" = xla ]; then kernel=(); fi
+  OUT=$R step "step_$1" ${T_P:-160} $PY tools/probe_gpt1b.py --variants opt --tag "_$1" "${kernel[@]}"
+}
 finish() {  # finish ARCHIVE [TAIL [TAR_OPTION...]]: total time; $OUT/summary.txt holds the last TAIL
             # lines of each log; $R is packed into $OUT/ARCHIVE.tar.gz (the tool returns <= 8 files)
   local archive=$1 tail_n=${2:-30}; shift $(( $# < 2 ? $# : 2 ))

@@ -15,18 +15,13 @@ export DEADLINE=${DEADLINE:-330}
 source "$(dirname "$0")/gpu_common.sh"
 LANE0=${LANE0-'_base0= _64x256={"block_m":64,"block_n":256} _wgn={"wg_split":"n"} _inflight={"wgmma_in_flight":1}'}
 LANE1=${LANE1-'_base1= _g8={"group_m":8} _noab={"no_auto_barriers":true} _64x256f1={"block_m":64,"block_n":256,"wgmma_in_flight":1}'}
-probe() {  # probe TAG JSON|xla|(empty)
-  local kernel=(--matmul pallas ${2:+--matmul-config "$2"})
-  if [ "$2" = xla ]; then kernel=(); fi
-  OUT=$R step "cfg$1" ${T_P:-75} $PY tools/probe_gpt1b.py --variants opt --tag "$1" "${kernel[@]}"
-}
 lane() {  # lane GPU SPECS
   export CUDA_VISIBLE_DEVICES=$1
   if [ "$1" = 0 ] && [ -n "${TESTS_K:-}" ]; then
     step tests ${T_TESTS:-120} $PY -m pytest -q -m gpu tests/test_kernels_gpu.py -k "$TESTS_K" -p no:cacheprovider
   fi
   local specs spec; read -ra specs <<< "$2"
-  for spec in "${specs[@]}"; do probe "${spec%%=*}" "${spec#*=}"; done
+  for spec in "${specs[@]}"; do tag=${spec%%=*}; T_P=${T_P:-75} gpt1b_probe "${tag#_}" "${spec#*=}"; done
 }
 lane 0 "$LANE0" & A=$!
 lane 1 "$LANE1" & B=$!

@@ -19,10 +19,8 @@ source "$(dirname "$0")/gpu_common.sh"
 ) &
 (
   export CUDA_VISIBLE_DEVICES=1
-  for spec in xla= pallas= pp6='{"schedule":"pingpong","num_stages":6}'; do
-    tag=${spec%%=*}; cfg=${spec#*=}
-    kernel=(--matmul pallas ${cfg:+--matmul-config "$cfg"}); [ "$tag" = xla ] && kernel=()
-    OUT=$R step "step_$tag" 160 $PY tools/probe_gpt1b.py --variants opt --tag "_$tag" "${kernel[@]}"
+  for spec in xla=xla pallas= pp6='{"schedule":"pingpong","num_stages":6}'; do
+    gpt1b_probe "${spec%%=*}" "${spec#*=}"
   done
 ) &
 wait

@@ -22,10 +22,8 @@ source "$(dirname "$0")/gpu_common.sh"
 ) &
 (
   export CUDA_VISIBLE_DEVICES=1
-  for spec in xla= pallas= direct='{"epilogue_store":"direct"}' ${STEP_EXTRA:-}; do
-    tag=${spec%%=*}; cfg=${spec#*=}
-    kernel=(--matmul pallas ${cfg:+--matmul-config "$cfg"}); [ "$tag" = xla ] && kernel=()
-    OUT=$R step "step_$tag" 160 $PY tools/probe_gpt1b.py --variants opt --tag "_$tag" "${kernel[@]}"
+  for spec in xla=xla pallas= direct='{"epilogue_store":"direct"}' ${STEP_EXTRA:-}; do
+    gpt1b_probe "${spec%%=*}" "${spec#*=}"
   done
 ) &
 wait

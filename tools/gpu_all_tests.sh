@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Eleventh session, call 4 (nvidia-h200-x2, ~9 min): every GPU-marked test on the final tree
-# (the shared-ring ping-pong kernel and the num_sms() rename landed since the last full run).
+# Every GPU-marked test on the tree (nvidia-h200-x2, ~6-9 min); ran as the eighth session's call 5
+# (as gpu_session8d.sh) and the eleventh session's call 4 (as gpu_session11d.sh).
 #   GPU 0: kernel tests except Triton and the option sweeps, then the other modules' GPU tests;
 #   GPU 1: Triton and option-sweep kernel tests (jax-triton from .whl on PYTHONPATH);
 #   both:  tests/test_collectives_gpu.py (needs the pair).
-#   bash tools/gpu_session11d.sh   # with carry [".whl"] (jax-triton); results in $OUT/s11d.tar.gz
+#   bash tools/gpu_all_tests.sh   # with carry [".whl"] (jax-triton); results in $OUT/$TAG.tar.gz
 set -u
-OUT=${OUT:-/tmp/s11d_out}; R=/tmp/s11d; mkdir -p "$R" "$OUT"
+TAG=${TAG:-gpu_tests}
+OUT=${OUT:-/tmp/${TAG}_out}; R=/tmp/$TAG; mkdir -p "$R" "$OUT"
 export DEADLINE=${DEADLINE:-520}
 source "$(dirname "$0")/gpu_common.sh"
 T="$PY -m pytest -q -rfE -m gpu -p no:cacheprovider"
@@ -24,4 +25,4 @@ T="$PY -m pytest -q -rfE -m gpu -p no:cacheprovider"
 ) & B=$!
 wait $A $B
 step collectives 60 $T tests/test_collectives_gpu.py
-finish s11d 12
+finish "$TAG" 12
