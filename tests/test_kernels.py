@@ -283,6 +283,18 @@ def test_default_configs_by_device_kind():
         configs.default_config("auto", "cpu", 1, 1, 1)
 
 
+@pytest.mark.parametrize("m, n, split", [
+    (50304, 2048, "n"),   # gpt-1b's head weight gradient: 393 x 128 rows, no pad side by side
+    (8192, 2048, "m"),    # fits the shipped 256 x 128 CTA tile
+    (50304, 2000, "m"),   # both splits pad: the shipped split stays
+    (127, 129, "m"),
+])
+def test_mosaic_default_picks_the_consumer_split_that_needs_no_padding(m, n, split):
+    config = configs.default_config("mosaic_gpu", "NVIDIA H200", m, n, 8192)
+    shipped = configs.SHIPPED_DEFAULTS[("mosaic_gpu", "NVIDIA H200")]
+    assert config == dataclasses.replace(shipped, wg_split=split)
+
+
 def test_autotune_picks_fastest_correct_candidate_and_caches_it(tmp_path, monkeypatch):
     small, large = (MatmulConfig(block_m=16, block_n=16, block_k=16, num_stages=1),
                     MatmulConfig(block_m=32, block_n=32, block_k=32, num_stages=1))

@@ -234,6 +234,30 @@ def test_transpose_b_reads_the_table_as_stored(backend, with_bias):
     _close(db, matmul_reference(g.T, a, out_dtype=jnp.float32), 2e-2)
 
 
+def test_tied_head_gradient_needs_no_padding():
+    """A tied LM head whose vocabulary is an odd multiple of 128 (gpt-1b: 50,304 = 393 x 128):
+    the default config puts the consumers side by side for the table's gradient, so the
+    compiled step pads nothing, and with 270 tiles every SM chains two or three of them."""
+    _backend_or_skip("mosaic_gpu")
+    tokens, d_model, vocab = 1024, 512, 135 * 128
+    ka, kb, kg = jax.random.split(jax.random.key(12), 3)
+    x = jax.random.normal(ka, (tokens, d_model), jnp.float32).astype(jnp.bfloat16)
+    table = jax.random.normal(kb, (vocab, d_model), jnp.float32).astype(jnp.bfloat16)
+    g = jax.random.normal(kg, (tokens, vocab), jnp.float32).astype(jnp.bfloat16)
+
+    def fwd_vjp(x, table, g):
+        out, pull = jax.vjp(lambda x, t: matmul(x, t, backend="mosaic_gpu", transpose_b=True,
+                                                out_dtype=jnp.float32), x, table)
+        return (out, *pull(g.astype(jnp.float32)))
+
+    text = jax.jit(fwd_vjp).lower(x, table, g).compile().as_text()
+    assert " pad(" not in text, [ln for ln in text.splitlines() if " pad(" in ln][:3]
+    out, dx, dtable = jax.jit(fwd_vjp)(x, table, g)
+    _close(out, matmul_reference(x, table.T, out_dtype=jnp.float32), 1e-4)
+    _close(dx, matmul_reference(g, table, out_dtype=jnp.float32), 2e-2)
+    _close(dtable, matmul_reference(g.T, x, out_dtype=jnp.float32), 2e-2)
+
+
 @pytest.mark.parametrize("transposed", ["a", "b"])
 @pytest.mark.parametrize("shape", [(256, 256, 128), (127, 129, 65), (1000, 777, 513)],
                          ids=lambda s: "x".join(map(str, s)))

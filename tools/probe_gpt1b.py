@@ -64,6 +64,7 @@ def summarise_trace(logdir: str, steps: int) -> dict:
     streams = trace.gpu_streams
     ops_threads = {key for key, n in tnames.items() if key[0] in gpu_pids and "xla ops" in n.lower()}
     by_name, by_kind, by_op = collections.Counter(), collections.Counter(), collections.Counter()
+    calls = collections.Counter()
     first, last, samples = None, None, []
     for e in events:
         if e.get("ph") != "X" or e.get("pid") not in gpu_pids:
@@ -77,6 +78,7 @@ def summarise_trace(logdir: str, steps: int) -> dict:
         if streams and key not in streams:
             continue
         by_name[name[:90]] += dur
+        calls[name[:90]] += 1
         by_kind[_kind(name)] += dur
         if len(samples) < 5 and e.get("args"):
             samples.append({"name": name[:60], "args": e["args"]})
@@ -93,6 +95,8 @@ def summarise_trace(logdir: str, steps: int) -> dict:
         "by_kind_ms_per_step": {k: v / 1e3 / steps for k, v in by_kind.most_common()},
         "top_kernels_ms_per_step": [(k, v / 1e3 / steps) for k, v in by_name.most_common(45)],
         "top_ops_ms_per_step": [(k, v / 1e3 / steps) for k, v in by_op.most_common(30)],
+        # every kernel: (name, ms per step, launches per step), to diff two variants' traces
+        "all_kernels": [(k, v / 1e3 / steps, calls[k] / steps) for k, v in by_name.most_common()],
     }
 
 
@@ -124,7 +128,7 @@ def run_variant(name, spec, args, out_dir):
            "args_gib": mem.argument_bytes / 2**30, "compile_s": runner.compile_s,
            "bursts_ms": [w * 1e3 for w in timing.wall_s]}
     if args.profile and name == args.variants[0]:
-        logdir = os.path.join(out_dir, "trace_" + name)
+        logdir = os.path.join(out_dir, "trace_" + name + args.tag)
         jax.block_until_ready(state)
         with jax.profiler.trace(logdir, create_perfetto_trace=True):
             for _ in range(args.profile_steps):
@@ -163,6 +167,7 @@ def main(argv=None) -> int:
     p.add_argument("--xla-preset", default="gpu-throughput", help="jaxopt_train.runtime preset")
     p.add_argument("--xla-extra", default=None, help="more XLA flags, '--name=value ...'")
     p.add_argument("--tag", default="", help="suffix of the JSON file name")
+    p.add_argument("--bursts", type=int, default=None, help="timed bursts (default 3)")
     p.add_argument("--matmul", default="xla", help="dense-layer kernel: xla, pallas or triton")
     p.add_argument("--matmul-config", default=None,
                    help="JSON of MatmulConfig fields over the device's shipped default, used for "
@@ -177,10 +182,12 @@ def main(argv=None) -> int:
         p.error(f"unknown variants {unknown}; legal: {sorted(VARIANTS)}")
     if args.dry:
         args.model, args.batch, args.seq_len, args.layers = "gpt-tiny", 8, 32, 1
-        args.attention, args.warmup, args.bursts, args.calls, args.peak = "xla", 1, 2, 2, 1.0
+        args.attention, args.warmup, args.calls, args.peak = "xla", 1, 2, 1.0
+        args.bursts = args.bursts or 2
     else:
         args.model, args.batch, args.seq_len, args.layers = "gpt-1b", 8, None, None
-        args.attention, args.warmup, args.bursts, args.calls, args.peak = "cudnn", 4, 3, 8, 989.0
+        args.attention, args.warmup, args.calls, args.peak = "cudnn", 4, 8, 989.0
+        args.bursts = args.bursts or 3
     if args.matmul_config:
         _force_matmul_config(json.loads(args.matmul_config))
     out_dir = os.environ.get("OUT", "/tmp")
@@ -202,7 +209,7 @@ def main(argv=None) -> int:
         if "profile" in row:
             prof = row["profile"]
             print(json.dumps({k: v for k, v in prof.items()
-                              if k not in ("top_kernels_ms_per_step", "top_ops_ms_per_step")},
+                              if k not in ("top_kernels_ms_per_step", "top_ops_ms_per_step", "all_kernels")},
                              indent=1))
             for label in ("top_kernels_ms_per_step", "top_ops_ms_per_step"):
                 print(label)
