@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import math
 import time
 
@@ -345,3 +346,32 @@ def test_split_qkv_is_for_gpt_models_only():
     workload = train_steps.Workload("cnn-small", 8, 1)
     with pytest.raises(ValueError, match="split_qkv=True applies to GPT models"):
         train_steps.build_model(workload, train_steps.RunConfig("x", split_qkv=True), None)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--quick", "--warmup", "-1"], "--warmup=-1 must be >= 0"),
+    (["--quick", "--bursts", "0"], "--bursts=0 must be >= 1"),
+    (["--quick", "--warmup-s", "-1"], "--warmup-s=-1.0 must be a finite number of seconds >= 0"),
+    (["--quick", "--warmup-s", "inf"], "--warmup-s=inf must be"),
+    (["--quick", "--warmup-s", "nan"], "--warmup-s=nan must be"),
+])
+def test_warmup_and_burst_flags_are_validated(argv, message):
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        train._parse(argv)
+
+
+def test_warm_up_runs_the_count_then_whole_bursts_until_the_seconds_pass(monkeypatch):
+    out = jax.block_until_ready(jnp.zeros(()))  # made before the clock is faked: no jax inside
+    clock = iter(range(100))  # each perf_counter() read advances one "second"
+    monkeypatch.setattr(_timing.time, "perf_counter", lambda: float(next(clock)))
+    calls = []
+
+    def step(state):
+        calls.append(state)
+        return state + 1, out
+
+    assert _timing.warm_up(step, 0, 3) == 3  # no seconds: the count alone
+    calls.clear()
+    # start at t, the checks read t+1, t+2, t+3: three bursts of 3 reach 2.5 s
+    assert _timing.warm_up(step, 0, 3, seconds=2.5) == 9
+    assert calls == list(range(9))

@@ -116,7 +116,7 @@ def run_variant(name, spec, args, out_dir):
     runner = train_steps.build_runner(workload, run, train_steps.data_mesh(jax.devices()[:1]))
     mem = fits(runner.compiled[0], budget=2**60)
     state, runner.state = runner.state, None
-    state = _timing.warm_up(runner.step, state, args.warmup)
+    state = _timing.warm_up(runner.step, state, args.warmup, args.warmup_s)
     state, timing = _timing.time_bursts(runner.step, state, bursts=args.bursts,
                                         calls_per_burst=args.calls, steps_per_call=1)
     step_s = timing.step_s
@@ -168,6 +168,8 @@ def main(argv=None) -> int:
     p.add_argument("--xla-extra", default=None, help="more XLA flags, '--name=value ...'")
     p.add_argument("--tag", default="", help="suffix of the JSON file name")
     p.add_argument("--bursts", type=int, default=None, help="timed bursts (default 3)")
+    p.add_argument("--warmup-s", type=float, default=0.0,
+                   help="keep warming up until this many seconds have passed")
     p.add_argument("--matmul", default="xla", help="dense-layer kernel: xla, pallas or triton")
     p.add_argument("--matmul-config", default=None,
                    help="JSON of MatmulConfig fields over the device's shipped default, used for "

@@ -38,9 +38,9 @@ import sys
 import time
 import warnings
 
-QUICK = dict(model="gpt-tiny", global_batch=8, microbatches=2, steps=4, warmup=1, bursts=2,
+QUICK = dict(model="gpt-tiny", global_batch=8, microbatches=2, steps=4, warmup=1, warmup_s=0.0, bursts=2,
              seq_len=32, layers=1, image_size=16, steps_per_dispatch=2, trace_steps=3)
-DEFAULTS = dict(model="gpt-124m", global_batch=8, microbatches=1, steps=40, warmup=5, bursts=5,
+DEFAULTS = dict(model="gpt-124m", global_batch=8, microbatches=1, steps=40, warmup=5, warmup_s=0.0, bursts=5,
                 seq_len=None, layers=None, image_size=None, steps_per_dispatch=4, trace_steps=10)
 REMAT_ORDER = ("none", "dots", "full")
 
@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, help="micro-batches per optimizer step")
     p.add_argument("--steps", type=int, help="timed optimizer steps (over all bursts)")
     p.add_argument("--warmup", type=int, help="untimed warm-up dispatches")
+    p.add_argument("--warmup-s", type=float, help="then keep warming up until this many seconds "
+                   "have passed (a power-capped GPU slows as it heats: time its steady state)")
     p.add_argument("--bursts", type=int, help="timed bursts (the median is reported)")
     p.add_argument("--trace-steps", type=int, help="synced dispatches traced for the plot/swing")
     p.add_argument("--seq-len", type=int, help="GPT sequence length override (small mode)")
@@ -122,8 +124,11 @@ def _parse(argv):
             args.defaulted.add(name)
     for name in ("global_batch", "microbatches", "steps", "warmup", "bursts", "trace_steps",
                  "steps_per_dispatch"):
-        if getattr(args, name) < (0 if name == "warmup" else 1):
-            raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+        low = 0 if name == "warmup" else 1
+        if getattr(args, name) < low:
+            raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= {low}")
+    if not 0 <= args.warmup_s < math.inf:
+        raise SystemExit(f"--warmup-s={args.warmup_s} must be a finite number of seconds >= 0")
     try:
         args.compare = [int(k) for k in args.compare_dispatch.split(",")] if args.compare_dispatch else []
     except ValueError:
@@ -205,7 +210,7 @@ class Bench:
         # Take the state from the runner: a second reference would keep the
         # initial (non-donated) state alive and inflate the config's memory.
         state, runner.state = runner.state, None
-        state = _timing.warm_up(runner.step, state, self.args.warmup)
+        state = _timing.warm_up(runner.step, state, self.args.warmup, self.args.warmup_s)
         state, timing = _timing.time_bursts(runner.step, state, bursts=bursts,
                                             calls_per_burst=calls, steps_per_call=k)
         state, trace = _timing.trace_steps(runner.step, state, calls=self.args.trace_steps,
