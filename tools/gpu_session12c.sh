@@ -24,7 +24,7 @@ nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,temperature.gpu \
     OUT=$R step "probe_$tag" 90 $PY tools/probe_gpt1b.py --variants opt --warmup-s 15 --tag "_$tag" "${mm[@]}"
   done
 ) &
-wait
+wait  # BUG in call 3: this also waits for nvidia-smi, so the call ran into its 600 s limit (see 12d)
 STEP_TAIL=14 step bench2 300 $PY $GPT1B_BENCH --global-batch 16 --warmup-s 15 --json "$OUT/gpt1b_2gpu.json"
 kill $SMI
 finish s12c 14 --exclude=*.trace.json.gz --exclude=hlo_*
