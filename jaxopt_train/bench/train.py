@@ -20,8 +20,11 @@ Configs run one after the other on the same model and global batch:
   master weights and with pure bf16 params (`jaxopt_train.bench.plain`): the
   yardstick issue 6 says the optimised row must beat, not only the baseline.
 
-Timing: warm up, then bursts of back-to-back dispatches with one sync per
-burst (median burst), compilation excluded. A separate trace pass syncs per
+Timing: warm up (`--warmup` dispatches, then on until `--warmup-s` seconds
+have passed: 15 by default, because a power-capped GPU slows for its first
+seconds under load and bursts timed then run a few percent fast), then bursts
+of back-to-back dispatches with one sync per burst (median burst),
+compilation excluded. A separate trace pass syncs per
 dispatch for the per-step memory/throughput plot. XLA flags are process-wide:
 every config here runs under them (compare runs with `--xla-preset none`).
 With more than one device the configs run data-parallel and the optimised one
@@ -40,7 +43,7 @@ import warnings
 
 QUICK = dict(model="gpt-tiny", global_batch=8, microbatches=2, steps=4, warmup=1, warmup_s=0.0, bursts=2,
              seq_len=32, layers=1, image_size=16, steps_per_dispatch=2, trace_steps=3)
-DEFAULTS = dict(model="gpt-124m", global_batch=8, microbatches=1, steps=40, warmup=5, warmup_s=0.0, bursts=5,
+DEFAULTS = dict(model="gpt-124m", global_batch=8, microbatches=1, steps=40, warmup=5, warmup_s=15.0, bursts=5,
                 seq_len=None, layers=None, image_size=None, steps_per_dispatch=4, trace_steps=10)
 REMAT_ORDER = ("none", "dots", "full")
 
