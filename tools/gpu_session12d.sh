@@ -3,6 +3,8 @@
 # (its `wait` hung on it). Both GPUs: the optimised gpt-1b step with XLA's dot and with our kernel,
 # 15 s warm-up each, one process each, in opposite orders; then the default 2-GPU table with the
 # same warm-up (its 1-GPU rerun in the same process).
+# In call 4 the pallas probes ran past 75 s (compile ~40 s + 15 s warm-up): to repeat the pairs,
+#   T_P=130 DEADLINE=450 bash tools/gpu_session12d.sh
 #   bash tools/gpu_session12d.sh   # results in $OUT/summary.txt, $OUT/rows.txt, $OUT/*.json
 set -u
 OUT=${OUT:-/tmp/s12d_out}; R=/tmp/s12d; mkdir -p "$R" "$OUT"
@@ -13,7 +15,7 @@ lane() {  # lane GPU TAG...: one probe per tag, "*pallas" tags with our kernel
   local tag mm
   for tag in "$@"; do
     mm=(); if [[ $tag == *pallas ]]; then mm=(--matmul pallas); fi
-    OUT=$R step "probe_$tag" 75 $PY tools/probe_gpt1b.py --variants opt --warmup-s 15 --tag "_$tag" "${mm[@]}"
+    OUT=$R step "probe_$tag" ${T_P:-75} $PY tools/probe_gpt1b.py --variants opt --warmup-s 15 --tag "_$tag" "${mm[@]}"
   done
 }
 lane 0 g0a_xla g0b_pallas & A=$!
