@@ -336,6 +336,7 @@ def test_gpu_optimised_uses_cudnn_and_reports_mfu(tmp_path):
     plain_rows = [r for r in result["rows"] if r["config"].get("plain")]
     assert [r["attention_resolved"] for r in plain_rows] == ["cudnn", "cudnn"]
     assert opt["peak_memory_source"] in ("allocator", "xla-estimate") and opt["memory_source"] == "allocator"
+    assert 100 < opt["clocks"].get("sm_clock_mhz", 0) < 3000, opt["clocks"]  # NVML sampled the GPU
     if result["peak_tflops_per_device"] is not None:
         assert 0 < opt["mfu"] < 1
 
@@ -375,3 +376,53 @@ def test_warm_up_runs_the_count_then_whole_bursts_until_the_seconds_pass(monkeyp
     # start at t, the checks read t+1, t+2, t+3: three bursts of 3 reach 2.5 s
     assert _timing.warm_up(step, 0, 3, seconds=2.5) == 9
     assert calls == list(range(9))
+
+
+class _FakeDevice:
+    def __init__(self, platform, id_, local=None):
+        self.platform, self.id, self.local_hardware_id = platform, id_, local
+
+
+@pytest.mark.parametrize("visible, devices, want", [
+    (None, [("gpu", 0), ("gpu", 1)], [0, 1]),
+    ("1", [("gpu", 0)], [1]),
+    ("3,2", [("gpu", 0), ("gpu", 1)], [3, 2]),
+    ("GPU-0f3c", [("gpu", 0)], None),
+    ("0", [("gpu", 0), ("gpu", 1)], None),
+    (None, [("cpu", 0)], None),
+])
+def test_nvml_indices_follow_cuda_visible_devices(monkeypatch, visible, devices, want):
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    indices, reason = _timing.nvml_indices([_FakeDevice(p, i) for p, i in devices])
+    assert indices == want
+    assert bool(reason) == (want is None)
+
+
+def test_gpu_clocks_reports_clock_power_and_cap_of_the_devices_gpus(monkeypatch):
+    from test_runtime_nvml import FakeGPU, install_fake_nvml, make_fake_nvml
+
+    gpus = [FakeGPU(sm_clock=1980, power_mw=120_000),  # the idle GPU: not watched
+            FakeGPU(sm_clock=1575, power_mw=692_000, clock_reasons=_timing.SW_POWER_CAP)]
+    install_fake_nvml(monkeypatch, make_fake_nvml(gpus))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    with _timing.gpu_clocks([_FakeDevice("gpu", 0)], interval_s=0.01) as clocks:
+        assert clocks == {}  # filled when the block ends
+        time.sleep(0.05)
+    assert clocks["nvml_gpus"] == [1] and clocks["samples"] >= 2
+    assert clocks["sm_clock_mhz"] == 1575 and clocks["sm_clock_mhz_range"] == [1575, 1575]
+    assert clocks["power_w"] == 692.0 and clocks["power_capped"] == 1.0
+    note = train_report.clock_notes([{"name": "optimised", "clocks": clocks},
+                                     {"name": "baseline", "clocks": {"reason": "x"}}])
+    assert note == ["SM clock while timed (median over GPUs and samples; the MFU denominator "
+                    "assumes the datasheet clock): optimised 1575 MHz (1575-1575), 692 W, "
+                    "power-capped in 100% of samples"]
+
+
+def test_gpu_clocks_says_why_not_on_cpu():
+    with _timing.gpu_clocks(jax.devices()[:1]) as clocks:
+        pass
+    assert clocks == {"reason": "not running on GPUs"}
+    assert train_report.clock_notes([{"name": "optimised", "clocks": clocks}]) == []

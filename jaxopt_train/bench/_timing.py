@@ -14,11 +14,14 @@ every figure says which source it came from.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import math
+import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -26,6 +29,7 @@ import numpy as np
 
 ALLOCATOR = "allocator"
 LIVE_ARRAYS = "live-arrays"
+SW_POWER_CAP = 0x4  # nvmlClocksEventReasonSwPowerCap: clocks lowered to hold the power limit
 
 
 def _memory_stats(device) -> dict[str, int] | None:
@@ -167,3 +171,79 @@ def trace_steps(step: StepFn, state: Any, *, calls: int, steps_per_call: int,
         trace.step_s.append((time.perf_counter() - start) / steps_per_call)
         trace.bytes_at_rest.append(bytes_in_use(device))
     return state, trace
+
+
+def nvml_indices(devices) -> tuple[list[int] | None, str]:
+    """The NVML indices of these JAX GPU devices, or None and why they cannot be named.
+
+    NVML numbers every GPU of the host and ignores CUDA_VISIBLE_DEVICES, while JAX numbers
+    the visible ones: with CUDA_VISIBLE_DEVICES=1 JAX's GPU 0 is NVML's GPU 1. Both follow
+    the PCI bus order here (CUDA's default order lists identical GPUs that way).
+    """
+    if not devices or any(d.platform != "gpu" for d in devices):
+        return None, "not running on GPUs"
+    local = [getattr(d, "local_hardware_id", None) for d in devices]
+    local = [d.id if i is None else i for d, i in zip(devices, local)]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if not visible:
+        return local, ""
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if not all(e.isdigit() for e in entries):
+        return None, f"CUDA_VISIBLE_DEVICES={visible!r} names GPUs by UUID; not mapped to NVML"
+    if max(local) >= len(entries):
+        return None, f"JAX device ids {local} exceed CUDA_VISIBLE_DEVICES={visible!r}"
+    return [int(entries[i]) for i in local], ""
+
+
+@contextlib.contextmanager
+def gpu_clocks(devices, interval_s: float = 0.1) -> Iterator[dict[str, Any]]:
+    """Samples the SM clock, board power and clock-event reasons of `devices`' GPUs while
+    the block runs (NVML, on a background thread).
+
+    Yields a dict that is filled when the block ends: `sm_clock_mhz` (median over the
+    samples of every GPU, and `sm_clock_mhz_range`), `power_w` (median), `power_capped`
+    (share of samples whose clocks the power cap lowered) and `samples`; or only `reason`
+    where nothing could be sampled (CPU, no NVML, unmapped GPUs). A power-capped GPU's
+    MFU depends on this clock, so the bench reports it next to each row.
+    """
+    figures: dict[str, Any] = {}
+    indices, reason = nvml_indices(devices)
+    monitor = None
+    if indices is not None:
+        from jaxopt_train.runtime.monitor import GPUMonitor  # noqa: PLC0415 - NVML is GPU-only
+
+        monitor = GPUMonitor(interval_s, devices=sorted(set(indices)), log=io.StringIO())
+        try:
+            monitor.start()
+        except Exception as err:  # noqa: BLE001 - a missing figure must not stop a benchmark
+            monitor, reason = None, f"NVML could not watch GPUs {indices}: {err}"
+        if monitor is not None and not monitor.enabled:
+            monitor, reason = None, monitor.reason
+    try:
+        yield figures
+    finally:
+        if monitor is None:
+            figures["reason"] = reason
+        else:
+            monitor.stop()
+            figures.update(_clock_figures(monitor.samples))
+
+
+def _clock_figures(samples: dict[int, list[tuple[float, dict[str, float]]]]) -> dict[str, Any]:
+    clocks, power, reasons = [], [], []
+    for series in samples.values():
+        for _, sample in series:
+            if "DCGM_FI_DEV_SM_CLOCK" in sample:
+                clocks.append(sample["DCGM_FI_DEV_SM_CLOCK"])
+            if "DCGM_FI_DEV_POWER_USAGE" in sample:
+                power.append(sample["DCGM_FI_DEV_POWER_USAGE"])
+            if "DCGM_FI_DEV_CLOCKS_EVENT_REASONS" in sample:
+                reasons.append(int(sample["DCGM_FI_DEV_CLOCKS_EVENT_REASONS"]))
+    if not clocks:
+        return {"reason": "NVML returned no SM clock samples"}
+    return {"sm_clock_mhz": statistics.median(clocks),
+            "sm_clock_mhz_range": [min(clocks), max(clocks)],
+            "power_w": statistics.median(power) if power else None,
+            "power_capped": (sum(bool(r & SW_POWER_CAP) for r in reasons) / len(reasons)
+                             if reasons else None),
+            "samples": len(clocks), "nvml_gpus": sorted(samples)}

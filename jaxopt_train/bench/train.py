@@ -214,8 +214,9 @@ class Bench:
         # initial (non-donated) state alive and inflate the config's memory.
         state, runner.state = runner.state, None
         state = _timing.warm_up(runner.step, state, self.args.warmup, self.args.warmup_s)
-        state, timing = _timing.time_bursts(runner.step, state, bursts=bursts,
-                                            calls_per_burst=calls, steps_per_call=k)
+        with _timing.gpu_clocks(devices) as clocks:
+            state, timing = _timing.time_bursts(runner.step, state, bursts=bursts,
+                                                calls_per_burst=calls, steps_per_call=k)
         state, trace = _timing.trace_steps(runner.step, state, calls=self.args.trace_steps,
                                            steps_per_call=k, device=device)
         peak = _peak_memory(device, peak_before, in_use_before, runner.compiled)
@@ -227,6 +228,7 @@ class Bench:
             peak_memory=peak, dataset_items=self.dataset_items,
             gpu_hour_usd=self.args.gpu_hour_usd, steps_per_call=k)
         row["config"] = run.describe()
+        row["clocks"] = clocks
         row["attention_resolved"] = (run.attention if isinstance(run, PlainRun)
                                      else train_steps.resolved_attention(workload, run))
         row["global_batch"] = workload.global_batch

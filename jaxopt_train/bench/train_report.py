@@ -176,6 +176,8 @@ def render(result) -> str:
             lines.append(f"optimised vs {row['name']}: {row['step_ms'] / opt['step_ms']:.3f}x "
                          "the throughput (same model, batch and devices; plain loop: "
                          "jaxopt_train.bench.plain)")
+    names = {row["name"] for row in result["rows"]}
+    lines += clock_notes(result["rows"] + [r for r in result.get("matmul", []) if r["name"] not in names])
     for skip in result["ablations_skipped"]:
         lines.append(f"ablation {skip['name']} skipped: {skip['reason']}")
     for fail in result.get("plain_failed", ()):
@@ -190,6 +192,26 @@ def render(result) -> str:
         lines += ["", "steps_per_dispatch (optimised config):",
                   dispatch_table(result["dispatch"])]
     return "\n".join(lines)
+
+
+def clock_notes(rows) -> list[str]:
+    """One line of the GPUs' SM clock and power while the rows were timed (NVML), if sampled."""
+    parts = []
+    for row in rows:
+        clocks = row.get("clocks") or {}
+        if clocks.get("sm_clock_mhz") is None:
+            continue
+        low, high = clocks["sm_clock_mhz_range"]
+        text = f"{row['name']} {clocks['sm_clock_mhz']:.0f} MHz ({low:.0f}-{high:.0f})"
+        if clocks.get("power_w") is not None:
+            text += f", {clocks['power_w']:.0f} W"
+        if clocks.get("power_capped"):
+            text += f", power-capped in {100 * clocks['power_capped']:.0f}% of samples"
+        parts.append(text)
+    if not parts:
+        return []
+    return ["SM clock while timed (median over GPUs and samples; the MFU denominator assumes the "
+            "datasheet clock): " + "; ".join(parts)]
 
 
 def _zero_note(row) -> str:

@@ -259,9 +259,7 @@ def _check_clocks(nvml: ModuleType, prefix: str, handle) -> Check:
     mem, mem_max = (call(nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_MEM),
                     call(nvml.nvmlDeviceGetMaxClockInfo, handle, nvml.NVML_CLOCK_MEM))
     temp = call(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU)
-    getter = (getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
-              or getattr(nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None))
-    reasons = call(getter, handle) if getter is not None else None
+    reasons = call(nvml_lib.clocks_event_reasons, nvml, handle)
     detail = f"SM {sm}/{sm_max} MHz, memory {mem}/{mem_max} MHz, {temp} C (idle GPUs clock low)"
     slowed = [text for bit, text in _SLOWDOWN_REASONS.items() if reasons and reasons & bit]
     if slowed:

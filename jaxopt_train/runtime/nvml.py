@@ -76,6 +76,14 @@ def _ecc(nvml, h, error_type, counter_type):
     return nvml.nvmlDeviceGetTotalEccErrors(h, getattr(nvml, error_type), getattr(nvml, counter_type))
 
 
+def clocks_event_reasons(nvml: ModuleType, handle: Any) -> int:
+    """The bit mask of why the GPU's clocks are below their maximum (0x4: the software
+    power cap). nvidia-ml-py renamed the getter from "Throttle" to "Event" reasons."""
+    getter = (getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+              or getattr(nvml, "nvmlDeviceGetCurrentClocksThrottleReasons"))
+    return getter(handle)
+
+
 DCGM_FIELDS: dict[str, Any] = {
     "DCGM_FI_DEV_GPU_UTIL": lambda nvml, h: _util(nvml, h, "gpu"),
     "DCGM_FI_DEV_MEM_COPY_UTIL": lambda nvml, h: _util(nvml, h, "memory"),
@@ -85,6 +93,7 @@ DCGM_FIELDS: dict[str, Any] = {
     "DCGM_FI_DEV_GPU_TEMP": lambda nvml, h: nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU),
     "DCGM_FI_DEV_SM_CLOCK": lambda nvml, h: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM),
     "DCGM_FI_DEV_MEM_CLOCK": lambda nvml, h: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_MEM),
+    "DCGM_FI_DEV_CLOCKS_EVENT_REASONS": clocks_event_reasons,
     "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": lambda nvml, h: _ecc(
         nvml, h, "NVML_MEMORY_ERROR_TYPE_CORRECTED", "NVML_VOLATILE_ECC"),
     "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": lambda nvml, h: _ecc(
