@@ -21,7 +21,8 @@ step() {
   if [ "${STEP_TAIL:-0}" -gt 0 ]; then tail -n "$STEP_TAIL" "$R/$name.log"; fi
   return 0
 }
-# The trainer's and the bench's gpt-1b steps as BENCHMARKS.md measures them.
+# The trainer's and the bench's gpt-1b steps as BENCHMARKS.md measures them. Since the twelfth
+# session `bench train` warms every config up for 15 s (--warmup-s): ~15 s more per config.
 GPT1B_TRAIN="-m jaxopt_train.train.cli --preset gpt-1b --steps ${TRAIN_STEPS:-40} --batch-size 8 --precision bf16 \
   --warmup 10 --lr 3e-4 --log-every 10 --eval-every 0 --checkpoint-every 0 --progress lines --overwrite \
   --grad-dtype compute --opt-state-dtype bf16"
