@@ -182,8 +182,8 @@ def nvml_indices(devices) -> tuple[list[int] | None, str]:
     """
     if not devices or any(d.platform != "gpu" for d in devices):
         return None, "not running on GPUs"
-    local = [getattr(d, "local_hardware_id", None) for d in devices]
-    local = [d.id if i is None else i for d, i in zip(devices, local)]
+    local = [d.id if getattr(d, "local_hardware_id", None) is None else d.local_hardware_id
+             for d in devices]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
     if not visible:
         return local, ""
@@ -210,15 +210,7 @@ def gpu_clocks(devices, interval_s: float = 0.1) -> Iterator[dict[str, Any]]:
     indices, reason = nvml_indices(devices)
     monitor = None
     if indices is not None:
-        from jaxopt_train.runtime.monitor import GPUMonitor  # noqa: PLC0415 - NVML is GPU-only
-
-        monitor = GPUMonitor(interval_s, devices=sorted(set(indices)), log=io.StringIO())
-        try:
-            monitor.start()
-        except Exception as err:  # noqa: BLE001 - a missing figure must not stop a benchmark
-            monitor, reason = None, f"NVML could not watch GPUs {indices}: {err}"
-        if monitor is not None and not monitor.enabled:
-            monitor, reason = None, monitor.reason
+        monitor, reason = _start_monitor(indices, interval_s)
     try:
         yield figures
     finally:
@@ -227,6 +219,18 @@ def gpu_clocks(devices, interval_s: float = 0.1) -> Iterator[dict[str, Any]]:
         else:
             monitor.stop()
             figures.update(_clock_figures(monitor.samples))
+
+
+def _start_monitor(indices: list[int], interval_s: float):
+    """(a started GPUMonitor of these NVML GPUs, "") or (None, why there is none)."""
+    from jaxopt_train.runtime.monitor import GPUMonitor  # noqa: PLC0415 - NVML is GPU-only
+
+    monitor = GPUMonitor(interval_s, devices=sorted(set(indices)), log=io.StringIO())
+    try:
+        monitor.start()
+    except Exception as err:  # noqa: BLE001 - a missing figure must not stop a benchmark
+        return None, f"NVML could not watch GPUs {indices}: {err}"
+    return (monitor, "") if monitor.enabled else (None, monitor.reason)
 
 
 def _clock_figures(samples: dict[int, list[tuple[float, dict[str, float]]]]) -> dict[str, Any]:
