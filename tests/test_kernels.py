@@ -151,6 +151,55 @@ def test_gradients_match_reference(backend, with_bias, activation, transpose_b):
         _assert_close(g, w, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("backend", ["interpret", "xla"])
+@pytest.mark.parametrize("activation", ["gelu", "relu", "silu"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_saved_preactivation_gradients_match_reference(backend, activation, with_bias):
+    """save_preactivation keeps Z for the activation's backward instead of recomputing it:
+    same forward, gradients against the full-precision reference, and no extra matmul."""
+    a, b, bias = _operands((2, 19), 33, 21, jnp.bfloat16, seed=4)
+    bias = bias if with_bias else None
+
+    def call(save):
+        return lambda a, b, bias: matmul(a, b, bias=bias, activation=activation, backend=backend,
+                                         save_preactivation=save)
+
+    ref = lambda a, b, bias: matmul_reference(a, b, bias=bias, activation=activation)  # noqa: E731
+    _assert_close(call(True)(a, b, bias), ref(a, b, bias), jnp.bfloat16)
+    argnums = (0, 1, 2) if with_bias else (0, 1)
+    got = jax.jit(jax.grad(_loss(call(True)), argnums=argnums))(a, b, bias)
+    want = jax.grad(_loss(ref), argnums=argnums)(a, b, bias)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        _assert_close(g, w, jnp.bfloat16)
+    # Recomputing Z costs one more product in the backward: 4 launches against 3.
+    counts = {save: jax.jit(jax.grad(_loss(call(save)), argnums=argnums)).lower(a, b, bias)
+              .as_text().count("call @_launch") for save in (False, True)}
+    if backend == "interpret":
+        assert counts == {False: 4, True: 3}, counts
+
+
+def test_save_preactivation_bad_inputs():
+    a, b, _ = _operands((4,), 8, 6, jnp.bfloat16)
+    with pytest.raises(ValueError, match="save_preactivation=True needs an activation"):
+        matmul(a, b, backend="xla", save_preactivation=True)
+    with pytest.raises(TypeError, match="save_preactivation must be a bool"):
+        matmul(a, b, backend="xla", activation="gelu", save_preactivation="yes")
+
+
+def test_fused_dense_of_a_kernel_dot_general():
+    """`make_dot_general(...).fused_dense`: the dense layer plus its activation from the
+    kernel (pre-activation saved), and None where the kernels do not apply."""
+    x, w, bias = _operands((3, 5), 24, 40, jnp.bfloat16, seed=5)
+    fused = make_dot_general("interpret").fused_dense
+    out = jax.jit(lambda x, w, bias: fused(x, w, bias, "gelu"))(x, w, bias)
+    assert out.shape == (3, 5, 40) and out.dtype == jnp.bfloat16
+    _assert_close(out, matmul_reference(x, w, bias=bias, activation="gelu"), jnp.bfloat16)
+    assert fused(x.astype(jnp.float32), w.astype(jnp.float32), bias, "gelu") is None
+    assert fused(x, w[None], bias, "gelu") is None
+    assert make_dot_general("xla").fused_dense(x, w, bias, "gelu") is None
+
+
 def test_layers_of_equal_shape_share_one_lowered_kernel():
     # Unrolled models call the kernel once per layer; each distinct launch must be
     # lowered once (gpt-1b's Mosaic GPU step lowered 195 kernels before this).
@@ -409,6 +458,31 @@ def test_mosaic_gpu_kernel_lowers_for_cuda_on_cpu(layout, transposed):
         transpose_a=transposed == "a", transpose_b=transposed == "b"))
     text = fn.trace(a, b, shape((n,), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("layout", [{}, {"wg_split": "n"}, {"chain_tiles": True}, {"cluster": "m"},
+                                    {"schedule": "pingpong"}, {"warpgroup_lowering": True}],
+                         ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "default")
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_mosaic_gpu_kernel_saving_the_preactivation_lowers_for_cuda(layout, with_bias):
+    """The two-output epilogue (act(Z) and Z from one kernel) lowers for every layout; the
+    ping-pong schedule writes Z and leaves the activation to XLA."""
+    from jaxopt_train.kernels.mosaic_gpu import mosaic_matmul
+
+    config = MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=4, **layout)
+    m, k, n = 1000, 384, 520
+    shape = jax.ShapeDtypeStruct
+    fn = jax.jit(lambda a, b, bias: mosaic_matmul(
+        a, b, bias, activation="gelu", out_dtype=jnp.bfloat16, config=config,
+        save_preactivation=True))
+    traced = fn.trace(shape((m, k), jnp.bfloat16), shape((k, n), jnp.bfloat16),
+                      shape((n,), jnp.float32) if with_bias else None)
+    assert [(o.shape, o.dtype) for o in traced.out_info] == [((m, n), jnp.bfloat16)] * 2
+    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(ValueError, match="needs an activation"):
+        mosaic_matmul(jnp.ones((m, k), jnp.bfloat16), jnp.ones((k, n), jnp.bfloat16), None,
+                      activation=None, out_dtype=jnp.bfloat16, config=config,
+                      save_preactivation=True)
 
 
 @pytest.mark.parametrize("index", range(len(autotune_mod.default_candidates("mosaic_gpu", quick=True))))

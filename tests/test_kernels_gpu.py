@@ -338,3 +338,61 @@ def test_autotune_each_layout_on_gpu(backend, transposed, tmp_path, monkeypatch)
     assert autotune_mod.lookup(backend, kind, m, n, k, jnp.bfloat16, transposed) == winners[(m, n, k)]
     assert matmul_mod.resolve_config(backend, m, n, k, jnp.bfloat16, transposed) == winners[(m, n, k)]
     autotune_mod._loaded.clear()
+
+
+_SAVED_PREACTIVATION_LAYOUTS = {
+    "default": {},
+    "side_by_side": dict(wg_split="n"),
+    "chained": dict(chain_tiles=True, group_m=8),
+    "cluster_m": dict(cluster="m"),
+    "pingpong": dict(schedule="pingpong"),
+}
+
+
+@pytest.mark.parametrize("layout", _SAVED_PREACTIVATION_LAYOUTS)
+@pytest.mark.parametrize("activation", ["gelu", "relu", "silu"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_mosaic_kernel_writes_activation_and_preactivation(layout, activation, with_bias):
+    """One kernel's epilogue writes act(Z) and Z (cuBLASLt's GELU_AUX): both against the
+    reference, on an odd shape (padded) and on one where SMs chain several tiles."""
+    _backend_or_skip("mosaic_gpu")
+    from jaxopt_train.kernels.mosaic_gpu import mosaic_matmul
+
+    config = MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=4,
+                          **_SAVED_PREACTIVATION_LAYOUTS[layout])
+    for m, k, n in ((1000, 513, 777), (4096, 640, 2176)):
+        a, b, bias = _operands((m, k, n), jnp.bfloat16, seed=m)
+        bias = bias if with_bias else None
+        out, z = jax.jit(lambda a, b, bias: mosaic_matmul(
+            a, b, bias, activation=activation, out_dtype=jnp.bfloat16, config=config,
+            save_preactivation=True))(a, b, bias)
+        assert out.shape == z.shape == (m, n) and out.dtype == z.dtype == jnp.bfloat16
+        _close(z, matmul_reference(a, b, bias=bias, out_dtype=jnp.float32), 1e-2)
+        _close(out, matmul_reference(a, b, bias=bias, activation=activation,
+                                     out_dtype=jnp.float32), 1e-2)
+
+
+@pytest.mark.parametrize("shape", [(300, 200, 136), (2, 1024, 2048, 8192)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_saved_preactivation_gradients_on_gpu(shape):
+    """`matmul(save_preactivation=True)` on mosaic_gpu: the forward kernel's Z feeds the
+    GELU's backward; gradients against the reference, and one kernel launch fewer than
+    the recomputing path."""
+    _backend_or_skip("mosaic_gpu")
+    a, b, bias = _operands(shape, jnp.bfloat16, seed=2)
+
+    def loss(fn):
+        return lambda a, b, bias: jnp.sum(jnp.sin(fn(a, b, bias).astype(jnp.float32)))
+
+    def ours(save):
+        return loss(lambda a, b, bias: matmul(a, b, bias=bias, activation="gelu",
+                                              backend="mosaic_gpu", save_preactivation=save))
+
+    ref = loss(lambda a, b, bias: matmul_reference(a, b, bias=bias, activation="gelu"))
+    want = jax.jit(jax.grad(ref, argnums=(0, 1, 2)))(a, b, bias)
+    got = jax.jit(jax.grad(ours(True), argnums=(0, 1, 2)))(a, b, bias)
+    for g, w in zip(got, want):
+        _close(g, w, 3e-2)
+    launches = {save: jax.jit(jax.grad(ours(save), argnums=(0, 1, 2))).lower(a, b, bias)
+                .as_text().count("call @_launch") for save in (False, True)}
+    assert launches == {False: 4, True: 3}, launches  # forward, (recomputed Z), dA, dB

@@ -227,6 +227,55 @@ def test_dot_general_is_used_by_every_dense_layer(tie_embeddings, scan_layers, s
     assert sorted(shapes) == sorted(per_block * layers + [head])
 
 
+@pytest.mark.parametrize("scan_layers, use_bias", [(False, True), (True, False)])
+def test_mlp_fuses_its_gelu_into_a_kernel_dot_general(scan_layers, use_bias):
+    """With a kernel dot_general the MLP's fc + bias + GELU is one `fused_dense` launch per
+    layer; the model computes what the unfused model computes, gradients included."""
+    from jaxopt_train.kernels import make_dot_general
+
+    kernel_dot = make_dot_general("interpret")
+    calls = []
+
+    def dot(*args, **kwargs):
+        return kernel_dot(*args, **kwargs)
+
+    def fused_dense(x, kernel, bias, activation):
+        calls.append((kernel.shape, bias is None, activation))
+        return kernel_dot.fused_dense(x, kernel, bias, activation)
+
+    dot.fused_dense = fused_dense
+    fused_cfg = small_cfg(dot_general=dot, dtype=jnp.bfloat16, scan_layers=scan_layers,
+                          use_bias=use_bias)
+    plain_cfg = dataclasses.replace(fused_cfg, fuse_mlp_activation=False)
+    tokens = tokens_for(fused_cfg)
+
+    def loss(model):
+        return jnp.mean(model(tokens).astype(jnp.float32) ** 2)
+
+    results = {}
+    # The bf16 GPT's XLA-attention backward needs standard promotion (the TODO in
+    # tests/test_train.py's pallas test); both models run under it.
+    with jax.numpy_dtype_promotion("standard"):
+        for name, cfg in (("fused", fused_cfg), ("plain", plain_cfg)):
+            model = GPT(cfg, rngs=nnx.Rngs(0))
+            results[name] = (model(tokens), nnx.grad(loss)(model))
+    d = fused_cfg.d_model
+    layers = 1 if scan_layers else fused_cfg.n_layers
+    assert calls == [((d, 4 * d), not use_bias, "gelu")] * (layers * 2)  # forward, then grad
+    (fused_logits, fused_grads), (plain_logits, plain_grads) = results["fused"], results["plain"]
+    np.testing.assert_allclose(np.asarray(fused_logits, np.float32),
+                               np.asarray(plain_logits, np.float32), atol=3e-2, rtol=3e-2)
+    for got, want in zip(jax.tree.leaves(fused_grads), jax.tree.leaves(plain_grads)):
+        scale = float(np.max(np.abs(np.asarray(want, np.float32)))) or 1.0
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   atol=3e-2 * scale, rtol=3e-2)
+
+
+def test_fuse_mlp_activation_must_be_a_bool():
+    with pytest.raises(ValueError, match="fuse_mlp_activation=1 must be True or False"):
+        small_cfg(fuse_mlp_activation=1)
+
+
 @pytest.mark.parametrize("attention, implementation", [("auto", None), ("xla", "xla")])
 def test_attention_implementation_is_passed_to_jax(monkeypatch, attention, implementation):
     seen = []

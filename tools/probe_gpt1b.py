@@ -27,6 +27,9 @@ VARIANTS = {
     "optcopy": ("bf16", "bf16", "none", 1, "compute", {"compute_copy": True}),
     "optsplit": ("bf16", "bf16", "none", 1, "compute", {"split_qkv": True}),
     "optboth": ("bf16", "bf16", "none", 1, "compute", {"compute_copy": True, "split_qkv": True}),
+    # with --matmul pallas: the MLP's GELU applied by XLA after the fc kernel, as before the
+    # thirteenth session (the default now fuses it into the kernel's epilogue)
+    "optnofuse": ("bf16", "bf16", "none", 1, "compute", {"fuse_mlp_activation": False}),
     "pure": ("bf16-pure", "f32", "none", 1),
     "st16": ("bf16", "bf16", "none", 1),
     "dots16": ("bf16", "bf16", "dots", 1),

@@ -141,6 +141,8 @@ class RunConfig:
     zero: int = 0  # 1: master params + optimizer state sharded per leaf (a no-op on 1 device)
     compute_copy: bool = False  # keep the params' compute-dtype copy in the state (see above)
     split_qkv: bool = False  # GPT: q, k, v from three products (GPTConfig.split_qkv)
+    # GPT with a kernel matmul: fc + bias + GELU as one launch (GPTConfig.fuse_mlp_activation)
+    fuse_mlp_activation: bool = True
 
     def __post_init__(self):
         if self.accumulation not in ACCUMULATIONS:
@@ -204,6 +206,7 @@ def build_model(workload: Workload, run: RunConfig, axis_name: str | None, seed:
         cfg = workload.gpt_config(dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
                                   attention=_attention_for(run.attention, policy), remat=run.remat,
                                   split_qkv=run.split_qkv,
+                                  fuse_mlp_activation=run.fuse_mlp_activation,
                                   dot_general=None if run.matmul == "xla" else matmul_dot_general(run.matmul))
         return GPT(warn_if_cudnn_unavailable(cfg), rngs=rngs)
     return create_vision_model(workload.model, num_classes=workload.num_classes,

@@ -10,6 +10,12 @@ transpose_b=True)`, which reads it without a transposed copy); everything else (
 dims, other contracting dims, float32 operands, an explicit precision or
 out_sharding) goes to `lax.dot_general` unchanged, so swapping it in never
 changes what a model computes outside the kernels' domain.
+
+The returned function also carries `fused_dense(x, kernel, bias, activation)`: a
+dense layer and its activation as one kernel launch that keeps the pre-activation
+for the backward (`matmul(..., save_preactivation=True)`), or None where the
+kernels do not apply, so a model can fuse its MLP's activation when it is given
+one of these functions and run its plain layer otherwise.
 """
 
 from __future__ import annotations
@@ -72,7 +78,20 @@ def make_dot_general(backend: str = "auto", config: MatmulConfig | dict | None =
         return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type, **extra)
 
+    def fused_dense(x, kernel, bias, activation):
+        """`activation(x @ kernel + bias)` from one kernel launch that saves the
+        pre-activation for the backward; None where the kernels do not apply (XLA
+        resolved, a dtype other than bf16/fp16, a kernel that is not 2-D)."""
+        if "resolved" not in state:
+            state["resolved"] = resolve_backend(backend)
+        if (state["resolved"] == "xla" or getattr(kernel, "ndim", 0) != 2 or x.ndim < 2
+                or jnp.dtype(x.dtype) not in _KERNEL_DTYPES or x.dtype != kernel.dtype):
+            return None
+        return matmul(x, kernel, bias=bias, activation=activation, backend=state["resolved"],
+                      config=config, save_preactivation=True)
+
     dot_general.backend = backend
+    dot_general.fused_dense = fused_dense
     return dot_general
 
 

@@ -214,10 +214,20 @@ def _forward_impl(a, b, bias, activation, out_dtype, backend, config):
 # calls of 15 distinct kinds, and lowering one Mosaic GPU kernel costs ~0.3 s of Python
 # (plus its tracing). XLA inlines the calls again, so the compiled step is unchanged.
 @functools.partial(jax.jit, static_argnames=("activation", "out_dtype", "backend", "config",
-                                             "transposed"))
-def _launch(a, b, bias, *, activation, out_dtype, backend, config, transposed=None):
+                                             "transposed", "save_preactivation"))
+def _launch(a, b, bias, *, activation, out_dtype, backend, config, transposed=None,
+            save_preactivation=False):
     """`act(A @ B + bias)` by `backend`'s kernel. A is `a`, B is `b`, except that with
-    `transposed` "a" / "b" (Mosaic GPU and Triton) A is `a.T` / B is `b.T`, read as stored."""
+    `transposed` "a" / "b" (Mosaic GPU and Triton) A is `a.T` / B is `b.T`, read as stored.
+    `save_preactivation` (Mosaic GPU, not transposed): returns (act(Z), Z) from one kernel."""
+    if save_preactivation:
+        if backend != "mosaic_gpu" or transposed is not None:
+            raise ValueError(f"one kernel writes the pre-activation only on mosaic_gpu, "
+                             f"untransposed; got {backend=}, {transposed=}")
+        from jaxopt_train.kernels.mosaic_gpu import mosaic_matmul
+
+        return mosaic_matmul(a, b, bias, activation=activation, out_dtype=out_dtype, config=config,
+                             save_preactivation=True)
     if transposed is not None:
         flags = dict(transpose_a=transposed == "a", transpose_b=transposed == "b")
         if backend == "mosaic_gpu":
@@ -273,26 +283,47 @@ def _forward(a, b, bias, activation, out_dtype, backend, config, transpose_b):
     return _forward_impl(a, b, bias, activation, out_dtype, backend, config)
 
 
+def _forward_with_preactivation(a, b, bias, activation, out_dtype, backend, config, transpose_b):
+    """(act(Z), Z) with Z = a @ B + bias, both in `out_dtype`, the activation applied to the
+    f32 Z: one Mosaic GPU kernel writes both; elsewhere the kernel writes Z in f32 and XLA
+    applies the activation and both casts in one elementwise pass."""
+    if backend == "mosaic_gpu" and not transpose_b:
+        (m, k), n = a.shape, b.shape[1]
+        cfg = config or resolve_config(backend, m, n, k, a.dtype)
+        return _launch(a, b, bias, activation=activation, out_dtype=jnp.dtype(out_dtype),
+                       backend=backend, config=cfg, save_preactivation=True)
+    z = _forward(a, b, bias, None, jnp.float32, backend, config, transpose_b)
+    return apply_epilogue(z, None, activation).astype(out_dtype), z.astype(out_dtype)
+
+
 # ----------------------------------------------------------------------------- custom VJP
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _matmul_2d(a, b, bias, activation, out_dtype, backend, config, transpose_b=False):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _matmul_2d(a, b, bias, activation, out_dtype, backend, config, transpose_b=False,
+               save_preactivation=False):
     return _forward(a, b, bias, activation, out_dtype, backend, config, transpose_b)
 
 
-def _matmul_2d_fwd(a, b, bias, activation, out_dtype, backend, config, transpose_b=False):
+def _matmul_2d_fwd(a, b, bias, activation, out_dtype, backend, config, transpose_b=False,
+                   save_preactivation=False):
+    if save_preactivation:
+        out, z = _forward_with_preactivation(a, b, bias, activation, out_dtype, backend, config,
+                                             transpose_b)
+        return out, (a, b, bias, z)
     out = _forward(a, b, bias, activation, out_dtype, backend, config, transpose_b)
-    return out, (a, b, bias)
+    return out, (a, b, bias, None)
 
 
-def _matmul_2d_bwd(activation, out_dtype, backend, config, transpose_b, residuals, g):
-    a, b, bias = residuals
+def _matmul_2d_bwd(activation, out_dtype, backend, config, transpose_b, save_preactivation,
+                   residuals, g):
+    a, b, bias, z = residuals
     if activation is None:
         dz = g
     else:
-        # Recompute the pre-activation instead of storing it (an M x N f32
-        # residual per layer would cost more memory than one extra matmul).
-        z = _forward(a, b, bias, None, jnp.float32, backend, config, transpose_b)
-        _, act_vjp = jax.vjp(ACTIVATION_FNS[activation], z)
+        if z is None:
+            # Recompute the pre-activation instead of storing it (an M x N
+            # residual per layer costs memory; this costs one more matmul).
+            z = _forward(a, b, bias, None, jnp.float32, backend, config, transpose_b)
+        _, act_vjp = jax.vjp(ACTIVATION_FNS[activation], z.astype(jnp.float32))
         (dz,) = act_vjp(g.astype(jnp.float32))
     dz_compute = dz.astype(a.dtype)
     if transpose_b:  # out = a @ b.T with b (N, K): dA = dz @ b, dB = dz.T @ a, both (.., K)
@@ -311,7 +342,8 @@ _matmul_2d.defvjp(_matmul_2d_fwd, _matmul_2d_bwd)
 # ----------------------------------------------------------------------------- public API
 def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
            activation: str | None = None, out_dtype=None, backend: str = "auto",
-           config: MatmulConfig | dict | None = None, transpose_b: bool = False) -> jax.Array:
+           config: MatmulConfig | dict | None = None, transpose_b: bool = False,
+           save_preactivation: bool = False) -> jax.Array:
     """Fused `activation(a @ b + bias)` with f32 accumulation, differentiable.
 
     Args:
@@ -326,6 +358,13 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
         transpose_b: `b` is (N, K) and the product is `a @ b.T` (a tied embedding
             as the LM head). Mosaic GPU and Triton read `b` as stored, forward and backward;
             the other backends multiply a transposed copy.
+        save_preactivation: under differentiation, keep Z = a @ b + bias (in
+            `out_dtype`) for the activation's backward instead of recomputing it with one
+            more matmul: M x N more residual memory per call, one matmul less per
+            backward. On mosaic_gpu the forward kernel writes Z next to activation(Z)
+            (cuBLASLt's GELU_AUX); elsewhere the kernel writes Z in f32 and XLA applies
+            the activation. Needs an activation. The forward value does not change; the
+            activation's derivative is taken at Z rounded to `out_dtype`.
 
     Returns:
         (..., M, N) array of `out_dtype`.
@@ -335,14 +374,19 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
         >>> matmul(a, b, backend="xla", out_dtype=jnp.float32)[0, 0].item()
         8.0
     """
-    if not isinstance(transpose_b, bool):
-        raise TypeError(f"transpose_b must be a bool; got {transpose_b!r}")
+    for name, flag in (("transpose_b", transpose_b), ("save_preactivation", save_preactivation)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool; got {flag!r}")
     compute, out_dtype = _check_inputs(a, b, bias, activation, out_dtype, transpose_b)
+    if save_preactivation and activation is None:
+        raise ValueError("save_preactivation=True needs an activation (gelu, relu, silu): "
+                         "without one the pre-activation is the output itself")
     config = as_config(config)
     backend = resolve_backend(backend)
     batch_shape, k, n = a.shape[:-1], a.shape[-1], b.shape[0 if transpose_b else 1]
     a2 = a.reshape(int(np.prod(batch_shape)), k).astype(compute)
-    out = _matmul_2d(a2, b.astype(compute), bias, activation, out_dtype, backend, config, transpose_b)
+    out = _matmul_2d(a2, b.astype(compute), bias, activation, out_dtype, backend, config,
+                     transpose_b, save_preactivation)
     return out.reshape(*batch_shape, n)
 
 

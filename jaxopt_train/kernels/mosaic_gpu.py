@@ -128,11 +128,14 @@ def chained_depth(config: MatmulConfig, k_iters: int, fitted: int) -> tuple[int,
     return (fitted, False) if depth is None else (depth, True)
 
 
-def _matmul_kernel(a_gmem, b_gmem, bias_gmem, out_gmem, out_smem, bias_smem, bias_barrier, *,
-                   config: MatmulConfig, activation: str | None, m_iters: int, n_iters: int,
-                   k_iters: int, transpose_a: bool = False, transpose_b: bool = False,
-                   grid_size: int = 0, chain: bool = False):
+def _matmul_kernel(a_gmem, b_gmem, bias_gmem, out_gmem, aux_gmem, out_smem, bias_smem,
+                   bias_barrier, *, config: MatmulConfig, activation: str | None, m_iters: int,
+                   n_iters: int, k_iters: int, transpose_a: bool = False,
+                   transpose_b: bool = False, grid_size: int = 0, chain: bool = False):
     """Kernel body, run by 3 warpgroups ("wg") on every SM ("sm").
+
+    `aux_gmem` (or None): also store the pre-activation A @ B + bias there, so a
+    training step's backward reads it instead of recomputing the product.
 
     `transpose_a`: a_gmem holds A^T (K, M); `transpose_b`: b_gmem holds B^T (N, K). The
     TMA then loads (bk, rows) / (cols, bk) tiles as stored and wgmma reads them
@@ -203,11 +206,11 @@ def _matmul_kernel(a_gmem, b_gmem, bias_gmem, out_gmem, out_smem, bias_smem, bia
             if split_m:  # this warpgroup's rows / columns of the CTA tile
                 wg_rows, wg_cols = pl.ds(wg * bm, bm), slice(None)
                 bias_cols = cta_cols
-                out_tile = lambda: out_gmem.at[cta_rows, cta_cols].at[wg_rows]  # noqa: E731
+                out_tile = lambda ref: ref.at[cta_rows, cta_cols].at[wg_rows]  # noqa: E731
             else:
                 wg_rows, wg_cols = slice(None), pl.ds(wg * bn, bn)
                 bias_cols = pl.ds(n_idx * cta_n + wg * bn, bn)
-                out_tile = lambda: out_gmem.at[cta_rows, cta_cols].at[:, wg_cols]  # noqa: E731
+                out_tile = lambda ref: ref.at[cta_rows, cta_cols].at[:, wg_cols]  # noqa: E731
 
             def compute_context(run_pipeline):
                 if bias_gmem is not None:  # fetch the bias while the main loop runs
@@ -226,8 +229,18 @@ def _matmul_kernel(a_gmem, b_gmem, bias_gmem, out_gmem, out_smem, bias_smem, bia
                         else:
                             row = _load_bias(bias_smem.at[wg])
                         bias = lax.broadcast_in_dim(row, (bm, bn), [1])
-                    out = apply_epilogue(acc, bias, activation).astype(out_gmem.dtype)
-                    _store_epilogue(out, out_smem.at[wg], out_tile(), epi_m, epi_n)
+                    if aux_gmem is None:
+                        out = apply_epilogue(acc, bias, activation).astype(out_gmem.dtype)
+                        parts = [(lambda rows, cols: out[rows, cols], out_tile(out_gmem))]
+                    else:
+                        # The activation runs per sub-tile, on the f32 pre-activation, so
+                        # only one extra sub-tile of registers is live at a time.
+                        z = apply_epilogue(acc, bias, None)
+                        parts = [(lambda rows, cols: z[rows, cols].astype(aux_gmem.dtype),
+                                  out_tile(aux_gmem)),
+                                 (lambda rows, cols: apply_epilogue(z[rows, cols], None, activation)
+                                  .astype(out_gmem.dtype), out_tile(out_gmem))]
+                    _store_epilogue(parts, out_smem.at[wg], (bm, bn), epi_m, epi_n)
 
             def mma_body(_, a_smem, b_smem, acc_ref):
                 # Slice this warpgroup's part as stored, then view it transposed.
@@ -300,22 +313,28 @@ def _transposed(plgpu, ref):
     return ref.transpose((1, 0))
 
 
-def _store_epilogue(out, slots, out_gmem, epi_m: int, epi_n: int):
-    """Streams `out` (bm x bn registers) to `out_gmem` via two SMEM slots and TMA."""
+def _store_epilogue(parts, slots, tile: tuple[int, int], epi_m: int, epi_n: int):
+    """Streams a bm x bn tile of each output to global memory via two SMEM slots and TMA.
+
+    `parts`: (value, gmem) pairs; `value(rows, cols)` gives that output's sub-tile in
+    registers and `gmem` is the output's bm x bn tile. The outputs of one sub-tile go
+    out one after the other, all through the same two slots.
+    """
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    bm, bn = out.shape
+    bm, bn = tile
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous tile's stores left SMEM
     step = 0
     for i in range(bm // epi_m):
         for j in range(bn // epi_n):
             rows, cols = slice(i * epi_m, (i + 1) * epi_m), slice(j * epi_n, (j + 1) * epi_n)
-            slot = step % slots.shape[0]
-            step += 1
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's last store is done
-            slots[slot] = out[rows, cols]
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(slots.at[slot], out_gmem.at[rows, cols])
+            for value, out_gmem in parts:
+                slot = step % slots.shape[0]
+                step += 1
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's last store is done
+                slots[slot] = value(rows, cols)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(slots.at[slot], out_gmem.at[rows, cols])
 
 
 def kernel_io_kwargs(plgpu, out_shape, scratch) -> dict:
@@ -360,14 +379,29 @@ def _compiler_params(plgpu, config: MatmulConfig, activation: str | None):
 
 def mosaic_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
                   activation: str | None, out_dtype, config: MatmulConfig,
-                  transpose_a: bool = False, transpose_b: bool = False) -> jax.Array:
+                  transpose_a: bool = False, transpose_b: bool = False,
+                  save_preactivation: bool = False):
     """act(A @ B + bias) on a Hopper GPU, bf16/fp16, any M, N, K.
 
     A is `a` (M, K), or `a.T` when `transpose_a` (then `a` is (K, M)); B is `b`
     (K, N), or `b.T` when `transpose_b` (`b` is (N, K)). Transposed operands are
     read as stored: no transposed copy is made.
+
+    With `save_preactivation` it returns (act(Z), Z), Z = A @ B + bias, both in
+    `out_dtype` and written by the one kernel's epilogue (cuBLASLt's GELU_AUX): a
+    training step then keeps Z for the activation's backward and never re-reads Z to
+    apply the activation. The ping-pong schedule writes Z in f32 and applies the
+    activation outside the kernel.
     """
     import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if save_preactivation and activation is None:
+        raise ValueError("save_preactivation=True needs an activation: without one the "
+                         "pre-activation is the output")
+    if save_preactivation and config.schedule == "pingpong":
+        z = mosaic_matmul(a, b, bias, activation=None, out_dtype=jnp.float32, config=config,
+                          transpose_a=transpose_a, transpose_b=transpose_b)
+        return apply_epilogue(z, None, activation).astype(out_dtype), z.astype(out_dtype)
 
     m, k = a.shape[::-1] if transpose_a else a.shape
     n = b.shape[0] if transpose_b else b.shape[1]
@@ -405,23 +439,42 @@ def mosaic_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
             pingpong.kernel, config=config, activation=activation, m_iters=m_iters,
             n_iters=n_iters, k_iters=k_iters, stages=stages, grid_size=grid[0],
             transpose_a=transpose_a, transpose_b=transpose_b)
+        if bias is None:
+            body = functools.partial(_without_bias, body)
     else:
         scratch = []
-        body = functools.partial(_matmul_kernel, config=config, activation=activation,
-                                 m_iters=m_iters, n_iters=n_iters, k_iters=k_iters,
-                                 transpose_a=transpose_a, transpose_b=transpose_b,
-                                 grid_size=grid[0], chain=chain)
+        body = _cooperative_io(
+            functools.partial(_matmul_kernel, config=config, activation=activation,
+                              m_iters=m_iters, n_iters=n_iters, k_iters=k_iters,
+                              transpose_a=transpose_a, transpose_b=transpose_b,
+                              grid_size=grid[0], chain=chain),
+            has_bias=bias is not None, has_aux=save_preactivation)
     scratch += epilogue_scratch(plgpu, config, out_dtype, bias is not None)
-    if bias is None:
-        body = functools.partial(_without_bias, body)
     params = _compiler_params(plgpu, config, activation)
-    out = _kernel_fn(plgpu, body, jax.ShapeDtypeStruct((mp, np_), out_dtype), scratch, grid,
-                     params, cluster)(*operands)
-    return out[:m, :n] if (mp, np_) != (m, n) else out
+    out_shape = jax.ShapeDtypeStruct((mp, np_), out_dtype)
+    outs = _kernel_fn(plgpu, body, (out_shape, out_shape) if save_preactivation else out_shape,
+                      scratch, grid, params, cluster)(*operands)
+    unpad = (lambda x: x[:m, :n]) if (mp, np_) != (m, n) else (lambda x: x)  # noqa: E731
+    return tuple(map(unpad, outs)) if save_preactivation else unpad(outs)
 
 
 def _without_bias(body, a_gmem, b_gmem, out_gmem, *scratch):
     body(a_gmem, b_gmem, None, out_gmem, *scratch, None, None)
+
+
+def _cooperative_io(body, *, has_bias: bool, has_aux: bool):
+    """Adapts `plgpu.kernel`'s refs (inputs, outputs, scratch: the bias and the aux output
+    only when present) to `_matmul_kernel`'s fixed order, with None for what is absent."""
+    def bound(*refs):
+        refs = list(refs)
+        a_gmem, b_gmem = refs.pop(0), refs.pop(0)
+        bias_gmem = refs.pop(0) if has_bias else None
+        out_gmem = refs.pop(0)
+        aux_gmem = refs.pop(0) if has_aux else None
+        scratch = refs if has_bias else [*refs, None, None]  # no bias row, no barrier
+        body(a_gmem, b_gmem, bias_gmem, out_gmem, aux_gmem, *scratch)
+
+    return bound
 
 
 def _load_bias(ref):

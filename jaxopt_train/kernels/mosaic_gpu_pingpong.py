@@ -150,7 +150,8 @@ def kernel(a_gmem, b_gmem, bias_gmem, out_gmem, a_smem, b_smem, full, empty, out
                     plgpu.barrier_wait(bias_barrier.at[consumer])
                     bias = lax.broadcast_in_dim(_load_bias(bias_smem.at[consumer]), (bm, bn), [1])
                 out = apply_epilogue(acc, bias, activation).astype(out_gmem.dtype)
-                _store_epilogue(out, out_smem.at[consumer],
-                                out_gmem.at[pl.ds(row0, bm), pl.ds(col0, bn)], *_epilogue_tile(config))
+                _store_epilogue([(lambda rows, cols: out[rows, cols],
+                                  out_gmem.at[pl.ds(row0, bm), pl.ds(col0, bn)])],
+                                out_smem.at[consumer], (bm, bn), *_epilogue_tile(config))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)

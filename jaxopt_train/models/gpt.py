@@ -96,6 +96,11 @@ class GPTConfig:
         H200 the three narrower GEMMs cost more than the copies (1.5% slower).
       dot_general: Replacement for `jax.lax.dot_general` in every dense layer;
         None uses `jax.lax.dot_general`.
+      fuse_mlp_activation: When `dot_general` offers `fused_dense` (those of
+        `jaxopt_train.kernels.make_dot_general` do), the MLP's first layer, its
+        bias and the GELU run as one kernel launch that also writes the
+        pre-activation for the backward, so no separate pass reads the layer's
+        output to apply the GELU. No effect with XLA's dot_general.
       tie_embeddings: Use the token embedding as the output head.
       use_bias: Biases in the dense layers (LayerNorm always has one).
       layer_norm_epsilon: LayerNorm epsilon.
@@ -116,6 +121,7 @@ class GPTConfig:
     scan_layers: bool = False
     split_qkv: bool = False
     dot_general: Callable[..., jax.Array] | None = None
+    fuse_mlp_activation: bool = True
     tie_embeddings: bool = True
     use_bias: bool = True
     layer_norm_epsilon: float = 1e-5
@@ -140,7 +146,8 @@ class GPTConfig:
             )
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat={self.remat!r}; legal values: {REMAT_POLICIES}")
-        for name in ("scan_layers", "split_qkv", "tie_embeddings", "use_bias"):
+        for name in ("scan_layers", "split_qkv", "fuse_mlp_activation", "tie_embeddings",
+                     "use_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.dot_general is not None and not callable(self.dot_general):
@@ -304,10 +311,19 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.fuse = cfg.fuse_mlp_activation
         self.fc = _Dense(cfg, cfg.d_model, cfg.mlp_dim, std=cfg.init_std, rngs=rngs)
         self.proj = _Dense(cfg, cfg.mlp_dim, cfg.d_model, std=out_std, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        fused = getattr(self.fc.dot_general, "fused_dense", None) if self.fuse else None
+        if fused is not None:
+            # nnx.Linear's own promotion: inputs, kernel and bias in the compute dtype.
+            dtype = self.fc.dtype
+            bias = None if self.fc.bias is None else self.fc.bias[...].astype(dtype)
+            h = fused(x.astype(dtype), self.fc.kernel[...].astype(dtype), bias, "gelu")
+            if h is not None:
+                return self.proj(h)
         return self.proj(jax.nn.gelu(self.fc(x), approximate=True))
 
 
