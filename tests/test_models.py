@@ -229,8 +229,9 @@ def test_dot_general_is_used_by_every_dense_layer(tie_embeddings, scan_layers, s
 
 @pytest.mark.parametrize("scan_layers, use_bias", [(False, True), (True, False)])
 def test_mlp_fuses_its_gelu_into_a_kernel_dot_general(scan_layers, use_bias):
-    """With a kernel dot_general the MLP's fc + bias + GELU is one `fused_dense` launch per
-    layer; the model computes what the unfused model computes, gradients included."""
+    """With `fuse_mlp_activation` and a kernel dot_general the MLP's fc + bias + GELU is one
+    `fused_dense` launch per layer; the model computes what the unfused model computes,
+    gradients included, and the unfused model never calls `fused_dense`."""
     from jaxopt_train.kernels import make_dot_general
 
     kernel_dot = make_dot_general("interpret")
@@ -245,8 +246,9 @@ def test_mlp_fuses_its_gelu_into_a_kernel_dot_general(scan_layers, use_bias):
 
     dot.fused_dense = fused_dense
     fused_cfg = small_cfg(dot_general=dot, dtype=jnp.bfloat16, scan_layers=scan_layers,
-                          use_bias=use_bias)
-    plain_cfg = dataclasses.replace(fused_cfg, fuse_mlp_activation=False)
+                          use_bias=use_bias, fuse_mlp_activation=True)
+    plain_cfg = dataclasses.replace(fused_cfg, fuse_mlp_activation=False)  # the default
+    assert small_cfg().fuse_mlp_activation is False
     tokens = tokens_for(fused_cfg)
 
     def loss(model):

@@ -4,6 +4,8 @@
 # (matmul(save_preactivation=True), GPTConfig.fuse_mlp_activation). First the GPU tests it touches;
 # then the optimised gpt-1b step, 15 s warm-up each: XLA's dot, our kernel fused (`opt`), our kernel
 # with XLA applying the GELU as before (`optnofuse`); lane 0 in that order, lane 1 reversed.
+# As run (commit e675219) the fused MLP was GPTConfig's default, so `opt` below was the fused
+# step; it is off by default since, and `optfuse` is that step now.
 #   [GPUS=0] bash tools/gpu_session13b.sh   # results in $OUT/summary.txt, $OUT/rows.txt
 set -u
 OUT=${OUT:-/tmp/s13b_out}; R=/tmp/s13b; mkdir -p "$R" "$OUT"

@@ -142,7 +142,7 @@ class RunConfig:
     compute_copy: bool = False  # keep the params' compute-dtype copy in the state (see above)
     split_qkv: bool = False  # GPT: q, k, v from three products (GPTConfig.split_qkv)
     # GPT with a kernel matmul: fc + bias + GELU as one launch (GPTConfig.fuse_mlp_activation)
-    fuse_mlp_activation: bool = True
+    fuse_mlp_activation: bool = False
 
     def __post_init__(self):
         if self.accumulation not in ACCUMULATIONS:

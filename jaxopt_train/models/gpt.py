@@ -100,7 +100,9 @@ class GPTConfig:
         `jaxopt_train.kernels.make_dot_general` do), the MLP's first layer, its
         bias and the GELU run as one kernel launch that also writes the
         pre-activation for the backward, so no separate pass reads the layer's
-        output to apply the GELU. No effect with XLA's dot_general.
+        output to apply the GELU. No effect with XLA's dot_general. Off by
+        default: on gpt-1b on an H200 the step was ~1% slower with it, its
+        backward taking two passes where XLA's takes one (BENCHMARKS.md).
       tie_embeddings: Use the token embedding as the output head.
       use_bias: Biases in the dense layers (LayerNorm always has one).
       layer_norm_epsilon: LayerNorm epsilon.
@@ -121,7 +123,7 @@ class GPTConfig:
     scan_layers: bool = False
     split_qkv: bool = False
     dot_general: Callable[..., jax.Array] | None = None
-    fuse_mlp_activation: bool = True
+    fuse_mlp_activation: bool = False
     tie_embeddings: bool = True
     use_bias: bool = True
     layer_norm_epsilon: float = 1e-5
