@@ -21,7 +21,7 @@ def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_train")
     argv = ["--quick", "--devices", "2", "--xla-preset", "none", "--peak-tflops", "0.5",
             "--memory-budget", "1GiB", "--compare-matmul", "pallas", "--compute-copy",
-            "--split-qkv", "--compare-plain",
+            "--split-qkv", "--fuse-mlp-activation", "--compare-plain",
             "--out", str(out), "--json", str(out / "raw.json")]
     assert train.main(argv) == 0
     return out, json.loads((out / "train_bench.json").read_text())
@@ -88,6 +88,8 @@ def test_quick_bench_compares_the_pallas_matmul(quick_run):
     xla, pallas = result["matmul"]
     assert xla["name"] == "optimised" and xla["config"]["matmul"] == "xla"
     assert pallas["config"] == {**xla["config"], "name": "optimised, matmul=pallas", "matmul": "pallas"}
+    assert pallas["config"]["fuse_mlp_activation"]  # --fuse-mlp-activation: its MLP is fused
+    assert "fc + bias + GELU in one launch" in (out / "train_bench.md").read_text()
     assert pallas["step_ms"] > 0 and pallas["compile_s"] > 0
     table = (out / "train_bench.md").read_text()
     assert "| matmul | step ms |" in table and "| pallas |" in table and "| xla |" in table
@@ -341,12 +343,14 @@ def test_gpu_optimised_uses_cudnn_and_reports_mfu(tmp_path):
         assert 0 < opt["mfu"] < 1
 
 
-def test_split_qkv_is_for_gpt_models_only():
-    with pytest.raises(SystemExit, match="--split-qkv applies to GPT models, not --model resnet50"):
-        train._parse(["--model", "resnet50", "--split-qkv"])
+@pytest.mark.parametrize("flag", ["split_qkv", "fuse_mlp_activation"])
+def test_gpt_layout_flags_are_for_gpt_models_only(flag):
+    option = "--" + flag.replace("_", "-")
+    with pytest.raises(SystemExit, match=f"{option} applies to GPT models, not --model resnet50"):
+        train._parse(["--model", "resnet50", option])
     workload = train_steps.Workload("cnn-small", 8, 1)
-    with pytest.raises(ValueError, match="split_qkv=True applies to GPT models"):
-        train_steps.build_model(workload, train_steps.RunConfig("x", split_qkv=True), None)
+    with pytest.raises(ValueError, match=f"{flag}=True applies to GPT models"):
+        train_steps.build_model(workload, train_steps.RunConfig("x", **{flag: True}), None)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -102,6 +102,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="optimised config (GPT): q, k and v from three products of the fused "
                    "weight's column blocks, so cuDNN attention reads them without slice copies "
                    "(off by default: 1.5%% slower on gpt-1b on an H200)")
+    p.add_argument("--fuse-mlp-activation", action="store_true",
+                   help="optimised config (GPT), in its rows with a kernel matmul "
+                   "(--compare-matmul pallas|triton): the MLP's fc + bias + GELU as one kernel "
+                   "launch that also writes the pre-activation for the backward (off by default: "
+                   "1%% slower on gpt-1b on an H200 before its backward fix, which is unmeasured)")
     p.add_argument("--xla-preset", choices=sorted(PRESETS), default="gpu-throughput")
     p.add_argument("--xla-extra", default=None, help="more XLA flags, '--name=value ...'")
     p.add_argument("--devices", type=int, help="use the first N devices (default: all)")
@@ -167,8 +172,9 @@ def _parse(argv):
         raise SystemExit(f"--compare-matmul applies to GPT models, not --model {args.model}")
     if args.compare_plain and not args.model.startswith("gpt"):
         raise SystemExit(f"--compare-plain applies to GPT models, not --model {args.model}")
-    if args.split_qkv and not args.model.startswith("gpt"):
-        raise SystemExit(f"--split-qkv applies to GPT models, not --model {args.model}")
+    for flag in ("split_qkv", "fuse_mlp_activation"):
+        if getattr(args, flag) and not args.model.startswith("gpt"):
+            raise SystemExit(f"--{flag.replace('_', '-')} applies to GPT models, not --model {args.model}")
     if args.compute_copy and args.grad_dtype != "compute":
         raise SystemExit(f"--compute-copy is the copy the step differentiates: it needs "
                          f"--grad-dtype compute, got --grad-dtype {args.grad_dtype}")
@@ -403,7 +409,8 @@ def run_bench(args, xla_report) -> dict:
                                       steps_per_dispatch=args.steps_per_dispatch,
                                       opt_state=args.opt_state_dtype, grad_dtype=args.grad_dtype,
                                       zero=args.zero, compute_copy=args.compute_copy,
-                                      split_qkv=args.split_qkv)
+                                      split_qkv=args.split_qkv,
+                                      fuse_mlp_activation=args.fuse_mlp_activation)
     baseline = train_steps.RunConfig("baseline")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "MFU omitted" is said in the table's header instead

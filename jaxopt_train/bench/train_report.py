@@ -170,7 +170,9 @@ def render(result) -> str:
                  f"optimizer state {opt['config']['opt_state']}, gradients in the "
                  f"{opt['config']['grad_dtype']} dtype, {_zero_note(opt)}"
                  + (", bf16 weight copy kept in the state" if opt["config"]["compute_copy"] else "")
-                 + (", q/k/v from three products" if opt["config"]["split_qkv"] else ""))
+                 + (", q/k/v from three products" if opt["config"]["split_qkv"] else "")
+                 + (", the MLP's fc + bias + GELU in one launch in the kernel-matmul rows"
+                    if opt["config"]["fuse_mlp_activation"] else ""))
     for row in result["rows"]:
         if row["config"].get("plain"):  # the yardstick rows of --compare-plain
             lines.append(f"optimised vs {row['name']}: {row['step_ms'] / opt['step_ms']:.3f}x "

@@ -195,7 +195,8 @@ def data_mesh(devices) -> jax.sharding.Mesh:
 def build_model(workload: Workload, run: RunConfig, axis_name: str | None, seed: int = 0):
     policy = get_policy(run.policy)
     rngs = nnx.Rngs(seed)
-    for name, value, off in (("matmul", run.matmul, "xla"), ("split_qkv", run.split_qkv, False)):
+    for name, value, off in (("matmul", run.matmul, "xla"), ("split_qkv", run.split_qkv, False),
+                             ("fuse_mlp_activation", run.fuse_mlp_activation, False)):
         if value != off and not workload.is_gpt:
             raise ValueError(f"{name}={value!r} applies to GPT models {GPT_PRESETS}, "
                              f"not {workload.model!r}")
