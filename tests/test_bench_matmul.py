@@ -25,8 +25,17 @@ def test_quick_run_measures_each_backend_next_to_xla(tmp_path, capsys):
             row["tflops"] / next(r["tflops"] for r in data["plain" if not row["fused"] else "fused"]
                                  if r["shape"] == row["shape"] and r["backend"] == "xla_dot"))
     assert all("config" in r for r in data["plain"] if r["backend"] == "interpret")
+    # The layer table: forward + backward against the f32 reference's output and gradients,
+    # each kernel backend recomputing and keeping the pre-activation, next to XLA's.
+    layer = {r["backend"]: r for r in data["layer"]}
+    assert list(layer) == ["xla_dot", "interpret", "interpret+saved", "xla", "xla+saved"]
+    for row in layer.values():
+        assert "error" not in row, row
+        assert tuple(row["shape"]) == bench.QUICK_SHAPES[1] and row["max_rel_error"] < 3e-2
+        assert row["vs_xla"] == pytest.approx(row["tflops"] / layer["xla_dot"]["tflops"])
     out = capsys.readouterr().out
     assert "matmul: C = A @ B" in out and "fused: gelu(A @ B + bias)" in out
+    assert "layer, forward + backward" in out and "interpret+saved" in out
 
 
 def test_config_column_names_the_layout_knobs():

@@ -6,7 +6,11 @@ is checked against the f32 reference, warmed up, then timed in bursts of
 back-to-back calls with one sync per burst; the median burst gives TFLOP/s,
 the ratio to XLA's `jnp.dot` measured in the same run, and % of dense peak.
 A second table compares the fused matmul+bias+gelu with XLA's dot followed by
-bias and gelu.
+bias and gelu. A third times that layer as a training step runs it, forward and
+backward (dA, dB and dbias for a fixed cotangent), for each kernel backend with the
+pre-activation recomputed in the backward and kept from the forward
+(`save_preactivation`, shown as "<backend>+saved"), against XLA's dot + bias + gelu
+in bf16 as `nnx.Linear` and `jax.nn.gelu` compute it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from jaxopt_train.train.mfu import peak_tflops
 LARGE_SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 8192, 2048), (16384, 2048, 8192)]
 SMALL_SHAPES = [(1024, 1024, 1024), (2048, 512, 2048), (1000, 777, 513), (3000, 5000, 1000)]
 FUSED_SHAPES = [(8192, 8192, 8192), (16384, 8192, 2048)]
+LAYER_SHAPES = [(8192, 8192, 2048)]  # gpt-1b's MLP fc layer: 8 x 1024 tokens, d_model 2048
 QUICK_SHAPES = [(64, 64, 64), (127, 129, 65)]
 
 
@@ -67,6 +72,65 @@ def _fused_fn(backend):
     return jax.jit(lambda a, b, bias: matmul(a, b, bias=bias, activation="gelu", backend=backend))
 
 
+def _layer_fn(backend: str, cotangent):
+    """(out, dA, dB, dbias) of gelu(A @ B + bias) for the fixed `cotangent`."""
+    if backend == "xla_dot":
+        def layer(a, b, bias):
+            return jax.nn.gelu(jnp.dot(a, b) + bias.astype(a.dtype), approximate=True)
+    else:
+        kernel, _, saved = backend.partition("+saved")
+
+        def layer(a, b, bias):
+            return matmul(a, b, bias=bias, activation="gelu", backend=kernel,
+                          save_preactivation=bool(saved))
+
+    def step(a, b, bias):
+        out, pull = jax.vjp(layer, a, b, bias)
+        return (out, *pull(cotangent.astype(out.dtype)))
+
+    return jax.jit(step)
+
+
+def _measure_layer(backends, shape, dtype, args, peak):
+    """Rows of the forward + backward table: useful FLOPs 3 x 2MNK (the recomputing
+    backward runs a fourth product that is not counted)."""
+    m, n, k = shape
+    sets = _input_sets(m, n, k, dtype, args.input_sets)
+    cotangent = jax.random.normal(jax.random.key(1), (m, n), jnp.float32).astype(dtype)
+    a, b, bias = sets[0]
+
+    def reference(a, b, bias):
+        return matmul_reference(a, b, bias=bias, activation="gelu", out_dtype=jnp.float32)
+
+    ref_out, pull = jax.vjp(reference, a, b, bias)
+    # The reference's gradients come back in the inputs' dtype: compare in f32.
+    refs = [r.astype(jnp.float32) for r in (ref_out, *pull(cotangent.astype(jnp.float32)))]
+    names = ["xla_dot"] + [f"{b}{s}" for b in backends if b != "xla_dot" for s in ("", "+saved")]
+    rows = []
+    for name in names:
+        row = {"shape": list(shape), "backend": name, "layer": True}
+        try:
+            fn = _layer_fn(name, cotangent)
+            got = fn(a, b, bias)
+            row["max_rel_error"] = max(
+                float(jnp.max(jnp.abs(g.astype(jnp.float32) - r))) / (float(jnp.max(jnp.abs(r))) or 1.0)
+                for g, r in zip(got, refs))
+            seconds = time_fn(fn, sets, calls=args.calls, bursts=args.bursts, warmup_s=args.warmup_s)
+            row["ms"] = seconds * 1e3
+            row["tflops"] = 3 * 2 * m * n * k / seconds / 1e12
+            row["pct_peak"] = None if peak is None else 100 * row["tflops"] * 1e12 / peak
+        except Exception as err:  # noqa: BLE001 - one broken backend must not hide the rest
+            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    base = next((r for r in rows if r["backend"] == "xla_dot" and "tflops" in r), None)
+    for row in rows:
+        if base is not None and "tflops" in row:
+            row["vs_xla"] = row["tflops"] / base["tflops"]
+    del sets
+    return rows
+
+
 def _measure(make_fn, backends, shape, dtype, args, peak, fused: bool):
     m, n, k = shape
     sets = _input_sets(m, n, k, dtype, args.input_sets)
@@ -99,16 +163,16 @@ def _measure(make_fn, backends, shape, dtype, args, peak, fused: bool):
 
 
 def _table(rows, title):
-    lines = [f"\n{title}", f"{'shape (MxNxK)':<20} {'backend':<11} {'TFLOP/s':>8} {'vs XLA':>7} "
+    lines = [f"\n{title}", f"{'shape (MxNxK)':<20} {'backend':<16} {'TFLOP/s':>8} {'vs XLA':>7} "
              f"{'% peak':>7} {'ms':>8} {'rel err':>8}  config (bm x bn x bk, stages, warps, group, in-flight, layout)"]
     for r in rows:
         shape = "x".join(map(str, r["shape"]))
         if "error" in r:
-            lines.append(f"{shape:<20} {r['backend']:<11} ERROR {r['error'][:90]}")
+            lines.append(f"{shape:<20} {r['backend']:<16} ERROR {r['error'][:90]}")
             continue
         pct = "-" if r.get("pct_peak") is None else f"{r['pct_peak']:.1f}"
         ratio = "-" if "vs_xla" not in r else f"{r['vs_xla']:.3f}"
-        lines.append(f"{shape:<20} {r['backend']:<11} {r['tflops']:>8.3g} {ratio:>7} {pct:>7} "
+        lines.append(f"{shape:<20} {r['backend']:<16} {r['tflops']:>8.3g} {ratio:>7} {pct:>7} "
                      f"{r['ms']:>8.3f} {r['max_rel_error']:>8.1e}  {_short(r.get('config'))}")
     return "\n".join(lines)
 
@@ -147,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-sets", type=int, default=4, help="rotating input sets (> L2)")
     parser.add_argument("--warmup-s", type=float, default=1.0)
     parser.add_argument("--no-fused", action="store_true", help="skip the bias+gelu table")
+    parser.add_argument("--no-layer", action="store_true",
+                        help="skip the forward + backward table of the bias+gelu layer")
     args = parser.parse_args(argv)
     for name in ("calls", "bursts", "input_sets"):
         if getattr(args, name) < 1:
@@ -167,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     backends = ["xla_dot"] + [b for b in backends if b != "xla_dot"]
     shapes = QUICK_SHAPES if args.quick else LARGE_SHAPES + SMALL_SHAPES
     fused_shapes = QUICK_SHAPES[:1] if args.quick else FUSED_SHAPES
+    layer_shapes = QUICK_SHAPES[1:] if args.quick else LAYER_SHAPES
     if args.quick:
         args.calls, args.bursts, args.input_sets, args.warmup_s = 2, 2, 2, 0.0
     dtype = jnp.dtype(args.dtype)
@@ -181,20 +248,25 @@ def main(argv: list[str] | None = None) -> int:
     fused_rows = [] if args.no_fused else [
         r for shape in fused_shapes
         for r in _measure(_fused_fn, backends, shape, dtype, args, peak, fused=True)]
+    layer_rows = [] if args.no_layer else [
+        r for shape in layer_shapes for r in _measure_layer(backends, shape, dtype, args, peak)]
     summary = {b: _geomean_large(rows, b) for b in backends if b != "xla_dot"}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**header, "plain": rows, "fused": fused_rows,
+            json.dump({**header, "plain": rows, "fused": fused_rows, "layer": layer_rows,
                        "geomean_vs_xla_large": summary}, f, indent=1)
     print(f"device: {device.device_kind}  jax {jax.__version__}  dtype {args.dtype}  "
           f"(median of {args.bursts} bursts x {args.calls} calls, {args.input_sets} rotating inputs)")
     print(_table(rows, "matmul: C = A @ B"))
     if fused_rows:
         print(_table(fused_rows, "fused: gelu(A @ B + bias); xla_dot = jax.nn.gelu(jnp.dot(A, B) + bias)"))
+    if layer_rows:
+        print(_table(layer_rows, "layer, forward + backward (dA, dB, dbias) of gelu(A @ B + bias); "
+                                 "TFLOP/s of 3 x 2MNK; <backend>+saved keeps the pre-activation"))
     for backend, value in summary.items():
         if value is not None:
             print(f"geomean vs XLA over the 4 large shapes, {backend}: {value:.3f}")
-    errors = [r for r in rows + fused_rows if "error" in r]
+    errors = [r for r in rows + fused_rows + layer_rows if "error" in r]
     return 1 if errors and args.quick else 0
 
 
