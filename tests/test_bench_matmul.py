@@ -58,3 +58,15 @@ def test_bad_arguments_are_refused_with_the_expected_values(argv, message, capsy
     with pytest.raises(SystemExit):
         bench.main(argv)
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_tables_can_be_skipped(tmp_path, capsys):
+    path = tmp_path / "matmul.json"
+    assert bench.main(["--quick", "--no-plain", "--no-fused", "--backends", "xla",
+                       "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["plain"] == [] and data["fused"] == []
+    assert [r["backend"] for r in data["layer"]] == ["xla_dot", "xla", "xla+saved"]
+    out = capsys.readouterr().out
+    assert "matmul: C = A @ B" not in out and "geomean" not in out
+    assert "layer, forward + backward" in out

@@ -210,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bursts", type=int, default=5)
     parser.add_argument("--input-sets", type=int, default=4, help="rotating input sets (> L2)")
     parser.add_argument("--warmup-s", type=float, default=1.0)
+    parser.add_argument("--no-plain", action="store_true", help="skip the A @ B table")
     parser.add_argument("--no-fused", action="store_true", help="skip the bias+gelu table")
     parser.add_argument("--no-layer", action="store_true",
                         help="skip the forward + backward table of the bias+gelu layer")
@@ -243,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
               "calls": args.calls, "bursts": args.bursts, "input_sets": args.input_sets,
               "peak_tflops": None if peak is None else peak / 1e12}
     print(json.dumps(header), file=sys.stderr, flush=True)
-    rows = [r for shape in shapes
-            for r in _measure(_plain_fn, backends, shape, dtype, args, peak, fused=False)]
+    rows = [] if args.no_plain else [
+        r for shape in shapes for r in _measure(_plain_fn, backends, shape, dtype, args, peak, fused=False)]
     fused_rows = [] if args.no_fused else [
         r for shape in fused_shapes
         for r in _measure(_fused_fn, backends, shape, dtype, args, peak, fused=True)]
@@ -257,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                        "geomean_vs_xla_large": summary}, f, indent=1)
     print(f"device: {device.device_kind}  jax {jax.__version__}  dtype {args.dtype}  "
           f"(median of {args.bursts} bursts x {args.calls} calls, {args.input_sets} rotating inputs)")
-    print(_table(rows, "matmul: C = A @ B"))
+    if rows:
+        print(_table(rows, "matmul: C = A @ B"))
     if fused_rows:
         print(_table(fused_rows, "fused: gelu(A @ B + bias); xla_dot = jax.nn.gelu(jnp.dot(A, B) + bias)"))
     if layer_rows:
