@@ -7,6 +7,7 @@
 # As run (commit e675219) the fused MLP was GPTConfig's default, so that call's `opt` was the
 # fused step; it is off by default since, and the lanes below name it `optfuse`.
 #   [GPUS=0] bash tools/gpu_session13b.sh   # results in $OUT/summary.txt, $OUT/rows.txt
+# After call 4, lane 0 also got `bench matmul`'s forward + backward table of the fc layer.
 # To re-measure after a change (e.g. the bias-gradient fix that landed after call 5), with only
 # the saved-pre-activation tests first:
 #   TESTS_K=preactivation bash tools/gpu_session13b.sh
@@ -24,7 +25,11 @@ probe() {  # probe GPU TAG MATMUL VARIANTS
   CUDA_VISIBLE_DEVICES=$1 OUT=$R step "probe_$2" ${T_P:-170} $PY tools/probe_gpt1b.py \
     --variants "$4" --warmup-s 15 --tag "_$2" --matmul "$3"
 }
-lane_a() { probe 0 g0a_xla xla opt; probe 0 g0b_pallas pallas optfuse,optnofuse; }
+lane_a() { probe 0 g0a_xla xla opt; probe 0 g0b_pallas pallas optfuse,optnofuse; layer 0; }
+layer() {  # layer GPU: bench matmul's forward + backward table of the fc layer (added after call 4)
+  CUDA_VISIBLE_DEVICES=$1 step layer_g$1 120 $PY -m jaxopt_train.bench.matmul --backends mosaic_gpu \
+    --no-plain --no-fused --warmup-s 8 --json "$OUT/layer_g$1.json"
+}
 lane_b() { probe 1 g1a_pallas pallas optnofuse,optfuse; probe 1 g1b_xla xla opt; }
 if [ "$GPUS" = "0" ]; then
   tests; lane_a
