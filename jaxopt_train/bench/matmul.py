@@ -97,36 +97,23 @@ def _measure_layer(backends, shape, dtype, args, peak):
     m, n, k = shape
     sets = _input_sets(m, n, k, dtype, args.input_sets)
     cotangent = jax.random.normal(jax.random.key(1), (m, n), jnp.float32).astype(dtype)
-    a, b, bias = sets[0]
 
     def reference(a, b, bias):
         return matmul_reference(a, b, bias=bias, activation="gelu", out_dtype=jnp.float32)
 
-    ref_out, pull = jax.vjp(reference, a, b, bias)
+    ref_out, pull = jax.vjp(reference, *sets[0])
     # The reference's gradients come back in the inputs' dtype: compare in f32.
     refs = [r.astype(jnp.float32) for r in (ref_out, *pull(cotangent.astype(jnp.float32)))]
-    names = ["xla_dot"] + [f"{b}{s}" for b in backends if b != "xla_dot" for s in ("", "+saved")]
-    rows = []
-    for name in names:
-        row = {"shape": list(shape), "backend": name, "layer": True}
-        try:
-            fn = _layer_fn(name, cotangent)
-            got = fn(a, b, bias)
-            row["max_rel_error"] = max(
-                float(jnp.max(jnp.abs(g.astype(jnp.float32) - r))) / (float(jnp.max(jnp.abs(r))) or 1.0)
-                for g, r in zip(got, refs))
-            seconds = time_fn(fn, sets, calls=args.calls, bursts=args.bursts, warmup_s=args.warmup_s)
-            row["ms"] = seconds * 1e3
-            row["tflops"] = 3 * 2 * m * n * k / seconds / 1e12
-            row["pct_peak"] = None if peak is None else 100 * row["tflops"] * 1e12 / peak
-        except Exception as err:  # noqa: BLE001 - one broken backend must not hide the rest
-            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-        rows.append(row)
-        print(json.dumps(row), file=sys.stderr, flush=True)
-    base = next((r for r in rows if r["backend"] == "xla_dot" and "tflops" in r), None)
-    for row in rows:
-        if base is not None and "tflops" in row:
-            row["vs_xla"] = row["tflops"] / base["tflops"]
+
+    def rel_error(got):  # the worst of the output and the three gradients
+        return max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r))) / (float(jnp.max(jnp.abs(r))) or 1.0)
+                   for g, r in zip(got, refs))
+
+    names = ["xla_dot"] + [backend + suffix for backend in backends if backend != "xla_dot"
+                           for suffix in ("", "+saved")]
+    entries = [({"shape": list(shape), "backend": name, "layer": True},
+                lambda row, name=name: _layer_fn(name, cotangent)) for name in names]
+    rows = _timed_rows(entries, sets, args, peak, 3 * 2 * m * n * k, rel_error)
     del sets
     return rows
 
@@ -138,19 +125,37 @@ def _measure(make_fn, backends, shape, dtype, args, peak, fused: bool):
     ref = matmul_reference(a, b, bias=bias if fused else None, activation="gelu" if fused else None,
                            out_dtype=jnp.float32)
     scale = float(jnp.max(jnp.abs(ref))) or 1.0
-    rows = []
-    for backend in backends:
-        row = {"shape": list(shape), "backend": backend, "fused": fused}
-        try:
+
+    def build(backend):
+        def make(row):
             if backend not in ("xla_dot", "xla"):
                 row["config"] = resolve_config(backend, m, n, k, dtype).to_dict()
-            fn = make_fn(backend)
-            row["max_rel_error"] = float(jnp.max(jnp.abs(fn(a, b, bias).astype(jnp.float32) - ref))) / scale
+            return make_fn(backend)
+        return make
+
+    entries = [({"shape": list(shape), "backend": backend, "fused": fused}, build(backend))
+               for backend in backends]
+    rows = _timed_rows(entries, sets, args, peak, 2 * m * n * k,
+                       lambda out: float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))) / scale)
+    del sets
+    return rows
+
+
+def _timed_rows(entries, sets, args, peak, flops: int, rel_error):
+    """Fills each (row, make) entry's row: `make(row)` builds the jitted function (and may
+    note its config in the row), `rel_error` scores its result on the first input set,
+    then it is timed; TFLOP/s of `flops` per call, % of `peak`, and the ratio to the
+    "xla_dot" row. One broken backend must not hide the rest: its row gets "error"."""
+    rows = []
+    for row, make in entries:
+        try:
+            fn = make(row)
+            row["max_rel_error"] = rel_error(fn(*sets[0]))
             seconds = time_fn(fn, sets, calls=args.calls, bursts=args.bursts, warmup_s=args.warmup_s)
             row["ms"] = seconds * 1e3
-            row["tflops"] = 2 * m * n * k / seconds / 1e12
+            row["tflops"] = flops / seconds / 1e12
             row["pct_peak"] = None if peak is None else 100 * row["tflops"] * 1e12 / peak
-        except Exception as err:  # noqa: BLE001 - one broken backend must not hide the rest
+        except Exception as err:  # noqa: BLE001
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
@@ -158,7 +163,6 @@ def _measure(make_fn, backends, shape, dtype, args, peak, fused: bool):
     for row in rows:
         if base is not None and "tflops" in row:
             row["vs_xla"] = row["tflops"] / base["tflops"]
-    del sets
     return rows
 
 
