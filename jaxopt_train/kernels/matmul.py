@@ -334,9 +334,9 @@ def _matmul_2d_bwd(activation, out_dtype, backend, config, transpose_b, save_pre
         db = _product_with_transpose(a, dz_compute, "a", b.dtype, backend, config)  # a.T @ dz
     # The column sum of the same rounded dZ the two products read (dbias as precise as dB),
     # so that XLA can form dZ and the sum in one pass, as it does for its own bias
-    # gradients. Summing the f32 dZ made it write dZ in f32 and read it back: on gpt-1b's
-    # MLP (H200) two passes of 162 + 96 us per layer where XLA's own backward takes one of
-    # 124 us (this change: not yet measured on a GPU).
+    # gradients. Summing the f32 dZ took two passes on gpt-1b's MLP (H200: 162 + 96 us per
+    # layer, sized like dZ written in f32 and read back) where XLA's own backward takes one
+    # of 124 us (this change: not yet measured on a GPU).
     dbias = None if bias is None else jnp.sum(dz_compute.astype(jnp.float32), axis=0).astype(bias.dtype)
     return da, db, dbias
 
