@@ -227,8 +227,7 @@ def test_dot_general_is_used_by_every_dense_layer(tie_embeddings, scan_layers, s
     assert sorted(shapes) == sorted(per_block * layers + [head])
 
 
-@pytest.mark.parametrize("scan_layers, use_bias", [(False, True), (True, False)])
-def test_mlp_fuses_its_gelu_into_a_kernel_dot_general(scan_layers, use_bias):
+def test_mlp_fuses_its_gelu_into_a_kernel_dot_general(scan_layers=True, use_bias=True):
     """With `fuse_mlp_activation` and a kernel dot_general the MLP's fc + bias + GELU is one
     `fused_dense` launch per layer; the model computes what the unfused model computes,
     gradients included, and the unfused model never calls `fused_dense`."""
