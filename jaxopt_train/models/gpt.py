@@ -102,7 +102,8 @@ class GPTConfig:
         pre-activation for the backward, so no separate pass reads the layer's
         output to apply the GELU. No effect with XLA's dot_general. Off by
         default: on gpt-1b on an H200 the step was ~1% slower with it, its
-        backward taking two passes where XLA's takes one (BENCHMARKS.md).
+        backward taking two passes where XLA's takes one; the fix to its bias
+        gradient is not yet measured (BENCHMARKS.md).
       tie_embeddings: Use the token embedding as the output head.
       use_bias: Biases in the dense layers (LayerNorm always has one).
       layer_norm_epsilon: LayerNorm epsilon.
