@@ -209,10 +209,10 @@ def default_config(backend: str, device_kind: str, m: int, n: int, k: int) -> Ma
 def _padded_area(config: MatmulConfig, m: int, n: int) -> int:
     """Elements of C the Mosaic GPU wrapper computes for an m x n product (it pads M and N
     to whole cluster tiles)."""
-    from jaxopt_train.kernels.mosaic_gpu import cluster_tile  # it imports this module
+    from jaxopt_train.kernels.mosaic_gpu import _round_up, cluster_tile  # it imports this module
 
     rows, cols = cluster_tile(config)
-    return -(-m // rows) * rows * (-(-n // cols) * cols)
+    return _round_up(m, rows) * _round_up(n, cols)
 
 
 def _fewest_padded(config: MatmulConfig, m: int, n: int) -> MatmulConfig:

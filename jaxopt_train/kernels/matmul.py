@@ -199,14 +199,15 @@ def _xla(a, b, bias, activation, out_dtype):
     return apply_epilogue(acc, bias, activation).astype(out_dtype)
 
 
-def _forward_impl(a, b, bias, activation, out_dtype, backend, config):
-    """One 2-D kernel launch on already-validated, compute-dtype operands."""
+def _forward_impl(a, b, bias, activation, out_dtype, backend, config, save_preactivation=False):
+    """One 2-D kernel launch on already-validated, compute-dtype operands (with
+    `save_preactivation`, Mosaic GPU only: (act(Z), Z) from that one launch)."""
     if backend == "xla":
         return _xla(a, b, bias, activation, out_dtype)
     (m, k), n = a.shape, b.shape[1]
     config = config or resolve_config(backend, m, n, k, a.dtype)
     return _launch(a, b, bias, activation=activation, out_dtype=jnp.dtype(out_dtype),
-                   backend=backend, config=config)
+                   backend=backend, config=config, save_preactivation=save_preactivation)
 
 
 # Each launch is its own jit so that a model lowers one kernel per distinct (shapes,
@@ -288,10 +289,8 @@ def _forward_with_preactivation(a, b, bias, activation, out_dtype, backend, conf
     f32 Z: one Mosaic GPU kernel writes both; elsewhere the kernel writes Z in f32 and XLA
     applies the activation and both casts in one elementwise pass."""
     if backend == "mosaic_gpu" and not transpose_b:
-        (m, k), n = a.shape, b.shape[1]
-        cfg = config or resolve_config(backend, m, n, k, a.dtype)
-        return _launch(a, b, bias, activation=activation, out_dtype=jnp.dtype(out_dtype),
-                       backend=backend, config=cfg, save_preactivation=True)
+        return _forward_impl(a, b, bias, activation, out_dtype, backend, config,
+                             save_preactivation=True)
     z = _forward(a, b, bias, None, jnp.float32, backend, config, transpose_b)
     return apply_epilogue(z, None, activation).astype(out_dtype), z.astype(out_dtype)
 
