@@ -70,3 +70,18 @@ def test_tables_can_be_skipped(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "matmul: C = A @ B" not in out and "geomean" not in out
     assert "layer, forward + backward" in out
+
+
+def test_layer_rows_keep_or_recompute_the_preactivation_as_named():
+    """`<backend>+saved` runs the kept-Z backward (one kernel launch fewer: forward, dA, dB)
+    and `<backend>` the recomputing one. A parsing slip once ran the recomputing path in
+    both rows (fourteenth session, H200: both 4 launches, 2.02 and 2.04 ms)."""
+    import jax
+    import jax.numpy as jnp
+
+    m, n, k = bench.QUICK_SHAPES[1]
+    a, b, bias = bench._input_sets(m, n, k, jnp.bfloat16, 1)[0]
+    cotangent = jnp.ones((m, n), jnp.bfloat16)
+    launches = {name: bench._layer_fn(name, cotangent).lower(a, b, bias).as_text()
+                .count("call @_launch") for name in ("interpret", "interpret+saved")}
+    assert launches == {"interpret": 4, "interpret+saved": 3}, launches

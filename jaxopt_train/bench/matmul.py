@@ -78,7 +78,7 @@ def _layer_fn(backend: str, cotangent):
         def layer(a, b, bias):
             return jax.nn.gelu(jnp.dot(a, b) + bias.astype(a.dtype), approximate=True)
     else:
-        kernel, _, saved = backend.partition("+saved")
+        kernel, saved, _ = backend.partition("+saved")
 
         def layer(a, b, bias):
             return matmul(a, b, bias=bias, activation="gelu", backend=kernel,
