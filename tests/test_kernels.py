@@ -179,6 +179,27 @@ def test_saved_preactivation_gradients_match_reference(backend, activation, with
         assert counts == {False: 4, True: 3}, counts
 
 
+@pytest.mark.parametrize("backend", ["interpret", "xla"])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_saved_preactivation_gelu_gradient_is_finite_for_large_preactivations(backend, dtype):
+    """The kept Z's GELU derivative squares Z: above 255 that overflows fp16 (0 * inf = NaN),
+    so fp16 takes it in f32 while bf16 (f32's range) takes it in bf16."""
+    a = jnp.ones((4, 8), dtype)
+    b = jnp.stack([jnp.full((8,), 40.0), jnp.full((8,), -40.0), jnp.full((8,), 0.1)], 1).astype(dtype)
+
+    def loss(fn):
+        return lambda a, b: jnp.sum(fn(a, b).astype(jnp.float32))
+
+    ours = loss(lambda a, b: matmul(a, b, activation="gelu", backend=backend,
+                                    save_preactivation=True))
+    got = jax.grad(ours, argnums=(0, 1))(a, b)
+    want = jax.grad(loss(lambda a, b: matmul_reference(a, b, activation="gelu")),
+                    argnums=(0, 1))(a, b)
+    for g, w in zip(got, want):
+        assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))), g
+        _assert_close(g, w, dtype)
+
+
 def test_save_preactivation_bad_inputs():
     a, b, _ = _operands((4,), 8, 6, jnp.bfloat16)
     with pytest.raises(ValueError, match="save_preactivation=True needs an activation"):

@@ -7,6 +7,8 @@
 # (15 s warm-up each); (3) GPU tests not yet run on this tree: the kept-Z gradient test, the
 # kernel option sweeps, and the other modules' GPU tests, as far as the time allows.
 #   bash tools/gpu_session14b.sh   # results in $OUT/summary.txt, $OUT/rows.txt, $OUT/layer_probe.json
+# As run (commit 9d0ca90) the probe's default variants included the f32-derivative row; that
+# switch is gone since, so a rerun profiles the four others.
 set -u
 OUT=${OUT:-/tmp/s14b_out}; R=/tmp/s14b; mkdir -p "$R" "$OUT"
 export DEADLINE=${DEADLINE:-560}

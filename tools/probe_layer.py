@@ -7,12 +7,13 @@ backward at gpt-1b's fc shape: XLA 1.505 ms, our kernel 2.02 ms recomputing Z an
 keeping it. The three products alone run at ~1.1 ms in our kernel, so the gap is outside
 them. This traces each variant of that same jitted function (`bench.matmul._layer_fn`) and
 lists its GPU kernels with their time per call, and saves each variant's optimised HLO.
+Call 3 (tools/gpu_session14b.sh, commit 9d0ca90) also had a `+f32` row: the kept Z's GELU
+derivative in f32, as before that commit. The switch it used has since been removed.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -44,16 +45,14 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="8192,8192,2048", help="M,N,K")
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--variants",
-                   default="xla_dot,mosaic_gpu+xla_gelu,mosaic_gpu,mosaic_gpu+saved,mosaic_gpu+saved+f32",
+                   default="xla_dot,mosaic_gpu+xla_gelu,mosaic_gpu,mosaic_gpu+saved",
                    help="bench.matmul layer backends; <kernel>+xla_gelu: the plain kernel product "
-                        "with XLA's bias + GELU (the unfused model's MLP); a +f32 suffix: the "
-                        "activation's derivative in f32 even for a kept bf16 Z (before session 14)")
+                        "with XLA's bias + GELU (the unfused model's MLP)")
     args = p.parse_args(argv)
     import jax
     import jax.numpy as jnp
 
     from jaxopt_train.bench import matmul as bench
-    mm_mod = importlib.import_module("jaxopt_train.kernels.matmul")  # the module, not the function
     from probe_gpt1b import summarise_trace
 
     out_dir = os.environ.get("OUT", ".")
@@ -62,11 +61,8 @@ def main(argv=None) -> int:
     cotangent = jax.random.normal(jax.random.key(1), (m, n), jnp.float32).astype(jnp.bfloat16)
     rows = []
     for name in args.variants.split(","):
-        # Traced (and so compiled) under the flag: every call below reuses that trace.
-        mm_mod._VJP_IN_RESIDUAL_DTYPE = not name.endswith("+f32")
-        base = name.removesuffix("+f32")
-        fn = _unfused_layer(base, cotangent) if base.endswith("+xla_gelu") else \
-            bench._layer_fn(base, cotangent)
+        fn = _unfused_layer(name, cotangent) if name.endswith("+xla_gelu") else \
+            bench._layer_fn(name, cotangent)
         compiled = fn.lower(*sets[0]).compile()
         with open(os.path.join(out_dir, f"hlo_layer_{name.replace('+', '_')}.txt"), "w") as f:
             f.write(compiled.as_text())
@@ -82,7 +78,6 @@ def main(argv=None) -> int:
                "span_ms": prof.get("span_ms_per_step"), "kernels": prof.get("all_kernels"),
                "ops": prof.get("top_ops_ms_per_step")}
         rows.append(row)
-        mm_mod._VJP_IN_RESIDUAL_DTYPE = True
         print(f"== {name}: busy {row['busy_ms']:.3f} ms, span {row['span_ms']:.3f} ms per call")
         for kname, ms, calls in row["kernels"] or []:
             print(f"   {ms:8.3f} ms  x{calls:4.1f}  {kname}")

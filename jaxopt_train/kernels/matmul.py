@@ -322,12 +322,13 @@ def _matmul_2d_bwd(activation, out_dtype, backend, config, transpose_b, save_pre
             # Recompute the pre-activation instead of storing it (an M x N
             # residual per layer costs memory; this costs one more matmul).
             z = _forward(a, b, bias, None, jnp.float32, backend, config, transpose_b)
-        # The derivative in Z's own dtype when Z was kept (bf16 for a bf16 layer, as XLA
-        # differentiates its own bias + GELU), in f32 when it was recomputed in f32. A
-        # kept bf16 Z read into f32 math made XLA split dZ and its column sum into two
-        # passes with dZ written in f32 between them (H200, gpt-1b's fc layer: 144 + 95 us;
-        # in Z's dtype, one pass of 183 us).
-        math_dtype = z.dtype if _VJP_IN_RESIDUAL_DTYPE else jnp.float32
+        # The derivative in Z's own dtype when Z was kept as bf16 (as XLA differentiates
+        # its own bf16 bias + GELU), in f32 when Z was recomputed in f32. A kept bf16 Z
+        # read into f32 math made XLA split dZ and its column sum into two passes with dZ
+        # written in f32 between them (H200, gpt-1b's fc layer: 144 + 95 us; in bf16, one
+        # pass of 183 us). fp16 stays in f32: GELU's derivative squares Z, which overflows
+        # fp16 above 255 and turns 0 * inf into NaN.
+        math_dtype = jnp.float32 if z.dtype == jnp.float16 else z.dtype
         _, act_vjp = jax.vjp(ACTIVATION_FNS[activation], z.astype(math_dtype))
         (dz,) = act_vjp(g.astype(math_dtype))
     dz_compute = dz.astype(a.dtype)
@@ -345,9 +346,6 @@ def _matmul_2d_bwd(activation, out_dtype, backend, config, transpose_b, save_pre
 
 
 _matmul_2d.defvjp(_matmul_2d_fwd, _matmul_2d_bwd)
-# False: the activation's derivative in f32 whatever Z's dtype (before the fourteenth
-# session); tools/probe_layer.py flips it to time the two side by side.
-_VJP_IN_RESIDUAL_DTYPE = True
 
 
 # ----------------------------------------------------------------------------- public API
