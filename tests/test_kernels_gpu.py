@@ -396,7 +396,7 @@ def test_saved_preactivation_gradients_on_gpu(shape):
     got = jax.jit(jax.grad(ours(True), argnums=(0, 1, 2)))(a, b, bias)
     for g, w in zip(got, want):
         _close(g, w, 3e-2)
-    # value_and_grad: with grad alone XLA drops the recomputing path's unused forward launch
+    # value_and_grad: with grad alone JAX drops the recomputing path's unused forward launch
     # (the cotangent is fixed), and both paths would count 3.
     launches = {save: jax.jit(jax.value_and_grad(ours(save), argnums=(0, 1, 2))).lower(a, b, bias)
                 .as_text().count("call @_launch") for save in (False, True)}

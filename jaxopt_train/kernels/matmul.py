@@ -373,7 +373,8 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
             backward. On mosaic_gpu the forward kernel writes Z next to activation(Z)
             (cuBLASLt's GELU_AUX); elsewhere the kernel writes Z in f32 and XLA applies
             the activation. Needs an activation. The forward value does not change; the
-            activation's derivative is taken at Z rounded to `out_dtype`.
+            activation's derivative is taken at Z rounded to `out_dtype`, in bf16
+            arithmetic for bf16 (as XLA differentiates a bf16 GELU) and in f32 otherwise.
 
     Returns:
         (..., M, N) array of `out_dtype`.
