@@ -2,8 +2,8 @@
 # Prepared in the fourteenth session for the next device call (nvidia-h200-x2, ~9 min; GPUS=0 on
 # nvidia-h200 runs lane 0 only). The fused MLP's fc layer is 1.021x XLA's and 1.048x the unfused
 # kernel layer (tools/probe_layer.py), yet its gpt-1b step was 0.4 ms slower: profile both steps
-# kernel by kernel (probe_gpt1b --profile: compare "all_kernels" of prof_optfuse.json and
-# prof_optnofuse.json). GPU 1: the GPU tests the fourteenth session could not run (the 26 Triton
+# kernel by kernel (probe_gpt1b --profile), then here:
+#   python tools/diff_profiles.py $files_at/prof_optfuse.json $files_at/prof_optnofuse.json GPU 1: the GPU tests the fourteenth session could not run (the 26 Triton
 # tests, jax-triton from the carried .whl/), then steps per dispatch k = 1 and 4 at the steady state.
 # Last, on both GPUs, the collective tests.
 #   bash tools/gpu_session15.sh   # carry [".whl"]; results in $OUT/summary.txt, $OUT/prof_*.json
