@@ -74,6 +74,10 @@ def main(argv=None) -> int:
                 out = fn(*sets[i % 2])
             jax.block_until_ready(out)
         prof = summarise_trace(logdir, args.calls)
+        if "error" in prof:  # no trace written: say so, go on with the next variant
+            print(f"== {name}: {prof['error']}")
+            rows.append({"variant": name, "error": prof["error"]})
+            continue
         row = {"variant": name, "busy_ms": prof.get("busy_ms_per_step"),
                "span_ms": prof.get("span_ms_per_step"), "kernels": prof.get("all_kernels"),
                "ops": prof.get("top_ops_ms_per_step")}
