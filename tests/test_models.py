@@ -259,7 +259,7 @@ def test_mlp_fuses_its_gelu_into_a_kernel_dot_general(scan_layers=True, use_bias
     with jax.numpy_dtype_promotion("standard"):
         for name, cfg in (("fused", fused_cfg), ("plain", plain_cfg)):
             model = GPT(cfg, rngs=nnx.Rngs(0))
-            # Under jit: the interpret-mode kernels run as compiled loops (eager: ~4x slower).
+            # Under jit (CPU, 2 cores: 32 s against 39 s eagerly).
             results[name] = nnx.jit(lambda m: (m(tokens), nnx.grad(loss)(m)))(model)
     d = fused_cfg.d_model
     layers = 1 if scan_layers else fused_cfg.n_layers
