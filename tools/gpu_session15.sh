@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prepared in the fourteenth session for the next device call (nvidia-h200-x2, ~9 min; GPUS=0 on
-# nvidia-h200 runs lane 0 only). The fused MLP's fc layer is 1.021x XLA's and 1.048x the unfused
+# nvidia-h200 runs the two lanes one after the other, as far as DEADLINE allows). The fused MLP's fc layer is 1.021x XLA's and 1.048x the unfused
 # kernel layer (tools/probe_layer.py), yet its gpt-1b step was 0.4 ms slower: profile both steps
 # kernel by kernel (probe_gpt1b --profile), then here:
 #   python tools/diff_profiles.py $files_at/prof_optfuse.json $files_at/prof_optnofuse.json GPU 1: the GPU tests the fourteenth session could not run (the 26 Triton
@@ -22,8 +22,8 @@ lane_a() {
     cp "$R/gpt1b_probe_prof_$v.json" "$OUT/prof_$v.json" 2>/dev/null
   done
 }
-lane_b() {
-  export CUDA_VISIBLE_DEVICES=1
+lane_b() {  # lane_b GPU
+  export CUDA_VISIBLE_DEVICES=$1
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl >/dev/null 2>&1 || echo "=== no .whl/: the Triton tests will skip" | tee -a "$R/steps.log"
   PYTHONPATH=/tmp/site:$PYTHONPATH step k_triton 150 $T tests/test_kernels_gpu.py -k triton
@@ -31,9 +31,9 @@ lane_b() {
     --json "$OUT/dispatch.json"
 }
 if [ "$GPUS" = "0" ]; then
-  lane_a
+  lane_a; lane_b 0  # one GPU: what time is left after the profiles (DEADLINE)
 else
-  lane_a & A=$!; lane_b & B=$!; wait $A $B
+  lane_a & A=$!; lane_b 1 & B=$!; wait $A $B
   step collectives 60 $T tests/test_collectives_gpu.py
 fi
 finish s15 20 --exclude=*.trace.json.gz --exclude=hlo_* --exclude=trace_*
