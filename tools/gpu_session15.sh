@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Prepared in the fourteenth session for the next device call (nvidia-h200-x2, ~9 min; GPUS=0 on
-# nvidia-h200 runs the two lanes one after the other, as far as DEADLINE allows). The fused MLP's fc layer is 1.021x XLA's and 1.048x the unfused
-# kernel layer (tools/probe_layer.py), yet its gpt-1b step was 0.4 ms slower: profile both steps
-# kernel by kernel (probe_gpt1b --profile), then here:
-#   python tools/diff_profiles.py $files_at/prof_optfuse.json $files_at/prof_optnofuse.json GPU 1: the GPU tests the fourteenth session could not run (the 26 Triton
-# tests, jax-triton from the carried .whl/), then steps per dispatch k = 1 and 4 at the steady state.
+# Prepared in the fourteenth session for the next device call (nvidia-h200-x2, ~9 min; with
+# GPUS=0 on nvidia-h200 the two lanes run one after the other, as far as DEADLINE allows).
+# GPU 0: the fused MLP's fc layer is 1.021x XLA's and 1.048x the unfused kernel layer
+# (tools/probe_layer.py), yet its gpt-1b step was 0.4 ms slower. Profile both steps kernel by
+# kernel (probe_gpt1b --profile), then compare them here with
+#   python tools/diff_profiles.py $files_at/prof_optfuse.json $files_at/prof_optnofuse.json
+# GPU 1: the 26 Triton GPU tests, which the fourteenth session could not run (jax-triton from the
+# carried .whl/), then steps per dispatch k = 1 and 4 at the steady state.
 # Last, on both GPUs, the collective tests.
 #   bash tools/gpu_session15.sh   # carry [".whl"]; results in $OUT/summary.txt, $OUT/prof_*.json
 set -u
