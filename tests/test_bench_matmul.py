@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 
+import jax.numpy as jnp
 import pytest
 
 from jaxopt_train.bench import matmul as bench
@@ -76,9 +77,6 @@ def test_layer_rows_keep_or_recompute_the_preactivation_as_named():
     """`<backend>+saved` runs the kept-Z backward (one kernel launch fewer: forward, dA, dB)
     and `<backend>` the recomputing one. A parsing slip once ran the recomputing path in
     both rows (fourteenth session, H200: both 4 launches, 2.02 and 2.04 ms)."""
-    import jax
-    import jax.numpy as jnp
-
     m, n, k = bench.QUICK_SHAPES[1]
     a, b, bias = bench._input_sets(m, n, k, jnp.bfloat16, 1)[0]
     cotangent = jnp.ones((m, n), jnp.bfloat16)

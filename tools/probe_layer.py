@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def _unfused_layer(name, cotangent):
     import jax
-    import jax.numpy as jnp
 
+    from jaxopt_train.bench.matmul import with_backward
     from jaxopt_train.kernels import matmul
 
     kernel = name.removesuffix("+xla_gelu")
@@ -33,11 +33,7 @@ def _unfused_layer(name, cotangent):
         z = matmul(a, b, backend=kernel)
         return jax.nn.gelu(z + bias.astype(z.dtype), approximate=True)
 
-    def step(a, b, bias):
-        out, pull = jax.vjp(layer, a, b, bias)
-        return (out, *pull(cotangent.astype(out.dtype)))
-
-    return jax.jit(step)
+    return with_backward(layer, cotangent)
 
 
 def main(argv=None) -> int:

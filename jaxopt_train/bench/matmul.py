@@ -84,6 +84,11 @@ def _layer_fn(backend: str, cotangent):
             return matmul(a, b, bias=bias, activation="gelu", backend=kernel,
                           save_preactivation=bool(saved))
 
+    return with_backward(layer, cotangent)
+
+
+def with_backward(layer, cotangent):
+    """Jitted (out, dA, dB, dbias) of `layer(a, b, bias)` for the fixed `cotangent`."""
     def step(a, b, bias):
         out, pull = jax.vjp(layer, a, b, bias)
         return (out, *pull(cotangent.astype(out.dtype)))
@@ -113,9 +118,7 @@ def _measure_layer(backends, shape, dtype, args, peak):
                            for suffix in ("", "+saved")]
     entries = [({"shape": list(shape), "backend": name, "layer": True},
                 lambda row, name=name: _layer_fn(name, cotangent)) for name in names]
-    rows = _timed_rows(entries, sets, args, peak, 3 * 2 * m * n * k, rel_error)
-    del sets
-    return rows
+    return _timed_rows(entries, sets, args, peak, 3 * 2 * m * n * k, rel_error)
 
 
 def _measure(make_fn, backends, shape, dtype, args, peak, fused: bool):
@@ -135,10 +138,8 @@ def _measure(make_fn, backends, shape, dtype, args, peak, fused: bool):
 
     entries = [({"shape": list(shape), "backend": backend, "fused": fused}, build(backend))
                for backend in backends]
-    rows = _timed_rows(entries, sets, args, peak, 2 * m * n * k,
+    return _timed_rows(entries, sets, args, peak, 2 * m * n * k,
                        lambda out: float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))) / scale)
-    del sets
-    return rows
 
 
 def _timed_rows(entries, sets, args, peak, flops: int, rel_error):
