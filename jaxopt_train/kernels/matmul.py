@@ -312,16 +312,13 @@ def _matmul_2d_fwd(a, b, bias, activation, out_dtype, backend, config, transpose
     return out, (a, b, bias, None)
 
 
-def _matmul_2d_bwd(activation, out_dtype, backend, config, transpose_b, save_preactivation,
-                   residuals, g):
-    a, b, bias, z = residuals
+def _epilogue_backward(activation, z, g, bias, compute_dtype):
+    """(dZ in the products' dtype, dbias) from the output's cotangent `g`; `z` is the
+    pre-activation (None without an activation). The seam `tools/probe_gpt1b.py
+    --epilogue-bwd` replaces to time other formulations inside the step."""
     if activation is None:
         dz = g
     else:
-        if z is None:
-            # Recompute the pre-activation instead of storing it (an M x N
-            # residual per layer costs memory; this costs one more matmul).
-            z = _forward(a, b, bias, None, jnp.float32, backend, config, transpose_b)
         # The derivative in Z's own dtype when Z was kept as bf16 (as XLA differentiates
         # its own bf16 bias + GELU), in f32 when Z was recomputed in f32. A kept bf16 Z
         # read into f32 math made XLA split dZ and its column sum into two passes with dZ
@@ -331,17 +328,28 @@ def _matmul_2d_bwd(activation, out_dtype, backend, config, transpose_b, save_pre
         math_dtype = jnp.float32 if z.dtype == jnp.float16 else z.dtype
         _, act_vjp = jax.vjp(ACTIVATION_FNS[activation], z.astype(math_dtype))
         (dz,) = act_vjp(g.astype(math_dtype))
-    dz_compute = dz.astype(a.dtype)
+    dz_compute = dz.astype(compute_dtype)
+    # The column sum of the same rounded dZ the two products read (dbias as precise as dB),
+    # as XLA sums its own bias gradients; with the derivative in Z's dtype (above) XLA
+    # forms dZ and this sum in one pass (H200, gpt-1b's fc layer: 183 us).
+    dbias = None if bias is None else jnp.sum(dz_compute.astype(jnp.float32), axis=0).astype(bias.dtype)
+    return dz_compute, dbias
+
+
+def _matmul_2d_bwd(activation, out_dtype, backend, config, transpose_b, save_preactivation,
+                   residuals, g):
+    a, b, bias, z = residuals
+    if activation is not None and z is None:
+        # Recompute the pre-activation instead of storing it (an M x N
+        # residual per layer costs memory; this costs one more matmul).
+        z = _forward(a, b, bias, None, jnp.float32, backend, config, transpose_b)
+    dz_compute, dbias = _epilogue_backward(activation, z, g, bias, a.dtype)
     if transpose_b:  # out = a @ b.T with b (N, K): dA = dz @ b, dB = dz.T @ a, both (.., K)
         da = _forward_impl(dz_compute, b, None, None, a.dtype, backend, config)
         db = _product_with_transpose(dz_compute, a, "a", b.dtype, backend, config)
     else:
         da = _product_with_transpose(dz_compute, b, "b", a.dtype, backend, config)  # dz @ b.T
         db = _product_with_transpose(a, dz_compute, "a", b.dtype, backend, config)  # a.T @ dz
-    # The column sum of the same rounded dZ the two products read (dbias as precise as dB),
-    # as XLA sums its own bias gradients; with the derivative in Z's dtype (above) XLA
-    # forms dZ and this sum in one pass (H200, gpt-1b's fc layer: 183 us).
-    dbias = None if bias is None else jnp.sum(dz_compute.astype(jnp.float32), axis=0).astype(bias.dtype)
     return da, db, dbias
 
 
