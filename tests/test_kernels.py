@@ -183,7 +183,7 @@ def test_saved_preactivation_gradients_match_reference(backend, activation, with
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 def test_saved_preactivation_gelu_gradient_is_finite_for_large_preactivations(backend, dtype):
     """The kept Z's GELU derivative squares Z: above 255 that overflows fp16 (0 * inf = NaN),
-    so fp16 takes it in f32 while bf16 (f32's range) takes it in bf16."""
+    so it is taken in f32 for every input dtype."""
     a = jnp.ones((4, 8), dtype)
     b = jnp.stack([jnp.full((8,), 40.0), jnp.full((8,), -40.0), jnp.full((8,), 0.1)], 1).astype(dtype)
 
@@ -198,6 +198,24 @@ def test_saved_preactivation_gelu_gradient_is_finite_for_large_preactivations(ba
     for g, w in zip(got, want):
         assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))), g
         _assert_close(g, w, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_gelu_derivative_matches_autodiff_of_gelu(dtype):
+    """The backward's closed-form GELU derivative against jax.grad of jax.nn.gelu (tanh form)
+    in f32, over small, moderate and huge pre-activations (clamped, never NaN)."""
+    from jaxopt_train.kernels.epilogue import gelu_derivative
+
+    big = float(jnp.finfo(dtype).max)
+    z = jnp.concatenate([jnp.linspace(-12.0, 12.0, 481), jnp.array([-300.0, 300.0, -big, big])])
+    z = z.astype(dtype)
+    got = gelu_derivative(z)
+    assert got.dtype == jnp.float32
+    want = jax.vmap(jax.grad(lambda x: jax.nn.gelu(x, approximate=True)))(
+        jnp.clip(z.astype(jnp.float32), -1e4, 1e4))
+    # atol: the tanh form cancels in 1 + tanh(u) below z ~ -9 (f32 noise of a few 1e-6)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=1e-5)
+    assert float(got[-4]) == 0.0 and float(got[-3]) == 1.0  # -300: 0, +300: 1
 
 
 def test_save_preactivation_bad_inputs():

@@ -22,6 +22,22 @@ def gelu(x: jax.Array) -> jax.Array:
     return 0.5 * x * (1.0 + jnp.tanh(inner))
 
 
+def gelu_derivative(z: jax.Array) -> jax.Array:
+    """d gelu(z) / dz in f32, for any float `z`, written through the sigmoid:
+    gelu(z) = z * s with s = sigmoid(2u), u = sqrt(2/pi) (z + 0.044715 z^3), so
+    gelu'(z) = s + z s (1 - s) 2 sqrt(2/pi) (1 + 3 * 0.044715 z^2).
+
+    One exp and one division per element instead of XLA's rational tanh: the fused MLP's
+    backward on an H200 (gpt-1b, 16 fc layers) measured dZ's pass at 132 us against 153 us
+    with tanh (fifteenth session). z is clamped to +-1e4, where the derivative is already 1
+    or 0 in f32, so that z^2 cannot overflow and no finite input gives NaN.
+    """
+    z = jnp.clip(z.astype(jnp.float32), -1e4, 1e4)
+    z2 = z * z
+    s = 1.0 / (1.0 + jnp.exp(-2.0 * _SQRT_2_OVER_PI * z * (1.0 + 0.044715 * z2)))
+    return s + z * s * (1.0 - s) * (2.0 * _SQRT_2_OVER_PI) * (1.0 + 3.0 * 0.044715 * z2)
+
+
 def relu(x: jax.Array) -> jax.Array:
     return jnp.maximum(x, jnp.zeros_like(x))
 

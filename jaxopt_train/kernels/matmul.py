@@ -28,7 +28,7 @@ import numpy as np
 from jaxopt_train.kernels import configs
 from jaxopt_train.kernels.configs import (ACTIVATIONS, BACKENDS, TRANSPOSING_BACKENDS, MatmulConfig,
                                           as_config)
-from jaxopt_train.kernels.epilogue import ACTIVATION_FNS, apply_epilogue
+from jaxopt_train.kernels.epilogue import ACTIVATION_FNS, apply_epilogue, gelu_derivative
 from jaxopt_train.precision import as_float_dtype
 
 logger = logging.getLogger(__name__)
@@ -314,25 +314,31 @@ def _matmul_2d_fwd(a, b, bias, activation, out_dtype, backend, config, transpose
 
 def _epilogue_backward(activation, z, g, bias, compute_dtype):
     """(dZ in the products' dtype, dbias) from the output's cotangent `g`; `z` is the
-    pre-activation (None without an activation). The seam `tools/probe_gpt1b.py
-    --epilogue-bwd` replaces to time other formulations inside the step."""
+    pre-activation (None without an activation). `tools/probe_gpt1b.py --epilogue-bwd`
+    replaces this function to time other formulations inside the step."""
     if activation is None:
-        dz = g
+        dz_compute = g.astype(compute_dtype)
+    elif activation == "gelu":
+        # Closed form in f32 (epilogue.gelu_derivative: no overflow, so fp16 is safe too).
+        dz_compute = (g.astype(jnp.float32) * gelu_derivative(z)).astype(compute_dtype)
     else:
-        # The derivative in Z's own dtype when Z was kept as bf16 (as XLA differentiates
-        # its own bf16 bias + GELU), in f32 when Z was recomputed in f32. A kept bf16 Z
-        # read into f32 math made XLA split dZ and its column sum into two passes with dZ
-        # written in f32 between them (H200, gpt-1b's fc layer: 144 + 95 us; in bf16, one
-        # pass of 183 us). fp16 stays in f32: GELU's derivative squares Z, which overflows
-        # fp16 above 255 and turns 0 * inf into NaN.
-        math_dtype = jnp.float32 if z.dtype == jnp.float16 else z.dtype
-        _, act_vjp = jax.vjp(ACTIVATION_FNS[activation], z.astype(math_dtype))
-        (dz,) = act_vjp(g.astype(math_dtype))
-    dz_compute = dz.astype(compute_dtype)
+        # relu, silu: autodiff of the forward's own function, in f32 (fp16's z * z in
+        # silu's derivative chain must not overflow).
+        _, act_vjp = jax.vjp(ACTIVATION_FNS[activation], z.astype(jnp.float32))
+        (dz,) = act_vjp(g.astype(jnp.float32))
+        dz_compute = dz.astype(compute_dtype)
+    if bias is None:
+        return dz_compute, None
+    if activation is not None:
+        # Two passes, dZ and then its column sum, not XLA's one fused pass: that one ran at
+        # half occupancy, computing the derivative while reducing. H200, gpt-1b step, per fc
+        # layer (fifteenth session): one pass 219 us (tanh form) / 236 us (this form, which XLA
+        # split itself, with dZ in f32 between); two passes 153 + 43 us (tanh) / 132 + 43 us
+        # (this form). The barrier keeps XLA from fusing them back.
+        dz_compute = jax.lax.optimization_barrier(dz_compute)
     # The column sum of the same rounded dZ the two products read (dbias as precise as dB),
-    # as XLA sums its own bias gradients; with the derivative in Z's dtype (above) XLA
-    # forms dZ and this sum in one pass (H200, gpt-1b's fc layer: 183 us).
-    dbias = None if bias is None else jnp.sum(dz_compute.astype(jnp.float32), axis=0).astype(bias.dtype)
+    # as XLA sums its own bias gradients.
+    dbias = jnp.sum(dz_compute.astype(jnp.float32), axis=0).astype(bias.dtype)
     return dz_compute, dbias
 
 
@@ -381,8 +387,7 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
             backward. On mosaic_gpu the forward kernel writes Z next to activation(Z)
             (cuBLASLt's GELU_AUX); elsewhere the kernel writes Z in f32 and XLA applies
             the activation. Needs an activation. The forward value does not change; the
-            activation's derivative is taken at Z rounded to `out_dtype`, in bf16
-            arithmetic for bf16 (as XLA differentiates a bf16 GELU) and in f32 otherwise.
+            activation's derivative is taken at Z rounded to `out_dtype`, in f32.
 
     Returns:
         (..., M, N) array of `out_dtype`.
