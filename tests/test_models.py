@@ -246,8 +246,8 @@ def test_mlp_fuses_its_gelu_into_a_kernel_dot_general(scan_layers=True, use_bias
     dot.fused_dense = fused_dense
     fused_cfg = small_cfg(dot_general=dot, dtype=jnp.bfloat16, scan_layers=scan_layers,
                           use_bias=use_bias, fuse_mlp_activation=True)
-    plain_cfg = dataclasses.replace(fused_cfg, fuse_mlp_activation=False)  # the default
-    assert small_cfg().fuse_mlp_activation is False
+    plain_cfg = dataclasses.replace(fused_cfg, fuse_mlp_activation=False)
+    assert small_cfg().fuse_mlp_activation is True  # the default
     tokens = tokens_for(fused_cfg)
 
     def loss(model):

@@ -28,8 +28,8 @@ VARIANTS = {
     "optsplit": ("bf16", "bf16", "none", 1, "compute", {"split_qkv": True}),
     "optboth": ("bf16", "bf16", "none", 1, "compute", {"compute_copy": True, "split_qkv": True}),
     # with --matmul pallas: fc + bias + GELU in one kernel launch (GPTConfig.fuse_mlp_activation),
-    # and explicitly without. The thirteenth session's calls 4 and 5 ran while the fused MLP
-    # was the default, so their `opt` rows are the fused step (`optfuse` now).
+    # and explicitly without. `opt` takes the default: fused in the thirteenth session's calls
+    # 4 and 5 and again from the fifteenth session on, unfused in between.
     "optfuse": ("bf16", "bf16", "none", 1, "compute", {"fuse_mlp_activation": True}),
     "optnofuse": ("bf16", "bf16", "none", 1, "compute", {"fuse_mlp_activation": False}),
     "pure": ("bf16-pure", "f32", "none", 1),

@@ -172,7 +172,7 @@ def render(result) -> str:
                  + (", bf16 weight copy kept in the state" if opt["config"]["compute_copy"] else "")
                  + (", q/k/v from three products" if opt["config"]["split_qkv"] else "")
                  + (", the MLP's fc + bias + GELU in one launch in the kernel-matmul rows"
-                    if opt["config"]["fuse_mlp_activation"] else ""))
+                    if opt["config"]["fuse_mlp_activation"] and result.get("matmul") else ""))
     for row in result["rows"]:
         if row["config"].get("plain"):  # the yardstick rows of --compare-plain
             lines.append(f"optimised vs {row['name']}: {row['step_ms'] / opt['step_ms']:.3f}x "
