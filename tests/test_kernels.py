@@ -218,6 +218,21 @@ def test_gelu_derivative_matches_autodiff_of_gelu(dtype):
     assert float(got[-4]) == 0.0 and float(got[-3]) == 1.0  # -300: 0, +300: 1
 
 
+@pytest.mark.parametrize("activation", ["gelu", "relu", "silu", None])
+def test_epilogue_backward_split_sum_changes_no_value(activation):
+    """The GPU backends sum dbias in a pass of its own (an optimization barrier before the
+    sum); the values are those of the fused pass the other backends let XLA choose."""
+    from jaxopt_train.kernels.matmul import _epilogue_backward
+
+    z, g = (jax.random.normal(jax.random.key(i), (48, 40)).astype(jnp.bfloat16) for i in (0, 1))
+    bias = jnp.zeros((40,), jnp.float32)
+    run = jax.jit(_epilogue_backward, static_argnums=(0, 4, 5))
+    fused, split = (run(activation, z, g, bias, jnp.bfloat16, s) for s in (False, True))
+    assert fused[0].dtype == jnp.bfloat16 and fused[1].dtype == jnp.float32
+    for got, want in zip(split, fused):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def test_save_preactivation_bad_inputs():
     a, b, _ = _operands((4,), 8, 6, jnp.bfloat16)
     with pytest.raises(ValueError, match="save_preactivation=True needs an activation"):

@@ -6,12 +6,13 @@
 # This call profiles the fused step with the backward formulated three other ways
 # (tools/probe_gpt1b.py --epilogue-bwd) and lists the backward's kernels for each, then the
 # unfused step as the same-call control.
+# As run (commit c88e049) the second spec was called `split`; its files carry that tag.
 #   bash tools/gpu_session15c.sh   # results in $OUT/summary.txt, $OUT/kernels.txt, $OUT/*.json
 set -u
 OUT=${OUT:-/tmp/s15c_out}; R=/tmp/s15c; mkdir -p "$R" "$OUT"
 export DEADLINE=${DEADLINE:-560}
 source "$(dirname "$0")/gpu_common.sh"
-for spec in sigmoid split sigmoid+split nofuse; do
+for spec in sigmoid tanh+split sigmoid+split nofuse; do
   tag=${spec/+/_}
   if [ "$spec" = nofuse ]; then v=optnofuse; bwd=(); else v=optfuse; bwd=(--epilogue-bwd "$spec"); fi
   OUT=$R step "prof_$tag" 150 $PY tools/probe_gpt1b.py --variants $v --profile --warmup-s 15 \

@@ -312,10 +312,11 @@ def _matmul_2d_fwd(a, b, bias, activation, out_dtype, backend, config, transpose
     return out, (a, b, bias, None)
 
 
-def _epilogue_backward(activation, z, g, bias, compute_dtype):
+def _epilogue_backward(activation, z, g, bias, compute_dtype, split_sum=False):
     """(dZ in the products' dtype, dbias) from the output's cotangent `g`; `z` is the
-    pre-activation (None without an activation). `tools/probe_gpt1b.py --epilogue-bwd`
-    replaces this function to time other formulations inside the step."""
+    pre-activation (None without an activation). `split_sum`: dbias in a pass of its own
+    (GPU backends, below). `tools/probe_gpt1b.py --epilogue-bwd` replaces this function to
+    time other formulations inside the step."""
     if activation is None:
         dz_compute = g.astype(compute_dtype)
     elif activation == "gelu":
@@ -329,12 +330,13 @@ def _epilogue_backward(activation, z, g, bias, compute_dtype):
         dz_compute = dz.astype(compute_dtype)
     if bias is None:
         return dz_compute, None
-    if activation is not None:
-        # Two passes, dZ and then its column sum, not XLA's one fused pass: that one ran at
-        # half occupancy, computing the derivative while reducing. H200, gpt-1b step, per fc
-        # layer (fifteenth session): one pass 219 us (tanh form) / 236 us (this form, which XLA
-        # split itself, with dZ in f32 between); two passes 153 + 43 us (tanh) / 132 + 43 us
-        # (this form). The barrier keeps XLA from fusing them back.
+    if split_sum and activation is not None:
+        # Two passes, dZ and then its column sum, not XLA's one fused pass: on the GPU that
+        # one ran at half occupancy, computing the derivative while reducing. H200, gpt-1b
+        # step, per fc layer (fifteenth session): one pass 219 us (tanh form) / 236 us (this
+        # form, which XLA split itself, with dZ in f32 between); two passes 153 + 43 us (tanh)
+        # / 132 + 43 us (this form). The barrier keeps XLA from fusing them back. Other
+        # platforms (TPU, CPU) were not measured; XLA fuses there as it sees fit.
         dz_compute = jax.lax.optimization_barrier(dz_compute)
     # The column sum of the same rounded dZ the two products read (dbias as precise as dB),
     # as XLA sums its own bias gradients.
@@ -349,7 +351,8 @@ def _matmul_2d_bwd(activation, out_dtype, backend, config, transpose_b, save_pre
         # Recompute the pre-activation instead of storing it (an M x N
         # residual per layer costs memory; this costs one more matmul).
         z = _forward(a, b, bias, None, jnp.float32, backend, config, transpose_b)
-    dz_compute, dbias = _epilogue_backward(activation, z, g, bias, a.dtype)
+    dz_compute, dbias = _epilogue_backward(activation, z, g, bias, a.dtype,
+                                           split_sum=backend in ("mosaic_gpu", "triton"))
     if transpose_b:  # out = a @ b.T with b (N, K): dA = dz @ b, dB = dz.T @ a, both (.., K)
         da = _forward_impl(dz_compute, b, None, None, a.dtype, backend, config)
         db = _product_with_transpose(dz_compute, a, "a", b.dtype, backend, config)
