@@ -348,16 +348,17 @@ def test_gpt_layout_flags_are_for_gpt_models_only(flag):
     option = "--" + flag.replace("_", "-")
     with pytest.raises(SystemExit, match=f"{option} applies to GPT models, not --model resnet50"):
         train._parse(["--model", "resnet50", option])
-    if flag == "split_qkv":  # the fused MLP is a preference (on by default), a no-op elsewhere
-        workload = train_steps.Workload("cnn-small", 8, 1)
-        with pytest.raises(ValueError, match=f"{flag}=True applies to GPT models"):
-            train_steps.build_model(workload, train_steps.RunConfig("x", **{flag: True}), None)
+    workload = train_steps.Workload("cnn-small", 8, 1)
+    with pytest.raises(ValueError, match=f"{flag}=True applies to GPT models"):
+        train_steps.build_model(workload, train_steps.RunConfig("x", **{flag: True}), None)
 
 
 @pytest.mark.parametrize("argv, want", [
-    (["--model", "gpt-124m"], True), (["--model", "gpt-124m", "--no-fuse-mlp-activation"], False),
-    (["--model", "resnet50"], False), (["--model", "resnet50", "--no-fuse-mlp-activation"], False)])
-def test_fuse_mlp_activation_defaults_on_for_gpt(argv, want):
+    (["--model", "gpt-124m"], None), (["--model", "gpt-124m", "--no-fuse-mlp-activation"], False),
+    (["--model", "gpt-124m", "--fuse-mlp-activation"], True),
+    (["--model", "resnet50"], None), (["--model", "resnet50", "--no-fuse-mlp-activation"], False)])
+def test_fuse_mlp_activation_flag_is_three_way(argv, want):
+    """Default None: GPT fuses where the kernel applies the GELU itself (Mosaic GPU)."""
     assert train._parse(argv).fuse_mlp_activation is want
 
 

@@ -252,6 +252,20 @@ def test_fused_dense_of_a_kernel_dot_general():
     assert fused(x.astype(jnp.float32), w.astype(jnp.float32), bias, "gelu") is None
     assert fused(x, w[None], bias, "gelu") is None
     assert make_dot_general("xla").fused_dense(x, w, bias, "gelu") is None
+    for backend in ("interpret", "xla"):
+        assert not make_dot_general(backend).fuses_in_one_launch(), backend
+
+
+def test_only_mosaic_gpu_applies_the_activation_in_the_kernel(monkeypatch):
+    """`fuses_in_one_launch()` (the models' default fuses only there) by resolved backend,
+    with every backend made resolvable on CPU."""
+    import importlib
+
+    module = importlib.import_module("jaxopt_train.kernels.dot_general")
+    monkeypatch.setattr(module, "resolve_backend", lambda backend: backend)
+    assert make_dot_general("mosaic_gpu").fuses_in_one_launch()
+    for backend in ("triton", "pallas_tpu", "interpret", "xla"):
+        assert not make_dot_general(backend).fuses_in_one_launch(), backend
 
 
 def test_layers_of_equal_shape_share_one_lowered_kernel():

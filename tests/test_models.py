@@ -247,7 +247,6 @@ def test_mlp_fuses_its_gelu_into_a_kernel_dot_general(scan_layers=True, use_bias
     fused_cfg = small_cfg(dot_general=dot, dtype=jnp.bfloat16, scan_layers=scan_layers,
                           use_bias=use_bias, fuse_mlp_activation=True)
     plain_cfg = dataclasses.replace(fused_cfg, fuse_mlp_activation=False)
-    assert small_cfg().fuse_mlp_activation is True  # the default
     tokens = tokens_for(fused_cfg)
 
     def loss(model):
@@ -273,9 +272,34 @@ def test_mlp_fuses_its_gelu_into_a_kernel_dot_general(scan_layers=True, use_bias
                                    atol=3e-2 * scale, rtol=3e-2)
 
 
-def test_fuse_mlp_activation_must_be_a_bool():
-    with pytest.raises(ValueError, match="fuse_mlp_activation=1 must be True or False"):
+def test_fuse_mlp_activation_must_be_a_bool_or_none():
+    with pytest.raises(ValueError, match="fuse_mlp_activation=1 must be True, False or None"):
         small_cfg(fuse_mlp_activation=1)
+
+
+@pytest.mark.parametrize("fuse, in_one_launch, fused", [
+    (None, True, True), (None, False, False), (None, None, False),
+    (True, False, True), (True, None, True), (False, True, False)])
+def test_default_fuses_only_where_the_kernel_applies_the_gelu(fuse, in_one_launch, fused):
+    """fuse_mlp_activation=None (the default) takes `fused_dense` only where the dot_general
+    says the kernel applies the activation itself (`fuses_in_one_launch`, Mosaic GPU); a
+    dot_general without that attribute is not fused by default. True takes it anyway."""
+    calls = []
+
+    def dot(*args, **kwargs):
+        return jax.lax.dot_general(*args, **kwargs)
+
+    def fused_dense(x, kernel, bias, activation):
+        calls.append(activation)
+        return jax.nn.gelu(jnp.dot(x, kernel) + bias, approximate=True)
+
+    dot.fused_dense = fused_dense
+    if in_one_launch is not None:
+        dot.fuses_in_one_launch = lambda: in_one_launch
+    cfg = small_cfg(dot_general=dot, fuse_mlp_activation=fuse, n_layers=1)
+    assert small_cfg().fuse_mlp_activation is None  # the default
+    GPT(cfg, rngs=nnx.Rngs(0))(tokens_for(cfg))
+    assert calls == (["gelu"] if fused else [])
 
 
 @pytest.mark.parametrize("attention, implementation", [("auto", None), ("xla", "xla")])

@@ -148,6 +148,15 @@ def save_plot(rows: list[dict[str, Any]], path: str, unit: str) -> None:
     plt.close(fig)
 
 
+def _fuse_note(fuse: bool | None) -> str:
+    """What the kernel-matmul rows did with the MLP's GELU (GPTConfig.fuse_mlp_activation)."""
+    if fuse is None:
+        return ", the MLP's GELU inside the kernel in the kernel-matmul rows where it runs there (Mosaic GPU)"
+    if fuse:
+        return ", the MLP's fc + bias + GELU in one launch in the kernel-matmul rows"
+    return ", the MLP's GELU by XLA in the kernel-matmul rows"
+
+
 def render(result) -> str:
     """The printed report: header, table, notes and the optional scaling/matmul/dispatch tables."""
     unit = result["unit"]
@@ -171,8 +180,7 @@ def render(result) -> str:
                  f"{opt['config']['grad_dtype']} dtype, {_zero_note(opt)}"
                  + (", bf16 weight copy kept in the state" if opt["config"]["compute_copy"] else "")
                  + (", q/k/v from three products" if opt["config"]["split_qkv"] else "")
-                 + (", the MLP's fc + bias + GELU in one launch in the kernel-matmul rows"
-                    if opt["config"]["fuse_mlp_activation"] and result.get("matmul") else ""))
+                 + (_fuse_note(opt["config"]["fuse_mlp_activation"]) if result.get("matmul") else ""))
     for row in result["rows"]:
         if row["config"].get("plain"):  # the yardstick rows of --compare-plain
             lines.append(f"optimised vs {row['name']}: {row['step_ms'] / opt['step_ms']:.3f}x "

@@ -141,9 +141,9 @@ class RunConfig:
     zero: int = 0  # 1: master params + optimizer state sharded per leaf (a no-op on 1 device)
     compute_copy: bool = False  # keep the params' compute-dtype copy in the state (see above)
     split_qkv: bool = False  # GPT: q, k, v from three products (GPTConfig.split_qkv)
-    # GPT with a kernel matmul: fc + bias + GELU as one launch (GPTConfig.fuse_mlp_activation,
-    # on by default as there); no effect with XLA's matmul or on models without a GPT MLP
-    fuse_mlp_activation: bool = True
+    # GPT with a kernel matmul: fc + bias + GELU as one launch (GPTConfig.fuse_mlp_activation;
+    # None, its default: where the kernel applies the GELU itself); no effect with XLA's matmul
+    fuse_mlp_activation: bool | None = None
 
     def __post_init__(self):
         if self.accumulation not in ACCUMULATIONS:
@@ -196,7 +196,8 @@ def data_mesh(devices) -> jax.sharding.Mesh:
 def build_model(workload: Workload, run: RunConfig, axis_name: str | None, seed: int = 0):
     policy = get_policy(run.policy)
     rngs = nnx.Rngs(seed)
-    for name, value, off in (("matmul", run.matmul, "xla"), ("split_qkv", run.split_qkv, False)):
+    for name, value, off in (("matmul", run.matmul, "xla"), ("split_qkv", run.split_qkv, False),
+                             ("fuse_mlp_activation", run.fuse_mlp_activation, None)):
         if value != off and not workload.is_gpt:
             raise ValueError(f"{name}={value!r} applies to GPT models {GPT_PRESETS}, "
                              f"not {workload.model!r}")

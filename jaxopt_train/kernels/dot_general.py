@@ -15,7 +15,8 @@ The returned function also carries `fused_dense(x, kernel, bias, activation)`: a
 dense layer and its activation as one kernel launch that keeps the pre-activation
 for the backward (`matmul(..., save_preactivation=True)`), or None where the
 kernels do not apply, so a model can fuse its MLP's activation when it is given
-one of these functions and run its plain layer otherwise.
+one of these functions and run its plain layer otherwise; and
+`fuses_in_one_launch()`, True where that activation runs inside the kernel.
 """
 
 from __future__ import annotations
@@ -90,8 +91,18 @@ def make_dot_general(backend: str = "auto", config: MatmulConfig | dict | None =
         return matmul(x, kernel, bias=bias, activation=activation, backend=state["resolved"],
                       config=config, save_preactivation=True)
 
+    def fuses_in_one_launch() -> bool:
+        """Whether `fused_dense` applies the activation inside the kernel (Mosaic GPU,
+        which writes both activation(Z) and Z). The other backends' `fused_dense` writes Z
+        from the kernel and lets XLA apply the activation: it keeps less for the backward,
+        but its speed was not measured against the plain layer."""
+        if "resolved" not in state:
+            state["resolved"] = resolve_backend(backend)
+        return state["resolved"] == "mosaic_gpu"
+
     dot_general.backend = backend
     dot_general.fused_dense = fused_dense
+    dot_general.fuses_in_one_launch = fuses_in_one_launch
     return dot_general
 
 

@@ -100,11 +100,15 @@ class GPTConfig:
         `jaxopt_train.kernels.make_dot_general` do), the MLP's first layer, its
         bias and the GELU run as one kernel launch that also writes the
         pre-activation for the backward, so no separate pass reads the layer's
-        output to apply the GELU. No effect with XLA's dot_general. On by
-        default: on gpt-1b on an H200 it needs 2.0 GiB less memory (XLA's own
-        GELU keeps both Z and its tanh for the backward) and the step is as fast
-        or slightly faster (fifteenth session, same process: 90.16 and 89.57 ms
-        against 90.26 ms unfused; BENCHMARKS.md).
+        output to apply the GELU. No effect with XLA's dot_general. None (the
+        default) fuses where the kernel applies the GELU itself
+        (`dot_general.fuses_in_one_launch()`: Mosaic GPU): on gpt-1b on an H200
+        that needs 2.0 GiB less memory (XLA's own GELU keeps both Z and its
+        tanh for the backward) and the step is as fast or slightly faster
+        (fifteenth session, same process: 90.16 and 89.57 ms against 90.26 ms
+        unfused; BENCHMARKS.md). True also takes the other kernels' path
+        (Z from the kernel, the GELU by XLA, Z kept: not measured for speed);
+        False never fuses.
       tie_embeddings: Use the token embedding as the output head.
       use_bias: Biases in the dense layers (LayerNorm always has one).
       layer_norm_epsilon: LayerNorm epsilon.
@@ -125,7 +129,7 @@ class GPTConfig:
     scan_layers: bool = False
     split_qkv: bool = False
     dot_general: Callable[..., jax.Array] | None = None
-    fuse_mlp_activation: bool = True
+    fuse_mlp_activation: bool | None = None
     tie_embeddings: bool = True
     use_bias: bool = True
     layer_norm_epsilon: float = 1e-5
@@ -152,8 +156,12 @@ class GPTConfig:
             raise ValueError(f"remat={self.remat!r}; legal values: {REMAT_POLICIES}")
         for name in ("scan_layers", "split_qkv", "fuse_mlp_activation", "tie_embeddings",
                      "use_bias"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+            value = getattr(self, name)
+            if name == "fuse_mlp_activation" and value is None:
+                continue  # None: fuse where the kernel applies the activation itself
+            if not isinstance(value, bool):
+                allowed = "True, False or None" if name == "fuse_mlp_activation" else "True or False"
+                raise ValueError(f"{name}={value!r} must be {allowed}")
         if self.dot_general is not None and not callable(self.dot_general):
             raise ValueError(f"dot_general={self.dot_general!r} must be callable or None")
         for name in ("layer_norm_epsilon", "init_std"):  # NaN logits otherwise, with no message
@@ -320,7 +328,11 @@ class MLP(nnx.Module):
         self.proj = _Dense(cfg, cfg.mlp_dim, cfg.d_model, std=out_std, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        fused = getattr(self.fc.dot_general, "fused_dense", None) if self.fuse else None
+        dot = self.fc.dot_general
+        fused = getattr(dot, "fused_dense", None) if self.fuse is not False else None
+        if fused is not None and self.fuse is None:  # default: only where measured faster
+            in_kernel = getattr(dot, "fuses_in_one_launch", None)
+            fused = fused if in_kernel is not None and in_kernel() else None
         if fused is not None:
             # nnx.Linear's own promotion: inputs, kernel and bias in the compute dtype.
             dtype = self.fc.dtype
