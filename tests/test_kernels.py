@@ -645,11 +645,44 @@ def test_autotune_cli_refuses_a_layout_the_backend_cannot_read(capsys):
     (["--backend", "interpret", "--shapes", "16x16x16", "--budget-s", "-1"], "--budget-s must be >= 0"),
     (["--backend", "nope", "--shapes", "16x16x16"], "invalid choice: 'nope'"),
     (["--backend", "mosaic_gpu", "--shapes", "16x16x16"], "--backend mosaic_gpu: matmul backend"),
+    (["--backend", "interpret", "--shapes", "16x16x16", "--candidates", "[{"], "not JSON"),
+    (["--backend", "interpret", "--shapes", "16x16x16", "--candidates", "[]"], "non-empty JSON list"),
+    (["--backend", "interpret", "--shapes", "16x16x16", "--candidates", '[{"block_q": 8}]'],
+     "entry 0 {'block_q': 8} is not a MatmulConfig"),
+    (["--backend", "interpret", "--shapes", "16x16x16", "--candidates", '[{"block_m": 0}]'],
+     "entry 0 {'block_m': 0} is not a MatmulConfig"),
+    (["--backend", "interpret", "--shapes", "16x16x16", "--candidates", "/nope/c.json"], "cannot read"),
+    (["--backend", "interpret", "--shapes", "16x16x16", "--candidates", "[{}]", "--quick"],
+     "give one of them"),
 ])
 def test_autotune_cli_refuses_bad_input(argv, message, capsys):
     with pytest.raises(SystemExit):
         autotune_mod.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_autotune_cli_sweeps_the_given_candidates(tmp_path, monkeypatch):
+    """--candidates (inline or a .json file) replaces the default list; the winner among
+    them is cached for the shape."""
+    monkeypatch.setenv("JAXOPT_TRAIN_CACHE_DIR", str(tmp_path))
+    swept = []
+    real = autotune_mod.autotune
+
+    def spy(shapes, dtype, **kwargs):
+        swept.append(kwargs["candidates"])
+        return real(shapes, dtype, **{**kwargs, "timer": lambda fn: 1.0})
+
+    monkeypatch.setattr(autotune_mod, "autotune", spy)
+    file = tmp_path / "c.json"
+    file.write_text('[{"block_m": 16, "block_n": 16, "block_k": 16, "num_stages": 1}]')
+    inline = '[{"block_m": 8, "block_n": 8, "block_k": 8, "num_stages": 1}]'
+    for source, block in ((inline, 8), (str(file), 16)):
+        assert autotune_mod.main(["--backend", "interpret", "--shapes", "16x16x16",
+                                  "--candidates", source]) == 0
+        assert [c.block_m for c in swept[-1]] == [block]
+        cached = autotune_mod.lookup("interpret", jax.devices()[0].device_kind, 16, 16, 16,
+                                     jnp.bfloat16)
+        assert cached is not None and cached.block_m == block
 
 
 def test_autotune_refuses_bad_shapes_and_budget():

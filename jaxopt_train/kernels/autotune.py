@@ -293,6 +293,30 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
     return winners
 
 
+def _parse_candidates(parser, text: str) -> list[MatmulConfig]:
+    """--candidates: a JSON list of MatmulConfig field dicts, inline or in a .json file."""
+    source = "--candidates"
+    if text.endswith(".json"):
+        try:
+            text, source = pathlib.Path(text).read_text(), f"--candidates {text}"
+        except OSError as err:
+            parser.error(f"--candidates: cannot read {text!r}: {err}")
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as err:
+        parser.error(f"{source}: expected a JSON list of config dicts; not JSON ({err})")
+    if not isinstance(items, list) or not items or not all(isinstance(i, dict) for i in items):
+        parser.error(f"{source}: expected a non-empty JSON list of config dicts, e.g. "
+                     f'[{{"block_m": 64, "block_n": 128}}]; got {text[:80]!r}')
+    configs = []
+    for i, item in enumerate(items):
+        try:
+            configs.append(MatmulConfig(**item))
+        except (TypeError, ValueError) as err:
+            parser.error(f"{source}: entry {i} {item} is not a MatmulConfig: {err}")
+    return configs
+
+
 def main(argv: list[str] | None = None) -> int:
     """`jaxopt-train autotune --backend mosaic_gpu --shapes 8192x8192x8192`."""
     import argparse
@@ -304,6 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", required=True, help="comma list of MxNxK")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--quick", action="store_true", help="short candidate list")
+    parser.add_argument("--candidates", metavar="JSON",
+                        help="sweep these configs instead of the default list: a JSON list of "
+                        "MatmulConfig field dicts, inline or as the path of a .json file, e.g. "
+                        "'[{\"block_m\": 64, \"block_n\": 128, \"block_k\": 64}]'")
     parser.add_argument("--budget-s", type=float, default=None, help="time budget per shape")
     parser.add_argument("--transposed", choices=("a", "b"), default=None,
                         help="tune A^T @ B (a stored K x M) or A @ B^T (b stored N x K) instead "
@@ -328,7 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     if backend == "xla":
         parser.error("--backend auto resolved to 'xla' (no kernel backend runs here), which has "
                      "nothing to tune; pass --backend interpret to tune the CPU interpreter")
-    candidates = default_candidates(backend, quick=args.quick)
+    if args.candidates is not None and args.quick:
+        parser.error("--candidates replaces the candidate list; --quick picks the short default "
+                     "one: give one of them")
+    candidates = (default_candidates(backend, quick=args.quick) if args.candidates is None
+                  else _parse_candidates(parser, args.candidates))
     if args.transposed is not None and backend not in TRANSPOSING_BACKENDS:
         parser.error(f"--transposed {args.transposed}: only {TRANSPOSING_BACKENDS} read a "
                      f"transposed operand as stored; --backend resolved to {backend!r}")
