@@ -151,7 +151,7 @@ def save_plot(rows: list[dict[str, Any]], path: str, unit: str) -> None:
 def _fuse_note(fuse: bool | None) -> str:
     """What the kernel-matmul rows did with the MLP's GELU (GPTConfig.fuse_mlp_activation)."""
     if fuse is None:
-        return ", the MLP's GELU inside the kernel in the kernel-matmul rows where it runs there (Mosaic GPU)"
+        return ", the MLP's GELU in the kernel's epilogue in the Mosaic GPU kernel-matmul rows"
     if fuse:
         return ", the MLP's fc + bias + GELU in one launch in the kernel-matmul rows"
     return ", the MLP's GELU by XLA in the kernel-matmul rows"
