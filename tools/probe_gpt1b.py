@@ -70,6 +70,9 @@ def summarise_trace(logdir: str, steps: int) -> dict:
     ops_threads = {key for key, n in tnames.items() if key[0] in gpu_pids and "xla ops" in n.lower()}
     by_name, by_kind, by_op = collections.Counter(), collections.Counter(), collections.Counter()
     calls = collections.Counter()
+    # Every Mosaic GPU launch is named bound_mosaic_gpu_kernel: its launch shape (grid, block,
+    # shared memory) tells two products apart (what tools/trace_kernels.py prints).
+    by_launch, launches = collections.Counter(), collections.Counter()
     first, last, samples = None, None, []
     for e in events:
         if e.get("ph") != "X" or e.get("pid") not in gpu_pids:
@@ -84,6 +87,9 @@ def summarise_trace(logdir: str, steps: int) -> dict:
             continue
         by_name[name[:90]] += dur
         calls[name[:90]] += 1
+        launch = (name[:90], (e.get("args") or {}).get("kernel_details", ""))
+        by_launch[launch] += dur
+        launches[launch] += 1
         by_kind[_kind(name)] += dur
         if len(samples) < 5 and e.get("args"):
             samples.append({"name": name[:60], "args": e["args"]})
@@ -102,6 +108,9 @@ def summarise_trace(logdir: str, steps: int) -> dict:
         "top_ops_ms_per_step": [(k, v / 1e3 / steps) for k, v in by_op.most_common(30)],
         # every kernel: (name, ms per step, launches per step), to diff two variants' traces
         "all_kernels": [(k, v / 1e3 / steps, calls[k] / steps) for k, v in by_name.most_common()],
+        # (name, launch details, ms per step, launches per step, mean us per launch)
+        "by_launch": [(n, d, v / 1e3 / steps, launches[(n, d)] / steps, v / launches[(n, d)])
+                      for (n, d), v in by_launch.most_common(60)],
     }
 
 
@@ -263,7 +272,8 @@ def main(argv=None) -> int:
         if "profile" in row:
             prof = row["profile"]
             print(json.dumps({k: v for k, v in prof.items()
-                              if k not in ("top_kernels_ms_per_step", "top_ops_ms_per_step", "all_kernels")},
+                              if k not in ("top_kernels_ms_per_step", "top_ops_ms_per_step", "all_kernels",
+                                           "by_launch")},
                              indent=1))
             for label in ("top_kernels_ms_per_step", "top_ops_ms_per_step"):
                 print(label)
