@@ -54,11 +54,24 @@ def test_config_column_names_the_layout_knobs():
     (["--quick", "--calls", "0"], "--calls must be >= 1"),
     (["--quick", "--input-sets", "0"], "--input-sets must be >= 1"),
     (["--quick", "--warmup-s", "-1"], "--warmup-s must be >= 0"),
+    (["--quick", "--shapes", "16x16"], "--shapes='16x16' must be a comma list of MxNxK"),
+    (["--quick", "--shapes", "16x0x16"], "positive dims"),
+    (["--quick", "--shapes", "16xax16"], "must be a comma list of MxNxK"),
 ])
 def test_bad_arguments_are_refused_with_the_expected_values(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench.main(argv)
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_shapes_replace_the_plain_tables_shapes(tmp_path):
+    path = tmp_path / "matmul.json"
+    assert bench.main(["--quick", "--shapes", "24x40x8,17x9x33", "--no-fused", "--no-layer",
+                       "--backends", "xla", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["plain"]
+    assert [(tuple(r["shape"]), r["backend"]) for r in rows] == [
+        ((24, 40, 8), "xla_dot"), ((24, 40, 8), "xla"), ((17, 9, 33), "xla_dot"), ((17, 9, 33), "xla")]
+    assert all("error" not in r and r["max_rel_error"] < 1e-2 for r in rows)
 
 
 def test_tables_can_be_skipped(tmp_path, capsys):

@@ -4,7 +4,7 @@
 # Lane A (GPU 0), issue 5's small and odd shapes, which lose to XLA with the shipped
 # 256x128-per-CTA tile (thirteenth session: 2048x512x2048 0.896x, 1000x777x513 0.679x,
 # 3000x5000x1000 0.906x): autotune them over smaller tiles (`autotune --candidates`, new),
-# then `bench matmul` reads the cached winners, large shapes included as the control.
+# then `bench matmul --shapes` (new) reads the cached winners, 8192^3 as the control.
 # Lane B (GPU 1): every GPU kernel test on the new fused-MLP backward and fuse default
 # (the fifteenth session ran only the kept-Z ones), then the other modules' GPU tests.
 # Last, on two GPUs only, the collective tests.
@@ -31,6 +31,7 @@ lane_a() {
     --candidates "$CANDIDATES"
   cp "$R"/cache/*.json "$OUT/autotune_cache.json" 2>/dev/null
   STEP_TAIL=30 step mm 240 $PY -m jaxopt_train.bench.matmul --backends mosaic_gpu --warmup-s 4 \
+    --shapes 8192x8192x8192,1024x1024x1024,2048x512x2048,1000x777x513,3000x5000x1000 \
     --no-fused --no-layer --json "$OUT/mm.json"
 }
 lane_b() {  # lane_b GPU

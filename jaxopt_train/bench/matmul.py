@@ -215,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bursts", type=int, default=5)
     parser.add_argument("--input-sets", type=int, default=4, help="rotating input sets (> L2)")
     parser.add_argument("--warmup-s", type=float, default=1.0)
+    parser.add_argument("--shapes", metavar="MxNxK,...",
+                        help="the A @ B table's shapes (default: the four large shapes, then "
+                             "small and odd ones; the geomean needs all four large ones)")
     parser.add_argument("--no-plain", action="store_true", help="skip the A @ B table")
     parser.add_argument("--no-fused", action="store_true", help="skip the bias+gelu table")
     parser.add_argument("--no-layer", action="store_true",
@@ -225,6 +228,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if args.warmup_s < 0:
         parser.error(f"--warmup-s must be >= 0; got {args.warmup_s}")
+    if args.shapes is not None:
+        try:
+            custom = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+            if any(len(s) != 3 or min(s) < 1 for s in custom):
+                raise ValueError
+        except ValueError:
+            parser.error(f"--shapes={args.shapes!r} must be a comma list of MxNxK with positive "
+                         f"dims, e.g. 8192x8192x8192,1000x777x513")
     known = [b for b in BACKENDS if b != "auto"] + ["xla_dot"]
     if args.backends and (unknown := [b for b in args.backends.split(",") if b not in known]):
         parser.error(f"--backends: unknown {unknown}; expected a comma list of {known}")
@@ -238,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         backends = [b for b in available_backends() if b != "interpret"]
     backends = ["xla_dot"] + [b for b in backends if b != "xla_dot"]
     shapes = QUICK_SHAPES if args.quick else LARGE_SHAPES + SMALL_SHAPES
+    if args.shapes is not None:
+        shapes = custom
     fused_shapes = QUICK_SHAPES[:1] if args.quick else FUSED_SHAPES
     layer_shapes = QUICK_SHAPES[1:] if args.quick else LAYER_SHAPES
     if args.quick:
