@@ -553,6 +553,32 @@ def test_mosaic_gpu_kernel_saving_the_preactivation_lowers_for_cuda(layout, with
                       save_preactivation=True)
 
 
+def test_fused_layer_backward_on_mosaic_gpu_lowers_with_its_separate_bias_sum(monkeypatch):
+    """The kept-Z layer's gradient, lowered for cuda on CPU: the dZ pass and dbias's column
+    sum sit on either side of an optimization barrier on Mosaic GPU (measured faster there
+    than XLA's one fused pass), and the interpret backend has no barrier."""
+    import importlib
+
+    module = importlib.import_module("jaxopt_train.kernels.matmul")
+    monkeypatch.setattr(module, "resolve_backend", lambda backend: backend)
+    shape = jax.ShapeDtypeStruct
+    args = (shape((256, 128), jnp.bfloat16), shape((128, 256), jnp.bfloat16),
+            shape((256,), jnp.float32))
+    texts = {}
+    for backend in ("mosaic_gpu", "interpret"):
+        def loss(a, b, bias, backend=backend):
+            out = matmul(a, b, bias=bias, activation="gelu", backend=backend,
+                         save_preactivation=True)
+            return jnp.sum(out.astype(jnp.float32))
+
+        traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args)
+        platforms = ("cuda",) if backend == "mosaic_gpu" else ("cpu",)
+        texts[backend] = traced.lower(lowering_platforms=platforms).as_text()
+    assert "mosaic_gpu" in texts["mosaic_gpu"]
+    assert "optimization_barrier" in texts["mosaic_gpu"]
+    assert "optimization_barrier" not in texts["interpret"]
+
+
 @pytest.mark.parametrize("index", range(len(autotune_mod.default_candidates("mosaic_gpu", quick=True))))
 def test_quick_mosaic_gpu_candidates_lower_for_cuda(index):
     """Every config of `autotune --quick` builds (a candidate failing on the GPU would
