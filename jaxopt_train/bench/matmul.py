@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxopt_train.kernels import available_backends, matmul, matmul_reference
-from jaxopt_train.kernels.autotune import burst_timer, rotating
+from jaxopt_train.kernels.autotune import burst_timer, parse_shapes, rotating
 from jaxopt_train.kernels.configs import BACKENDS
 from jaxopt_train.kernels.matmul import resolve_config
 from jaxopt_train.train.mfu import peak_tflops
@@ -228,14 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if args.warmup_s < 0:
         parser.error(f"--warmup-s must be >= 0; got {args.warmup_s}")
-    if args.shapes is not None:
-        try:
-            custom = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-            if any(len(s) != 3 or min(s) < 1 for s in custom):
-                raise ValueError
-        except ValueError:
-            parser.error(f"--shapes={args.shapes!r} must be a comma list of MxNxK with positive "
-                         f"dims, e.g. 8192x8192x8192,1000x777x513")
+    custom = None if args.shapes is None else parse_shapes(parser, "--shapes", args.shapes)
     known = [b for b in BACKENDS if b != "auto"] + ["xla_dot"]
     if args.backends and (unknown := [b for b in args.backends.split(",") if b not in known]):
         parser.error(f"--backends: unknown {unknown}; expected a comma list of {known}")

@@ -293,6 +293,19 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
     return winners
 
 
+def parse_shapes(parser, flag: str, text: str) -> list[tuple[int, int, int]]:
+    """A CLI's `MxNxK,...` list of matmul shapes (autotune, bench matmul); a bad list is
+    an argparse error naming `flag`."""
+    try:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in text.split(",")]
+        if any(len(s) != 3 or min(s) < 1 for s in shapes):
+            raise ValueError
+    except ValueError:
+        parser.error(f"{flag}={text!r} must be a comma list of MxNxK with positive dims, "
+                     f"e.g. 8192x8192x8192,1000x777x513")
+    return shapes
+
+
 def _parse_candidates(parser, text: str) -> list[MatmulConfig]:
     """--candidates: a JSON list of MatmulConfig field dicts, inline or in a .json file."""
     source = "--candidates"
@@ -338,13 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                         "of A @ B: the layouts of a dense layer's backward")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-        if any(len(s) != 3 or min(s) < 1 for s in shapes):
-            raise ValueError
-    except ValueError:
-        parser.error(f"--shapes={args.shapes!r} must be a comma list of MxNxK with positive "
-                     f"dims, e.g. 8192x8192x8192")
+    shapes = parse_shapes(parser, "--shapes", args.shapes)
     if args.budget_s is not None and not args.budget_s >= 0:
         parser.error(f"--budget-s must be >= 0 seconds; got {args.budget_s}")
     from jaxopt_train.kernels.matmul import resolve_backend
