@@ -186,7 +186,7 @@ def _force_epilogue_backward(spec: str) -> None:
     import jax
     import jax.numpy as jnp
 
-    from jaxopt_train.kernels.epilogue import gelu, gelu_derivative
+    from jaxopt_train.kernels.epilogue import gelu
 
     mm = importlib.import_module("jaxopt_train.kernels.matmul")
     shipped = mm._epilogue_backward
@@ -198,12 +198,10 @@ def _force_epilogue_backward(spec: str) -> None:
     def backward(activation, z, g, bias, compute_dtype, split_sum=False):
         if activation != "gelu":
             return shipped(activation, z, g, bias, compute_dtype, split_sum)
-        if form == "sigmoid":
-            dz = (g.astype(jnp.float32) * gelu_derivative(z)).astype(compute_dtype)
-        else:
-            _, act_vjp = jax.vjp(gelu, z)
-            (dz,) = act_vjp(g.astype(z.dtype))
-            dz = dz.astype(compute_dtype)
+        if form == "sigmoid":  # the library's own derivative, split or not as asked
+            return shipped(activation, z, g, bias, compute_dtype, bool(split))
+        _, act_vjp = jax.vjp(gelu, z)
+        dz = act_vjp(g.astype(z.dtype))[0].astype(compute_dtype)
         if split:
             dz = jax.lax.optimization_barrier(dz)
         dbias = None if bias is None else jnp.sum(dz.astype(jnp.float32), axis=0).astype(bias.dtype)

@@ -67,10 +67,9 @@ def main(argv=None) -> int:
         compiled = fn.lower(*sets[0]).compile()
         with open(os.path.join(out_dir, f"hlo_layer_{name.replace('+', '_')}.txt"), "w") as f:
             f.write(compiled.as_text())
-        for i in range(30):  # warm-up (compile included in the first)
-            jax.block_until_ready(fn(*sets[i % 2]))
+        # Warm-up: at least 30 calls (compile included in the first), and --warmup-s seconds.
         deadline, i = time.perf_counter() + args.warmup_s, 0
-        while time.perf_counter() < deadline:
+        while i < 30 or time.perf_counter() < deadline:
             jax.block_until_ready(fn(*sets[i % 2]))
             i += 1
         logdir = os.path.join("/tmp", "trace_layer_" + name.replace("+", "_"))

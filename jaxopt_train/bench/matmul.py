@@ -241,9 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         backends = [b for b in available_backends() if b != "interpret"]
     backends = ["xla_dot"] + [b for b in backends if b != "xla_dot"]
-    shapes = QUICK_SHAPES if args.quick else LARGE_SHAPES + SMALL_SHAPES
-    if args.shapes is not None:
-        shapes = custom
+    shapes = custom or (QUICK_SHAPES if args.quick else LARGE_SHAPES + SMALL_SHAPES)
     fused_shapes = QUICK_SHAPES[:1] if args.quick else FUSED_SHAPES
     layer_shapes = QUICK_SHAPES[1:] if args.quick else LAYER_SHAPES
     if args.quick:

@@ -175,8 +175,7 @@ def _parse(argv):
     if args.compare_plain and not args.model.startswith("gpt"):
         raise SystemExit(f"--compare-plain applies to GPT models, not --model {args.model}")
     for flag in ("split_qkv", "fuse_mlp_activation"):
-        if getattr(args, flag) is not None and getattr(args, flag) is not False \
-                and not args.model.startswith("gpt"):
+        if getattr(args, flag) and not args.model.startswith("gpt"):  # None, False: nothing asked
             raise SystemExit(f"--{flag.replace('_', '-')} applies to GPT models, not --model {args.model}")
     if args.compute_copy and args.grad_dtype != "compute":
         raise SystemExit(f"--compute-copy is the copy the step differentiates: it needs "

@@ -64,14 +64,17 @@ def make_dot_general(backend: str = "auto", config: MatmulConfig | dict | None =
     config = as_config(config)
     state: dict[str, str] = {}
 
-    def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-                    out_sharding=None, **kwargs):
+    def resolved() -> str:  # resolved on first use, not when the layer is built
         if "resolved" not in state:
             state["resolved"] = resolve_backend(backend)
-        if state["resolved"] != "xla" and not kwargs and _kernel_eligible(
+        return state["resolved"]
+
+    def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                    out_sharding=None, **kwargs):
+        if resolved() != "xla" and not kwargs and _kernel_eligible(
                 lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding):
             return matmul(lhs, rhs, out_dtype=preferred_element_type or lhs.dtype,
-                          backend=state["resolved"], config=config,
+                          backend=resolved(), config=config,
                           transpose_b=tuple(dimension_numbers[0][1]) == (1,))
         extra = dict(kwargs)
         if out_sharding is not None:
@@ -83,12 +86,10 @@ def make_dot_general(backend: str = "auto", config: MatmulConfig | dict | None =
         """`activation(x @ kernel + bias)` from one kernel launch that saves the
         pre-activation for the backward; None where the kernels do not apply (XLA
         resolved, a dtype other than bf16/fp16, a kernel that is not 2-D)."""
-        if "resolved" not in state:
-            state["resolved"] = resolve_backend(backend)
-        if (state["resolved"] == "xla" or getattr(kernel, "ndim", 0) != 2 or x.ndim < 2
+        if (resolved() == "xla" or getattr(kernel, "ndim", 0) != 2 or x.ndim < 2
                 or jnp.dtype(x.dtype) not in _KERNEL_DTYPES or x.dtype != kernel.dtype):
             return None
-        return matmul(x, kernel, bias=bias, activation=activation, backend=state["resolved"],
+        return matmul(x, kernel, bias=bias, activation=activation, backend=resolved(),
                       config=config, save_preactivation=True)
 
     def fuses_in_one_launch() -> bool:
@@ -96,9 +97,7 @@ def make_dot_general(backend: str = "auto", config: MatmulConfig | dict | None =
         which writes both activation(Z) and Z). The other backends' `fused_dense` writes Z
         from the kernel and lets XLA apply the activation: it keeps less for the backward,
         but its speed was not measured against the plain layer."""
-        if "resolved" not in state:
-            state["resolved"] = resolve_backend(backend)
-        return state["resolved"] == "mosaic_gpu"
+        return resolved() == "mosaic_gpu"
 
     dot_general.backend = backend
     dot_general.fused_dense = fused_dense
