@@ -202,13 +202,36 @@ def default_config(backend: str, device_kind: str, m: int, n: int, k: int) -> Ma
     if backend == "triton" and max(m, n) <= 512:
         config = _SMALL_TRITON
     if backend == "mosaic_gpu":
-        config = _fewest_padded(config, m, n)
+        config = _fill_the_sms(_fewest_padded(config, m, n), m, n, k)
     return config
 
 
+_HOPPER_SMS = 132  # H100 SXM and H200 (other Hopper parts fall back to their tile and this count)
+
+
+def _fill_the_sms(config: MatmulConfig, m: int, n: int, k: int) -> MatmulConfig:
+    """The shipped Hopper tile, or half its height (block_m 64: a 128 x 128 CTA tile) when
+    the shipped 256 x 128 CTA tile leaves over half the SMs idle through a long K loop.
+
+    Measured on an H200 (sixteenth session, BENCHMARKS.md): 2048x512x2048 (32 CTAs,
+    32 K steps) 46.5 -> 33.3 us; 1024^3 (32 CTAs, 16 steps) 37.1 -> 34.2 us. With few
+    K steps the halved tile lost: 1000x777x513 (28 CTAs, 9 steps) 43.1 -> 58.3 us, so
+    the rule wants >= 16 steps.
+    """
+    if config != _HOPPER_MOSAIC:  # another split or device's tile: not what was measured
+        return config
+    from jaxopt_train.kernels.mosaic_gpu import cluster_tile  # it imports this module
+
+    rows, cols = cluster_tile(config)
+    ctas = -(-m // rows) * -(-n // cols)
+    if 2 * ctas > _HOPPER_SMS or k < 16 * config.block_k:
+        return config
+    return dataclasses.replace(config, block_m=64, group_m=8)
+
+
 def _padded_area(config: MatmulConfig, m: int, n: int) -> int:
-    """Elements of C the Mosaic GPU wrapper computes for an m x n product (it pads M and N
-    to whole cluster tiles)."""
+    """Elements of C the Mosaic GPU kernel's tiles cover for an m x n product (whole
+    cluster tiles)."""
     from jaxopt_train.kernels.mosaic_gpu import _round_up, cluster_tile  # it imports this module
 
     rows, cols = cluster_tile(config)
@@ -216,12 +239,14 @@ def _padded_area(config: MatmulConfig, m: int, n: int) -> int:
 
 
 def _fewest_padded(config: MatmulConfig, m: int, n: int) -> MatmulConfig:
-    """`config`, or its other consumer split when that one needs no padding and `config` does.
+    """`config`, or its other consumer split when that one tiles M and N exactly and
+    `config` does not.
 
-    Padding is not free: the wrapper copies the padded operand and slices the
-    result. gpt-1b's tied-head weight gradient (M = 50,304 = 393 x 128 rows)
-    padded the 824 MB logits gradient to 256-row tiles: ~0.5 ms of its 89 ms
-    step on an H200, where side-by-side consumers (128-row tiles) need no pad.
+    gpt-1b's tied-head weight gradient (M = 50,304 = 393 x 128 rows) was padded to
+    256-row tiles: ~0.5 ms of its 89 ms step on an H200, where side-by-side consumers
+    (128-row tiles) fit exactly. (That padding was a copy of the 824 MB logits
+    gradient; since the wrapper lets TMA cover partial tiles, a partial tile costs
+    only the idle part of its last wave, but this choice is the one measured.)
     Shapes that both splits pad keep the shipped split, which measured faster.
     """
     if config.cluster != "none" or config.schedule != "cooperative":

@@ -21,8 +21,12 @@ shared B (resp. A) tile; `epilogue_tile` sets the output sub-tile edge;
 so loads never stop at a tile boundary; `schedule="pingpong"` is the alternative
 layout of `mosaic_gpu_pingpong` (measured slower, kept as an option).
 
-Shapes are zero-padded by the wrapper to multiples of the cluster tile (by
-default (2*bm, bn)) and of bk: exact, and it keeps the kernel free of masks.
+Any M, N, K without masks in the kernel: TMA zero-fills the part of a load box
+past an operand's edge and drops the part of a store box past the output's, so
+partial last tiles are exact as they are. The wrapper zero-pads only to what the
+swizzled TMA copies need (`_tma_extent`: whole 128-byte rows along a stored minor
+dim, 8 rows along a major one, at least one tile), not to whole tiles: an M that
+is a multiple of 8 (a token count, say) costs no copy of A or of the output.
 All Mosaic GPU imports are lazy.
 """
 
@@ -47,6 +51,17 @@ _SMEM_SLACK = 2048  # barriers and Pallas bookkeeping
 
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
+
+
+def _tma_extent(size: int, tile: int, minor: bool, itemsize: int) -> int:
+    """The extent an operand's dim of `size` is zero-padded to for the kernel's TMA
+    copies: at least one `tile` (one box), and a multiple of the granule Mosaic GPU
+    tiles global memory by for swizzled copies (8 rows along the major dim, 128 bytes
+    along the minor one, which every swizzle width divides). TMA zero-fills the part of
+    a load box past the edge and drops the part of a store box past it, so nothing
+    more is padded: a partial last tile is exact as it is."""
+    granule = 128 // itemsize if minor else 8
+    return _round_up(max(size, tile), granule)
 
 
 def _swizzled(plgpu, minor_dim: int, dtype) -> tuple:
@@ -395,6 +410,8 @@ def mosaic_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
     """
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
+    from jaxopt_train.kernels.matmul import _pad_to
+
     if save_preactivation and activation is None:
         raise ValueError("save_preactivation=True needs an activation: without one the "
                          "pre-activation is the output")
@@ -413,11 +430,12 @@ def mosaic_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
         raise ValueError(f"transposed operands need warpgroup_lowering=False; got {config}")
     unit_m, unit_n = cluster_tile(config)
     mp, np_, kp = _round_up(m, unit_m), _round_up(n, unit_n), _round_up(k, bk)
-    a_shape, a_pad = ((kp, mp), ((0, kp - k), (0, mp - m))) if transpose_a else ((mp, kp), ((0, mp - m), (0, kp - k)))
-    b_shape, b_pad = ((np_, kp), ((0, np_ - n), (0, kp - k))) if transpose_b else ((kp, np_), ((0, kp - k), (0, np_ - n)))
-    a_p = a if a.shape == a_shape else jnp.pad(a, a_pad)
-    b_p = b if b.shape == b_shape else jnp.pad(b, b_pad)
-    operands = [a_p, b_p]
+    # Each operand as stored: (size, tile) of its major dim, then of its minor dim.
+    a_dims = ((k, bk), (m, unit_m)) if transpose_a else ((m, unit_m), (k, bk))
+    b_dims = ((n, unit_n), (k, bk)) if transpose_b else ((k, bk), (n, unit_n))
+    size = jnp.dtype(a.dtype).itemsize
+    operands = [_pad_to(x, [_tma_extent(d, t, minor, size) for (d, t), minor in zip(dims, (False, True))])
+                for x, dims in ((a, a_dims), (b, b_dims))]
     if bias is not None:
         operands.append(jnp.pad(bias.astype(jnp.float32), (0, np_ - n)))
     m_iters, n_iters, k_iters = mp // unit_m, np_ // unit_n, kp // bk
@@ -451,10 +469,12 @@ def mosaic_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
             has_bias=bias is not None, has_aux=save_preactivation)
     scratch += epilogue_scratch(plgpu, config, out_dtype, bias is not None)
     params = _compiler_params(plgpu, config, activation)
-    out_shape = jax.ShapeDtypeStruct((mp, np_), out_dtype)
+    out_dims = (_tma_extent(m, unit_m, False, jnp.dtype(out_dtype).itemsize),
+                _tma_extent(n, unit_n, True, jnp.dtype(out_dtype).itemsize))
+    out_shape = jax.ShapeDtypeStruct(out_dims, out_dtype)
     outs = _kernel_fn(plgpu, body, (out_shape, out_shape) if save_preactivation else out_shape,
                       scratch, grid, params, cluster)(*operands)
-    unpad = (lambda x: x[:m, :n]) if (mp, np_) != (m, n) else (lambda x: x)  # noqa: E731
+    unpad = (lambda x: x[:m, :n]) if out_dims != (m, n) else (lambda x: x)  # noqa: E731
     return tuple(map(unpad, outs)) if save_preactivation else unpad(outs)
 
 
