@@ -415,10 +415,10 @@ def test_mosaic_default_picks_the_consumer_split_that_needs_no_padding(m, n, spl
 @pytest.mark.parametrize("m, n, k, half", [
     (2048, 512, 2048, True),    # 32 CTAs, 32 K steps (measured 1.40x faster halved)
     (1024, 1024, 1024, True),   # 32 CTAs, 16 K steps (1.08x)
+    (768, 768, 3072, True),     # 18 CTAs (1.24x)
     (1000, 777, 513, False),    # 28 CTAs but 9 K steps (measured 0.74x halved)
-    (1024, 2048, 4096, True),   # 64 CTAs: under half of the 132 SMs
-    (1024, 2176, 4096, False),  # 68 CTAs
-    (2048, 2048, 4096, False),  # 128 CTAs
+    (1024, 2048, 4096, False),  # 64 CTAs (0.91x)
+    (1024, 1152, 4096, False),  # 36 CTAs: over a quarter of the 132 SMs
     (127, 129, 8192, True),
 ])
 def test_mosaic_default_halves_the_tile_when_few_ctas_run_a_long_k_loop(m, n, k, half):

@@ -211,12 +211,15 @@ _HOPPER_SMS = 132  # H100 SXM and H200 (other Hopper parts fall back to their ti
 
 def _fill_the_sms(config: MatmulConfig, m: int, n: int, k: int) -> MatmulConfig:
     """The shipped Hopper tile, or half its height (block_m 64: a 128 x 128 CTA tile) when
-    the shipped 256 x 128 CTA tile leaves over half the SMs idle through a long K loop.
+    the shipped 256 x 128 CTA tile leaves three quarters of the SMs idle through a long
+    K loop.
 
-    Measured on an H200 (sixteenth session, BENCHMARKS.md): 2048x512x2048 (32 CTAs,
-    32 K steps) 46.5 -> 33.3 us; 1024^3 (32 CTAs, 16 steps) 37.1 -> 34.2 us. With few
-    K steps the halved tile lost: 1000x777x513 (28 CTAs, 9 steps) 43.1 -> 58.3 us, so
-    the rule wants >= 16 steps.
+    Measured on an H200 (sixteenth session, BENCHMARKS.md), shipped -> halved, us:
+      - <= 32 CTAs and >= 16 K steps, halving won: 2048x512x2048 46.5 -> 33.3;
+        1024^3 37.1 -> 34.2; 1024x1024x4096 47.0 -> 35.7; 768x768x3072 43.1 -> 34.8.
+      - 64 CTAs, halving lost: 1024x2048x4096 47.9 -> 52.9; 512x4096x2048 52.8 -> 59.2;
+        2048x1024x2048 34.4 -> 44.3 (and 68 CTAs: 1024x2176x4096 49.5 -> 53.3).
+      - 28 CTAs but 9 K steps, it lost: 1000x777x513 43.1 -> 58.3.
     """
     if config != _HOPPER_MOSAIC:  # another split or device's tile: not what was measured
         return config
@@ -224,7 +227,7 @@ def _fill_the_sms(config: MatmulConfig, m: int, n: int, k: int) -> MatmulConfig:
 
     rows, cols = cluster_tile(config)
     ctas = -(-m // rows) * -(-n // cols)
-    if 2 * ctas > _HOPPER_SMS or k < 16 * config.block_k:
+    if 4 * ctas > _HOPPER_SMS or k < 16 * config.block_k:
         return config
     return dataclasses.replace(config, block_m=64, group_m=8)
 
