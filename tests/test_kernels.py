@@ -450,14 +450,34 @@ def test_autotune_picks_fastest_correct_candidate_and_caches_it(tmp_path, monkey
                        candidates=[small, large], timer=timer)
     assert winners == {(40, 24, 36): large} and timed == [small, large]
     data = json.loads((tmp_path / "matmul_autotune.json").read_text())
-    (key, entry), = data.items()
-    assert "jax" + jax.__version__ in key and key.endswith("m64_n32_k64")
-    assert entry["config"] == large.to_dict()
+    assert sorted(key.rsplit("|", 1)[1] for key in data) == ["40x24x36", "m64_n32_k64"]
+    for key, entry in data.items():
+        assert "jax" + jax.__version__ in key and entry["config"] == large.to_dict()
     autotune_mod._loaded.clear()  # read back from disk, as a new process would
     device_kind = jax.devices()[0].device_kind
     assert autotune_mod.lookup("interpret", device_kind, 33, 17, 60, jnp.bfloat16) == large
     assert matmul_mod.resolve_config("interpret", 33, 17, 60, jnp.bfloat16) == large
     assert autotune_mod.lookup("interpret", device_kind, 33, 17, 60, jnp.float16) is None
+
+
+def test_autotune_cache_keeps_each_tuned_shape_of_a_bucket(tmp_path, monkeypatch):
+    """Two tuned shapes of one bucket keep their own winners; the bucket serves untuned
+    shapes with the last one tuned (the sixteenth session's sweep of 1024^3 and
+    1000x777x513 lost the first winner before exact entries)."""
+    monkeypatch.setenv("JAXOPT_TRAIN_CACHE_DIR", str(tmp_path))
+    autotune_mod._loaded.clear()
+    first, second = (MatmulConfig(block_m=16, block_n=16, block_k=16, num_stages=1),
+                     MatmulConfig(block_m=32, block_n=32, block_k=32, num_stages=1))
+    kind = "NVIDIA H200"
+    autotune_mod.store("mosaic_gpu", kind, 1024, 1024, 1024, jnp.bfloat16, first, 1e-5)
+    autotune_mod.store("mosaic_gpu", kind, 1000, 777, 513, jnp.bfloat16, second, 2e-5)
+    assert len(json.loads((tmp_path / "matmul_autotune.json").read_text())) == 3  # one bucket
+    autotune_mod._loaded.clear()
+    assert autotune_mod.lookup("mosaic_gpu", kind, 1024, 1024, 1024, jnp.bfloat16) == first
+    assert autotune_mod.lookup("mosaic_gpu", kind, 1000, 777, 513, jnp.bfloat16) == second
+    assert autotune_mod.lookup("mosaic_gpu", kind, 900, 1000, 600, jnp.bfloat16) == second  # bucket
+    assert autotune_mod.lookup("mosaic_gpu", kind, 1000, 777, 513, jnp.bfloat16, "a") is None
+    autotune_mod._loaded.clear()
 
 
 def test_autotune_rejects_wrong_candidates(monkeypatch):

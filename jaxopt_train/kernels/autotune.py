@@ -4,7 +4,10 @@ The cache is one JSON file (default `~/.cache/jaxopt_train/matmul_autotune.json`
 directory overridable with `$JAXOPT_TRAIN_CACHE_DIR`) mapping
 "device kind | jax version | backend | dtype | shape bucket [| operand layout]" to a
 config. Shape buckets round each of M, N, K up to a power of two, so one tuning
-run serves the nearby shapes a model produces. A product that reads A^T or B^T as
+run serves the nearby shapes a model produces. Each winner is also kept under its
+exact shape, which a lookup tries first: two tuned shapes of one bucket (1024^3 and
+1000x777x513, say) each keep their own winner, and the bucket holds the last one
+tuned for the shapes nobody tuned. A product that reads A^T or B^T as
 stored (the backward of every dense layer, a tied LM head) is tuned and looked up
 under its own layout: on an H200 the winners of plain A @ B made gpt-1b's step
 slower when applied to its transposed products (BENCHMARKS.md, sixth session).
@@ -57,11 +60,13 @@ def _check_transposed(transposed) -> None:
 
 
 def cache_key(backend: str, device_kind: str, m: int, n: int, k: int, dtype,
-              transposed: str | None = None) -> str:
-    """The cache entry's name; plain products keep the key they had before layouts."""
+              transposed: str | None = None, exact: bool = False) -> str:
+    """The cache entry's name, for the shape's bucket ('m1024_n1024_k1024') or, with
+    `exact`, for the shape itself ('1000x777x513'); plain products keep the key they
+    had before layouts."""
     _check_transposed(transposed)
     parts = [device_kind, f"jax{jax.__version__}", backend, str(jnp.dtype(dtype)),
-             shape_bucket(m, n, k)]
+             f"{m}x{n}x{k}" if exact else shape_bucket(m, n, k)]
     if transposed is not None:
         parts.append(f"{transposed}T")
     return "|".join(parts)
@@ -82,19 +87,24 @@ def _read(path: pathlib.Path) -> dict:
 
 def lookup(backend: str, device_kind: str, m: int, n: int, k: int, dtype,
            transposed: str | None = None) -> MatmulConfig | None:
-    """The cached winner for this problem in this operand layout, or None."""
-    entry = _read(cache_path()).get(cache_key(backend, device_kind, m, n, k, dtype, transposed))
+    """The cached winner for this problem in this operand layout (tuned on this exact
+    shape if it was, else on its bucket), or None."""
+    data = _read(cache_path())
+    entry = (data.get(cache_key(backend, device_kind, m, n, k, dtype, transposed, exact=True))
+             or data.get(cache_key(backend, device_kind, m, n, k, dtype, transposed)))
     return None if entry is None else MatmulConfig.from_dict(entry["config"])
 
 
 def store(backend: str, device_kind: str, m: int, n: int, k: int, dtype, config: MatmulConfig,
           seconds: float, transposed: str | None = None) -> None:
-    """Adds one winner to the cache file (atomic rename; other entries kept)."""
+    """Adds one winner to the cache file, under its exact shape and its bucket (atomic
+    rename; other entries kept, except an earlier winner of the bucket)."""
     path = cache_path()
     data = dict(_read(path))
-    data[cache_key(backend, device_kind, m, n, k, dtype, transposed)] = {
-        "config": config.to_dict(), "seconds": seconds, "shape": [m, n, k],
-        "transposed": transposed}
+    entry = {"config": config.to_dict(), "seconds": seconds, "shape": [m, n, k],
+             "transposed": transposed}
+    for exact in (True, False):
+        data[cache_key(backend, device_kind, m, n, k, dtype, transposed, exact)] = entry
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
