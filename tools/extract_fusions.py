@@ -64,7 +64,10 @@ def main() -> None:
     p.add_argument("--lines", type=int, default=30, help="fused-computation lines per kernel")
     args = p.parse_args()
     with open(args.probe_json) as f:
-        kernels = json.load(f)[0]["profile"]["top_kernels_ms_per_step"]
+        rows = json.load(f)
+    if not rows or "profile" not in rows[0]:
+        raise SystemExit(f"{args.probe_json!r} has no profile: run probe_gpt1b.py with --profile")
+    kernels = rows[0]["profile"]["top_kernels_ms_per_step"]
     path = _step_module(args.dump_dir, [name for name, _ in kernels])
     with open(path) as f:
         text = f.read()
