@@ -206,7 +206,7 @@ def default_config(backend: str, device_kind: str, m: int, n: int, k: int) -> Ma
     return config
 
 
-_HOPPER_SMS = 132  # H100 SXM and H200 (other Hopper parts fall back to their tile and this count)
+_HOPPER_SMS = 132  # H100 SXM and H200; devices that fall back to the Hopper tile use it too
 
 
 def _fill_the_sms(config: MatmulConfig, m: int, n: int, k: int) -> MatmulConfig:

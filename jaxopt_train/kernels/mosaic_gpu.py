@@ -433,8 +433,9 @@ def mosaic_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
     # Each operand as stored: (size, tile) of its major dim, then of its minor dim.
     a_dims = ((k, bk), (m, unit_m)) if transpose_a else ((m, unit_m), (k, bk))
     b_dims = ((n, unit_n), (k, bk)) if transpose_b else ((k, bk), (n, unit_n))
-    size = jnp.dtype(a.dtype).itemsize
-    operands = [_pad_to(x, [_tma_extent(d, t, minor, size) for (d, t), minor in zip(dims, (False, True))])
+    itemsize = jnp.dtype(a.dtype).itemsize
+    operands = [_pad_to(x, [_tma_extent(d, t, minor, itemsize)
+                            for (d, t), minor in zip(dims, (False, True))])
                 for x, dims in ((a, a_dims), (b, b_dims))]
     if bias is not None:
         operands.append(jnp.pad(bias.astype(jnp.float32), (0, np_ - n)))
