@@ -54,6 +54,8 @@ def test_config_column_names_the_layout_knobs():
     (["--quick", "--calls", "0"], "--calls must be >= 1"),
     (["--quick", "--input-sets", "0"], "--input-sets must be >= 1"),
     (["--quick", "--warmup-s", "-1"], "--warmup-s must be >= 0"),
+    (["--quick", "--launches-per-dispatch", "0"], "--launches-per-dispatch must be >= 1"),
+    (["--input-sets", "4", "--launches-per-dispatch", "3"], "3 must divide --input-sets 4"),
     (["--quick", "--shapes", "16x16"], "--shapes='16x16' must be a comma list of MxNxK"),
     (["--quick", "--shapes", "16x0x16"], "positive dims"),
     (["--quick", "--shapes", "16xax16"], "must be a comma list of MxNxK"),
@@ -62,6 +64,29 @@ def test_bad_arguments_are_refused_with_the_expected_values(argv, message, capsy
     with pytest.raises(SystemExit):
         bench.main(argv)
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_launches_per_dispatch_times_several_launches_per_jitted_call(tmp_path, monkeypatch):
+    """K launches on K different input sets share one dispatch; the figure stays per launch."""
+    seen = []
+    real_timer = bench.burst_timer
+
+    def spying_timer(fn, *, calls, repeats, warmup_s):
+        out = fn()
+        seen.append((calls, [tuple(o.shape) for o in out] if isinstance(out, list) else None))
+        return real_timer(fn, calls=calls, repeats=repeats, warmup_s=warmup_s)
+
+    monkeypatch.setattr(bench, "burst_timer", spying_timer)
+    path = tmp_path / "matmul.json"
+    assert bench.main(["--quick", "--shapes", "24x40x8", "--no-fused", "--no-layer", "--backends",
+                       "xla", "--launches-per-dispatch", "2", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["launches_per_dispatch"] == 2
+    # --quick times 2 calls a burst: one dispatch of two launches, two (24, 40) outputs.
+    assert seen == [(1, [(24, 40), (24, 40)])] * 2
+    assert all("error" not in r and r["ms"] > 0 for r in data["plain"])
+    with pytest.raises(ValueError, match="divide the 3 input sets"):
+        bench.time_fn(lambda a: a, [(1,), (2,), (3,)], calls=2, bursts=1, warmup_s=0, per_dispatch=2)
 
 
 def test_shapes_replace_the_plain_tables_shapes(tmp_path):

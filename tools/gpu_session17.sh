@@ -8,7 +8,8 @@
 # device (tools/extract_fusions.py): $OUT/fusions_xla.txt, $OUT/fusions_pallas.txt.
 # Lane B (GPU 1, or GPU 0 after lane A): the issue-5 table with this session's defaults (the
 # small-grid rule and the TMA-edge padding), no cache: bench matmul over the four large shapes
-# and the small / odd ones, Triton beside it.
+# and the small / odd ones, Triton beside it; then the small shapes again with 4 launches per
+# dispatch (bench matmul --launches-per-dispatch, new), so their ratios compare kernels.
 #   bash tools/gpu_session17.sh   # carry [".whl"]; GPUS=0 on one GPU
 set -u
 OUT=${OUT:-/tmp/s17_out}; R=/tmp/s17; mkdir -p "$R" "$OUT"
@@ -34,6 +35,11 @@ lane_b() {  # lane_b GPU
     .whl/*.whl >/dev/null 2>&1 || echo "=== no .whl/: Triton will be skipped" | tee -a "$R/steps.log"
   STEP_TAIL=40 PYTHONPATH=/tmp/site:$PYTHONPATH step mm 240 $PY -m jaxopt_train.bench.matmul \
     --backends mosaic_gpu,triton --warmup-s 4 --no-layer --json "$OUT/mm.json"
+  # Small shapes with 4 launches per dispatch: kernel time, not the host's (sixteenth session:
+  # XLA's 1024^3 measured 56 us and 38 us a call in two calls; its kernel alone is ~10 us).
+  STEP_TAIL=20 step mm_small4 100 $PY -m jaxopt_train.bench.matmul --backends mosaic_gpu \
+    --warmup-s 3 --no-fused --no-layer --launches-per-dispatch 4 --json "$OUT/mm_small4.json" \
+    --shapes 1024x1024x1024,2048x512x2048,1000x777x513,3000x5000x1000,2048x1024x2048,1024x1024x4096,768x768x3072
 }
 if [ "$GPUS" = "0" ]; then
   lane_a; lane_b 0

@@ -53,11 +53,26 @@ def _input_sets(m, n, k, dtype, count, seed=0):
     return jax.block_until_ready(sets)
 
 
-def time_fn(fn, sets, *, calls: int, bursts: int, warmup_s: float) -> float:
+def time_fn(fn, sets, *, calls: int, bursts: int, warmup_s: float, per_dispatch: int = 1) -> float:
     """Median seconds per call over `bursts` bursts of `calls` back-to-back calls,
     rotating over the input `sets`, after `warmup_s` seconds of warm-up (the
-    autotuner's timer, so tuning and benchmark time alike)."""
-    return burst_timer(rotating(fn, sets), calls=calls, repeats=bursts, warmup_s=warmup_s)
+    autotuner's timer, so tuning and benchmark time alike).
+
+    `per_dispatch` > 1 makes each dispatch one jitted call that runs `fn` on that many
+    different input sets (`len(sets)` must be a multiple): the host then dispatches once
+    per that many launches, which takes its overhead out of calls of a few tens of us,
+    where it can be most of what one jitted matmul costs. The result is still per call.
+    """
+    if per_dispatch < 1 or len(sets) % per_dispatch:
+        raise ValueError(f"per_dispatch={per_dispatch} must be >= 1 and divide the "
+                         f"{len(sets)} input sets")
+    if per_dispatch == 1:
+        return burst_timer(rotating(fn, sets), calls=calls, repeats=bursts, warmup_s=warmup_s)
+    groups = [(tuple(sets[i:i + per_dispatch]),) for i in range(0, len(sets), per_dispatch)]
+    grouped = jax.jit(lambda group: [fn(*operands) for operands in group])
+    dispatches = -(-calls // per_dispatch)
+    return burst_timer(rotating(grouped, groups), calls=dispatches, repeats=bursts,
+                       warmup_s=warmup_s) / per_dispatch
 
 
 def _plain_fn(backend):
@@ -152,7 +167,8 @@ def _timed_rows(entries, sets, args, peak, flops: int, rel_error):
         try:
             fn = make(row)
             row["max_rel_error"] = rel_error(fn(*sets[0]))
-            seconds = time_fn(fn, sets, calls=args.calls, bursts=args.bursts, warmup_s=args.warmup_s)
+            seconds = time_fn(fn, sets, calls=args.calls, bursts=args.bursts, warmup_s=args.warmup_s,
+                              per_dispatch=args.launches_per_dispatch)
             row["ms"] = seconds * 1e3
             row["tflops"] = flops / seconds / 1e12
             row["pct_peak"] = None if peak is None else 100 * row["tflops"] * 1e12 / peak
@@ -215,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bursts", type=int, default=5)
     parser.add_argument("--input-sets", type=int, default=4, help="rotating input sets (> L2)")
     parser.add_argument("--warmup-s", type=float, default=1.0)
+    parser.add_argument("--launches-per-dispatch", type=int, default=1, metavar="K",
+                        help="run each backend on K input sets per jitted call (K divides "
+                             "--input-sets), so host dispatch is paid once per K launches: "
+                             "small shapes then show kernel time (default 1: one call each)")
     parser.add_argument("--shapes", metavar="MxNxK,...",
                         help="the A @ B table's shapes (default: the four large shapes, then "
                              "small and odd ones; the geomean needs all four large ones)")
@@ -223,11 +243,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-layer", action="store_true",
                         help="skip the forward + backward table of the bias+gelu layer")
     args = parser.parse_args(argv)
-    for name in ("calls", "bursts", "input_sets"):
+    for name in ("calls", "bursts", "input_sets", "launches_per_dispatch"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if args.warmup_s < 0:
         parser.error(f"--warmup-s must be >= 0; got {args.warmup_s}")
+    if args.quick:
+        args.calls, args.bursts, args.input_sets, args.warmup_s = 2, 2, 2, 0.0
+    if args.input_sets % args.launches_per_dispatch:
+        parser.error(f"--launches-per-dispatch {args.launches_per_dispatch} must divide "
+                     f"--input-sets {args.input_sets} (each launch of a dispatch reads its own set)")
     custom = None if args.shapes is None else parse_shapes(parser, "--shapes", args.shapes)
     known = [b for b in BACKENDS if b != "auto"] + ["xla_dot"]
     if args.backends and (unknown := [b for b in args.backends.split(",") if b not in known]):
@@ -244,13 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     shapes = custom or (QUICK_SHAPES if args.quick else LARGE_SHAPES + SMALL_SHAPES)
     fused_shapes = QUICK_SHAPES[:1] if args.quick else FUSED_SHAPES
     layer_shapes = QUICK_SHAPES[1:] if args.quick else LAYER_SHAPES
-    if args.quick:
-        args.calls, args.bursts, args.input_sets, args.warmup_s = 2, 2, 2, 0.0
     dtype = jnp.dtype(args.dtype)
     peak = _peak(device.device_kind, dtype)
     header = {"device_kind": device.device_kind, "platform": device.platform,
               "jax": jax.__version__, "dtype": args.dtype, "backends": backends,
               "calls": args.calls, "bursts": args.bursts, "input_sets": args.input_sets,
+              "launches_per_dispatch": args.launches_per_dispatch,
               "peak_tflops": None if peak is None else peak / 1e12}
     print(json.dumps(header), file=sys.stderr, flush=True)
     rows = [] if args.no_plain else [
@@ -266,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({**header, "plain": rows, "fused": fused_rows, "layer": layer_rows,
                        "geomean_vs_xla_large": summary}, f, indent=1)
     print(f"device: {device.device_kind}  jax {jax.__version__}  dtype {args.dtype}  "
-          f"(median of {args.bursts} bursts x {args.calls} calls, {args.input_sets} rotating inputs)")
+          f"(median of {args.bursts} bursts x {args.calls} calls, {args.input_sets} rotating inputs, "
+          f"{args.launches_per_dispatch} per dispatch)")
     if rows:
         print(_table(rows, "matmul: C = A @ B"))
     if fused_rows:
