@@ -33,6 +33,9 @@ lane_b() {  # lane_b GPU
   export CUDA_VISIBLE_DEVICES=$1 JAXOPT_TRAIN_CACHE_DIR=$R/nocache
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl >/dev/null 2>&1 || echo "=== no .whl/: Triton will be skipped" | tee -a "$R/steps.log"
+  # The 40 Mosaic GPU fused-epilogue tests did not run on the TMA-edge wrapper (sixteenth session).
+  step k_epilogue 120 $PY -m pytest -q -rfE -m gpu -p no:cacheprovider tests/test_kernels_gpu.py \
+    -k "fused_epilogue and mosaic"
   STEP_TAIL=40 PYTHONPATH=/tmp/site:$PYTHONPATH step mm 240 $PY -m jaxopt_train.bench.matmul \
     --backends mosaic_gpu,triton --warmup-s 4 --no-layer --json "$OUT/mm.json"
   # Small shapes with 4 launches per dispatch: kernel time, not the host's (sixteenth session:
