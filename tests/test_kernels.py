@@ -777,6 +777,40 @@ def test_autotune_cli_sweeps_the_given_candidates(tmp_path, monkeypatch):
         assert cached is not None and cached.block_m == block
 
 
+def test_autotune_times_the_shapes_own_default_first(monkeypatch):
+    """Without given candidates each shape's sweep starts with the config it would get
+    untuned (so a spent budget has timed it, and a winner never measured slower), then the
+    default list without that config again; `--quick` picks the short list."""
+    timed, current = [], [None]
+    real_matmul = matmul_mod.matmul
+
+    def spying_matmul(a, b, *, config, **kw):
+        current[0] = config
+        return real_matmul(a, b, config=config, **kw)
+
+    def timer(fn):
+        fn()
+        timed.append(current[0])
+        return 1.0
+
+    monkeypatch.setattr(matmul_mod, "matmul", spying_matmul)
+    autotune([(16, 16, 16)], backend="interpret", timer=timer, write_cache=False)
+    default = configs.default_config("interpret", jax.devices()[0].device_kind, 16, 16, 16)
+    listed = autotune_mod.default_candidates("interpret")
+    assert timed == [default] + [c for c in listed if c != default]
+    # The winner of a tie is the first timed: the default.
+    assert autotune([(16, 16, 16)], backend="interpret", timer=lambda fn: 1.0,
+                    write_cache=False) == {(16, 16, 16): default}
+    passed = []
+    monkeypatch.setattr(autotune_mod, "autotune", lambda shapes, dtype, **kw: passed.append(kw) or {})
+    assert autotune_mod.main(["--backend", "interpret", "--shapes", "16x16x16", "--quick"]) == 0
+    assert passed[-1]["quick"] is True and passed[-1]["candidates"] is None
+    # Mosaic GPU's lists hold the half-height tile that wins on small grids.
+    halved = MatmulConfig(block_m=64, block_n=128, block_k=64, num_stages=4, group_m=8, chain_tiles=True)
+    assert halved in autotune_mod.default_candidates("mosaic_gpu", quick=True)
+    assert halved in autotune_mod.default_candidates("mosaic_gpu")
+
+
 def test_autotune_refuses_bad_shapes_and_budget():
     with pytest.raises(ValueError, match="positive ints; got \\(16, 0, 16\\)"):
         autotune([(16, 0, 16)], backend="interpret", timer=lambda fn: 1.0, write_cache=False)

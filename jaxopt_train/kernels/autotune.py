@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxopt_train.kernels.configs import BACKENDS, TRANSPOSING_BACKENDS, MatmulConfig
+from jaxopt_train.kernels.configs import BACKENDS, TRANSPOSING_BACKENDS, MatmulConfig, default_config
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +126,9 @@ def default_candidates(backend: str, *, quick: bool = False) -> list[MatmulConfi
                    for g, minor, cluster in ((16, "n", "none"), (8, "n", "none"),
                                              (16, "m", "none"), (16, "n", "m"), (16, "n", "n"))]
         return chained + [
+            # Half-height CTA tiles: the winner on small grids (sixteenth session).
+            MatmulConfig(block_m=64, block_n=128, block_k=64, num_stages=4, group_m=8,
+                         chain_tiles=True),
             MatmulConfig(block_m=64, block_n=256, block_k=64, num_stages=4, group_m=8,
                          chain_tiles=True),
             MatmulConfig(block_m=128, block_n=128, block_k=128, num_stages=2, group_m=16,
@@ -150,7 +153,9 @@ def default_candidates(backend: str, *, quick: bool = False) -> list[MatmulConfi
                  for (bm, bn, bk), s, g, minor, (f, chain) in grid]
         return tiles + [MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=4,
                                      group_m=g, cluster=cluster, chain_tiles=True)
-                        for g, cluster in itertools.product((8, 16), ("m", "n"))]
+                        for g, cluster in itertools.product((8, 16), ("m", "n"))] + [
+            MatmulConfig(block_m=64, block_n=128, block_k=64, num_stages=4, group_m=8,
+                         chain_tiles=True)]
     if backend == "triton":
         grid = itertools.product(((128, 256, 64), (256, 128, 64), (128, 128, 64), (128, 128, 32),
                                   (64, 128, 64)), (3, 4), (4, 8))
@@ -204,7 +209,7 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
              candidates: Sequence[MatmulConfig] | None = None, timer: Timer | None = None,
              write_cache: bool = True, seed: int = 0,
              budget_s: float | None = None, input_sets: int = 4,
-             transposed: str | None = None) -> dict[tuple[int, int, int], MatmulConfig]:
+             transposed: str | None = None, quick: bool = False) -> dict[tuple[int, int, int], MatmulConfig]:
     """Finds the fastest correct config for each (M, N, K) and caches it.
 
     Every candidate first runs on random data and must match `matmul_reference`
@@ -215,7 +220,9 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
         shapes: (M, N, K) triples.
         dtype: input dtype (bfloat16 or float16).
         backend: a kernel backend, or "auto".
-        candidates: configs to sweep; default `default_candidates(backend)`.
+        candidates: configs to sweep; default `default_candidates(backend, quick=quick)`
+            after the shape's own default (`configs.default_config`), which is timed first
+            so that a spent budget has timed it and a winner never measured slower than it.
         timer: `timer(fn) -> seconds per call`; default `burst_timer`.
         write_cache: store winners in the cache file.
         budget_s: per shape: stop trying further candidates once this many
@@ -252,13 +259,19 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
         raise ValueError(f"transposed={transposed!r} is tuned only for {TRANSPOSING_BACKENDS}, "
                          f"which read the operand as stored; {backend=} multiplies a "
                          f"transposed copy, i.e. runs the plain layout: tune that instead")
-    candidates = list(candidates or default_candidates(backend))
+    given = list(candidates) if candidates else None
     timer = timer or burst_timer
     device_kind = jax.devices()[0].device_kind
     winners = {}
     for shape in shapes:
         deadline = None if budget_s is None else time.perf_counter() + budget_s
         m, n, k = (int(x) for x in shape)
+        if given is not None:
+            candidates = given
+        else:
+            default = default_config(backend, device_kind, m, n, k)
+            candidates = [default] + [c for c in default_candidates(backend, quick=quick)
+                                      if c != default]
         shape_a = (k, m) if transposed == "a" else (m, k)  # as stored
         shape_b = (n, k) if transposed == "b" else (k, n)
         keys = jax.random.split(jax.random.key(seed), 2 * input_sets)
@@ -376,14 +389,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.candidates is not None and args.quick:
         parser.error("--candidates replaces the candidate list; --quick picks the short default "
                      "one: give one of them")
-    candidates = (default_candidates(backend, quick=args.quick) if args.candidates is None
-                  else _parse_candidates(parser, args.candidates))
+    candidates = None if args.candidates is None else _parse_candidates(parser, args.candidates)
     if args.transposed is not None and backend not in TRANSPOSING_BACKENDS:
         parser.error(f"--transposed {args.transposed}: only {TRANSPOSING_BACKENDS} read a "
                      f"transposed operand as stored; --backend resolved to {backend!r}")
     try:
         winners = autotune(shapes, jnp.dtype(args.dtype), backend=backend, candidates=candidates,
-                           budget_s=args.budget_s, transposed=args.transposed)
+                           budget_s=args.budget_s, transposed=args.transposed, quick=args.quick)
     except RuntimeError as err:  # no candidate passed the reference check: nothing cached
         print(f"autotune: {err}", file=sys.stderr)
         return 1
