@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxopt_train.kernels.configs import BACKENDS, TRANSPOSING_BACKENDS, MatmulConfig, default_config
+from jaxopt_train.kernels.configs import (BACKENDS, TRANSPOSING_BACKENDS, MatmulConfig,
+                                          default_config)
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +210,8 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
              candidates: Sequence[MatmulConfig] | None = None, timer: Timer | None = None,
              write_cache: bool = True, seed: int = 0,
              budget_s: float | None = None, input_sets: int = 4,
-             transposed: str | None = None, quick: bool = False) -> dict[tuple[int, int, int], MatmulConfig]:
+             transposed: str | None = None,
+             quick: bool = False) -> dict[tuple[int, int, int], MatmulConfig]:
     """Finds the fastest correct config for each (M, N, K) and caches it.
 
     Every candidate first runs on random data and must match `matmul_reference`
