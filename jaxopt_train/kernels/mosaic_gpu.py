@@ -438,7 +438,7 @@ def mosaic_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
                             for (d, t), minor in zip(dims, (False, True))])
                 for x, dims in ((a, a_dims), (b, b_dims))]
     if bias is not None:
-        operands.append(jnp.pad(bias.astype(jnp.float32), (0, np_ - n)))
+        operands.append(_pad_to(bias.astype(jnp.float32), (np_,)))
     m_iters, n_iters, k_iters = mp // unit_m, np_ // unit_n, kp // bk
     if k_iters == 1 and config.wgmma_in_flight:
         # One K step has nothing to overlap; keep the simplest barrier schedule.
