@@ -72,6 +72,7 @@ def main() -> None:
     with open(path) as f:
         text = f.read()
     comps = _computations(text)
+    lines = text.splitlines()
     print(f"# module {os.path.basename(path)} ({len(text) / 1e6:.1f} MB)")
     shown = 0
     for name, ms in kernels:
@@ -79,7 +80,7 @@ def main() -> None:
             break
         if not re.fullmatch(r"[\w.\-]+", name) or name.startswith(("bound_mosaic", "cudnn", "Memset")):
             continue
-        uses = [line.strip() for line in text.splitlines()
+        uses = [line.strip() for line in lines
                 if re.search(rf"%{re.escape(name)} = ", line)]
         print(f"\n## {name}: {ms:.3f} ms per step")
         for use in uses[:2]:

@@ -262,6 +262,7 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
                          f"which read the operand as stored; {backend=} multiplies a "
                          f"transposed copy, i.e. runs the plain layout: tune that instead")
     given = list(candidates) if candidates else None
+    listed = given or default_candidates(backend, quick=quick)
     timer = timer or burst_timer
     device_kind = jax.devices()[0].device_kind
     winners = {}
@@ -272,8 +273,7 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
             candidates = given
         else:
             default = default_config(backend, device_kind, m, n, k)
-            candidates = [default] + [c for c in default_candidates(backend, quick=quick)
-                                      if c != default]
+            candidates = [default] + [c for c in listed if c != default]
         shape_a = (k, m) if transposed == "a" else (m, k)  # as stored
         shape_b = (n, k) if transposed == "b" else (k, n)
         keys = jax.random.split(jax.random.key(seed), 2 * input_sets)
