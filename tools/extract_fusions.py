@@ -30,9 +30,17 @@ def _step_module(dump_dir: str, names: list[str]) -> str:
     def defined(path):
         with open(path) as f:
             text = f.read()
-        return sum(f"%{name} = " in text for name in names), os.path.getsize(path)
+        return (sum(any(f"%{n} = " in text for n in _hlo_names(name)) for name in names),
+                os.path.getsize(path))
 
     return max(files, key=defined)
+
+
+def _hlo_names(name: str) -> list[str]:
+    """A profiled kernel's possible HLO names: the profiler writes HLO's `fusion.16` as
+    `fusion_16` (sixteenth session's extract found only the fusions without a number)."""
+    dotted = re.sub(r"_(\d+)$", r".\1", name)
+    return [name] if dotted == name else [name, dotted]
 
 
 def _short(line: str) -> str:
@@ -80,8 +88,8 @@ def main() -> None:
             break
         if not re.fullmatch(r"[\w.\-]+", name) or name.startswith(("bound_mosaic", "cudnn", "Memset")):
             continue
-        uses = [line.strip() for line in lines
-                if re.search(rf"%{re.escape(name)} = ", line)]
+        pattern = "|".join(re.escape(n) for n in _hlo_names(name))
+        uses = [line.strip() for line in lines if re.search(rf"%(?:{pattern}) = ", line)]
         print(f"\n## {name}: {ms:.3f} ms per step")
         for use in uses[:2]:
             print(_short(use)[:700])
