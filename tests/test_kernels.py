@@ -179,6 +179,60 @@ def test_saved_preactivation_gradients_match_reference(backend, activation, with
         assert counts == {False: 4, True: 3}, counts
 
 
+@pytest.mark.parametrize("transpose_b", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_triton_writes_the_preactivation_from_its_forward_launch(transpose_b, with_bias,
+                                                                monkeypatch):
+    """On triton, `save_preactivation` takes act(Z) and Z from the forward kernel's one
+    launch (its two-output epilogue), also for the tied head's transposed B; the backward
+    then launches dA and dB only. The Triton kernel needs a GPU: here a jnp stand-in with
+    its signature records the launches (the GPU tests run the kernel itself)."""
+    import importlib
+
+    from jaxopt_train.kernels import triton_kernel
+    from jaxopt_train.kernels.epilogue import apply_epilogue
+
+    module = importlib.import_module("jaxopt_train.kernels.matmul")
+    monkeypatch.setattr(module, "resolve_backend", lambda backend: backend)
+    launches = []
+
+    def stand_in(a, b, bias, *, activation, out_dtype, config, transpose_a=False,
+                 transpose_b=False, save_preactivation=False):
+        launches.append((activation, transpose_a, transpose_b, save_preactivation))
+        lhs, rhs = (a.T if transpose_a else a), (b.T if transpose_b else b)
+        z = jnp.dot(lhs, rhs, preferred_element_type=jnp.float32,
+                    precision=lax.Precision.HIGHEST)
+        z = z if bias is None else z + bias.astype(jnp.float32)
+        out = apply_epilogue(z, None, activation).astype(out_dtype)
+        return (out, z.astype(out_dtype)) if save_preactivation else out
+
+    monkeypatch.setattr(triton_kernel, "triton_matmul", stand_in)
+    jax.clear_caches()  # each launch is a jit: a cached trace would not call the stand-in
+    a, b, bias = _operands((2, 19), 33, 21, jnp.bfloat16, seed=5)
+    b = b.T if transpose_b else b
+    bias = bias if with_bias else None
+
+    def ours(a, b, bias):
+        return matmul(a, b, bias=bias, activation="gelu", backend="triton",
+                      transpose_b=transpose_b, save_preactivation=True)
+
+    def ref(a, b, bias):
+        return matmul_reference(a, b.T if transpose_b else b, bias=bias, activation="gelu")
+
+    argnums = (0, 1, 2) if with_bias else (0, 1)
+    got = jax.grad(_loss(ours), argnums=argnums)(a, b, bias)
+    # Forward: one launch writing both; backward: dA and dB, no recomputed Z.
+    assert launches[0] == ("gelu", False, transpose_b, True), launches
+    assert len(launches) == 3 and not any(save for *_, save in launches[1:]), launches
+    want = jax.grad(_loss(ref), argnums=argnums)(a, b, bias)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        _assert_close(g, w, jnp.bfloat16)
+    assert module.writes_preactivation("triton", transpose_b)
+    assert module.writes_preactivation("mosaic_gpu", transpose_b) == (not transpose_b)
+    assert not module.writes_preactivation("interpret")
+
+
 @pytest.mark.parametrize("backend", ["interpret", "xla"])
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 def test_saved_preactivation_gelu_gradient_is_finite_for_large_preactivations(backend, dtype):

@@ -372,13 +372,38 @@ def test_mosaic_kernel_writes_activation_and_preactivation(layout, activation, w
                                      out_dtype=jnp.float32), 1e-2)
 
 
+@pytest.mark.parametrize("transpose_b", [False, True])
+@pytest.mark.parametrize("activation", ["gelu", "relu", "silu"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_triton_kernel_writes_activation_and_preactivation(transpose_b, activation, with_bias):
+    """Triton's two-output epilogue: act(Z) and Z from one launch, both against the
+    reference, on a ragged shape (masked edges) and on whole tiles, B as stored or
+    transposed (the tied head's layout)."""
+    _backend_or_skip("triton")
+    from jaxopt_train.kernels.triton_kernel import triton_matmul
+
+    config = MatmulConfig(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8)
+    for m, k, n in ((1000, 513, 777), (2048, 640, 2048)):
+        a, b, bias = _operands((m, k, n), jnp.bfloat16, seed=m)
+        bias = bias if with_bias else None
+        stored_b = b.T if transpose_b else b
+        out, z = jax.jit(lambda a, b, bias: triton_matmul(
+            a, b, bias, activation=activation, out_dtype=jnp.bfloat16, config=config,
+            transpose_b=transpose_b, save_preactivation=True))(a, stored_b, bias)
+        assert out.shape == z.shape == (m, n) and out.dtype == z.dtype == jnp.bfloat16
+        _close(z, matmul_reference(a, b, bias=bias, out_dtype=jnp.float32), 1e-2)
+        _close(out, matmul_reference(a, b, bias=bias, activation=activation,
+                                     out_dtype=jnp.float32), 1e-2)
+
+
+@pytest.mark.parametrize("backend", ["mosaic_gpu", "triton"])
 @pytest.mark.parametrize("shape", [(300, 200, 136), (2, 1024, 2048, 8192)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_saved_preactivation_gradients_on_gpu(shape):
-    """`matmul(save_preactivation=True)` on mosaic_gpu: the forward kernel's Z feeds the
-    GELU's backward; gradients against the reference, and one kernel launch fewer than
-    the recomputing path."""
-    _backend_or_skip("mosaic_gpu")
+def test_saved_preactivation_gradients_on_gpu(shape, backend):
+    """`matmul(save_preactivation=True)` on mosaic_gpu and triton: the forward kernel's Z
+    feeds the GELU's backward; gradients against the reference, and one kernel launch
+    fewer than the recomputing path."""
+    _backend_or_skip(backend)
     a, b, bias = _operands(shape, jnp.bfloat16, seed=2)
     # A fixed cotangent: with sin(out) the cotangent itself would depend on how each side
     # rounds outputs of magnitude ~45 (K = 2048) to bf16, and dA sums N = 8192 of those differences.
@@ -389,7 +414,7 @@ def test_saved_preactivation_gradients_on_gpu(shape):
 
     def ours(save):
         return loss(lambda a, b, bias: matmul(a, b, bias=bias, activation="gelu",
-                                              backend="mosaic_gpu", save_preactivation=save))
+                                              backend=backend, save_preactivation=save))
 
     ref = loss(lambda a, b, bias: matmul_reference(a, b, bias=bias, activation="gelu"))
     want = jax.jit(jax.grad(ref, argnums=(0, 1, 2)))(a, b, bias)

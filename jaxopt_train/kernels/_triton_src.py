@@ -12,13 +12,19 @@ GELU_SCALE = tl.constexpr(1.5957691216057308)  # 2 * sqrt(2 / pi): gelu_tanh(x) 
 
 
 @triton.jit
-def matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr,
+def matmul_kernel(a_ptr, b_ptr, bias_ptr, z_ptr, c_ptr,
                   M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                  WRITE_Z: tl.constexpr,
                   STRIDE_AM: tl.constexpr, STRIDE_AK: tl.constexpr,
                   STRIDE_BK: tl.constexpr, STRIDE_BN: tl.constexpr):
     """C[M, N] = act(A[M, K] @ B[K, N] + bias[N]); f32 accumulation, C row-major.
+
+    With WRITE_Z the epilogue also stores Z = A @ B + bias, rounded to z_ptr's dtype, next
+    to C (cuBLASLt's GELU_AUX): the activation's backward reads it instead of a second
+    product. z_ptr comes before c_ptr so that one signature serves both calls: without
+    WRITE_Z it is a 1-element input that is never read; with it, the first output.
 
     A and B are read through their element strides, so a transposed operand is
     read as stored: A stored (K, M) has strides (1, M), B stored (N, K) (1, K).
@@ -67,6 +73,9 @@ def matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr,
 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols_in)[None, :]
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    if WRITE_Z:
+        tl.store(z_ptr + rows[:, None] * N + cols[None, :], acc.to(z_ptr.dtype.element_ty), mask=mask)
     if ACTIVATION == 1:
         acc = acc * tl.sigmoid(GELU_SCALE * (acc + 0.044715 * acc * acc * acc))
     elif ACTIVATION == 2:
@@ -75,5 +84,4 @@ def matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr,
         acc = acc * tl.sigmoid(acc)
 
     c_ptrs = c_ptr + rows[:, None] * N + cols[None, :]
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)

@@ -201,7 +201,7 @@ def _xla(a, b, bias, activation, out_dtype):
 
 def _forward_impl(a, b, bias, activation, out_dtype, backend, config, save_preactivation=False):
     """One 2-D kernel launch on already-validated, compute-dtype operands (with
-    `save_preactivation`, Mosaic GPU only: (act(Z), Z) from that one launch)."""
+    `save_preactivation`, Triton or Mosaic GPU: (act(Z), Z) from that one launch)."""
     if backend == "xla":
         return _xla(a, b, bias, activation, out_dtype)
     (m, k), n = a.shape, b.shape[1]
@@ -220,17 +220,23 @@ def _launch(a, b, bias, *, activation, out_dtype, backend, config, transposed=No
             save_preactivation=False):
     """`act(A @ B + bias)` by `backend`'s kernel. A is `a`, B is `b`, except that with
     `transposed` "a" / "b" (Mosaic GPU and Triton) A is `a.T` / B is `b.T`, read as stored.
-    `save_preactivation` (Mosaic GPU, not transposed): returns (act(Z), Z) from one kernel."""
+    `save_preactivation` (Triton, and Mosaic GPU untransposed): returns (act(Z), Z) from
+    one kernel."""
+    flags = dict(transpose_a=transposed == "a", transpose_b=transposed == "b")
     if save_preactivation:
+        if backend == "triton":
+            from jaxopt_train.kernels.triton_kernel import triton_matmul
+
+            return triton_matmul(a, b, bias, activation=activation, out_dtype=out_dtype,
+                                 config=config, save_preactivation=True, **flags)
         if backend != "mosaic_gpu" or transposed is not None:
-            raise ValueError(f"one kernel writes the pre-activation only on mosaic_gpu, "
-                             f"untransposed; got {backend=}, {transposed=}")
+            raise ValueError(f"one kernel writes the pre-activation only on triton and on "
+                             f"mosaic_gpu untransposed; got {backend=}, {transposed=}")
         from jaxopt_train.kernels.mosaic_gpu import mosaic_matmul
 
         return mosaic_matmul(a, b, bias, activation=activation, out_dtype=out_dtype, config=config,
                              save_preactivation=True)
     if transposed is not None:
-        flags = dict(transpose_a=transposed == "a", transpose_b=transposed == "b")
         if backend == "mosaic_gpu":
             from jaxopt_train.kernels.mosaic_gpu import mosaic_matmul
 
@@ -257,13 +263,17 @@ def _launch(a, b, bias, *, activation, out_dtype, backend, config, transposed=No
 
 
 def _product_with_transpose(a, b, transposed: str, out_dtype, backend, config, bias=None,
-                            activation=None):
+                            activation=None, save_preactivation=False):
     """`act(a.T @ b + bias)` (transposed="a") or `act(a @ b.T + bias)` (transposed="b").
 
     The Mosaic GPU kernel reads the transposed operand as stored (TMA tiles viewed
     transposed by wgmma), and so does Triton (through the operand's strides); the
-    other backends multiply a transposed copy.
+    other backends multiply a transposed copy. `save_preactivation` (Triton only):
+    (act(Z), Z) from the one launch.
     """
+    if save_preactivation and backend != "triton":
+        raise ValueError(f"a transposed product writes the pre-activation only on triton; "
+                         f"got {backend=}")
     lhs, rhs = (a.T, b) if transposed == "a" else (a, b.T)
     if backend in TRANSPOSING_BACKENDS:
         (m, k), n = lhs.shape, rhs.shape[1]  # shapes only: XLA drops the unused transposes
@@ -273,24 +283,34 @@ def _product_with_transpose(a, b, transposed: str, out_dtype, backend, config, b
         if backend == "triton" or (cfg.block_k * jnp.dtype(a.dtype).itemsize == 128
                                    and not cfg.warpgroup_lowering):
             return _launch(a, b, bias, activation=activation, out_dtype=jnp.dtype(out_dtype),
-                           backend=backend, config=cfg, transposed=transposed)
+                           backend=backend, config=cfg, transposed=transposed,
+                           save_preactivation=save_preactivation)
     return _forward_impl(lhs, rhs, bias, activation, out_dtype, backend, config)
 
 
-def _forward(a, b, bias, activation, out_dtype, backend, config, transpose_b):
-    """`act(a @ B + bias)` with B = `b`, or `b.T` when `transpose_b` (b is (N, K))."""
+def _forward(a, b, bias, activation, out_dtype, backend, config, transpose_b,
+             save_preactivation=False):
+    """`act(a @ B + bias)` with B = `b`, or `b.T` when `transpose_b` (b is (N, K));
+    with `save_preactivation`, (act(Z), Z) from one launch (see `_launch`)."""
     if transpose_b:
-        return _product_with_transpose(a, b, "b", out_dtype, backend, config, bias, activation)
-    return _forward_impl(a, b, bias, activation, out_dtype, backend, config)
+        return _product_with_transpose(a, b, "b", out_dtype, backend, config, bias, activation,
+                                       save_preactivation)
+    return _forward_impl(a, b, bias, activation, out_dtype, backend, config, save_preactivation)
+
+
+def writes_preactivation(backend: str, transpose_b: bool = False) -> bool:
+    """Whether `backend`'s kernel writes act(Z) and Z in one launch (cuBLASLt's GELU_AUX):
+    Triton always, Mosaic GPU when B is not transposed."""
+    return backend == "triton" or (backend == "mosaic_gpu" and not transpose_b)
 
 
 def _forward_with_preactivation(a, b, bias, activation, out_dtype, backend, config, transpose_b):
     """(act(Z), Z) with Z = a @ B + bias, both in `out_dtype`, the activation applied to the
-    f32 Z: one Mosaic GPU kernel writes both; elsewhere the kernel writes Z in f32 and XLA
-    applies the activation and both casts in one elementwise pass."""
-    if backend == "mosaic_gpu" and not transpose_b:
-        return _forward_impl(a, b, bias, activation, out_dtype, backend, config,
-                             save_preactivation=True)
+    f32 Z: one Triton or Mosaic GPU kernel writes both; elsewhere the kernel writes Z in f32
+    and XLA applies the activation and both casts in one elementwise pass."""
+    if writes_preactivation(backend, transpose_b):
+        return _forward(a, b, bias, activation, out_dtype, backend, config, transpose_b,
+                        save_preactivation=True)
     z = _forward(a, b, bias, None, jnp.float32, backend, config, transpose_b)
     return apply_epilogue(z, None, activation).astype(out_dtype), z.astype(out_dtype)
 
@@ -387,8 +407,9 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
         save_preactivation: under differentiation, keep Z = a @ b + bias (in
             `out_dtype`) for the activation's backward instead of recomputing it with one
             more matmul: M x N more residual memory per call, one matmul less per
-            backward. On mosaic_gpu the forward kernel writes Z next to activation(Z)
-            (cuBLASLt's GELU_AUX); elsewhere the kernel writes Z in f32 and XLA applies
+            backward. On triton, and on mosaic_gpu without `transpose_b`, the forward
+            kernel writes Z next to activation(Z) (cuBLASLt's GELU_AUX); elsewhere the
+            kernel writes Z in f32 and XLA applies
             the activation. Needs an activation. The forward value does not change; the
             activation's derivative is taken at Z rounded to `out_dtype`, in f32.
 
