@@ -358,7 +358,7 @@ def test_gpt_layout_flags_are_for_gpt_models_only(flag):
     (["--model", "gpt-124m", "--fuse-mlp-activation"], True),
     (["--model", "resnet50"], None), (["--model", "resnet50", "--no-fuse-mlp-activation"], False)])
 def test_fuse_mlp_activation_flag_is_three_way(argv, want):
-    """Default None: GPT fuses where the kernel applies the GELU itself (Mosaic GPU)."""
+    """Default None: GPT fuses where the kernel applies the GELU itself (Mosaic GPU, Triton)."""
     assert train._parse(argv).fuse_mlp_activation is want
 
 

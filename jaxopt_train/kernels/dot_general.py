@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxopt_train.kernels.configs import BACKENDS, MatmulConfig, as_config
-from jaxopt_train.kernels.matmul import matmul, resolve_backend
+from jaxopt_train.kernels.matmul import matmul, resolve_backend, writes_preactivation
 
 logger = logging.getLogger(__name__)
 
@@ -93,11 +93,11 @@ def make_dot_general(backend: str = "auto", config: MatmulConfig | dict | None =
                       config=config, save_preactivation=True)
 
     def fuses_in_one_launch() -> bool:
-        """Whether `fused_dense` applies the activation inside the kernel (Mosaic GPU,
-        which writes both activation(Z) and Z). The other backends' `fused_dense` writes Z
-        from the kernel and lets XLA apply the activation: it keeps less for the backward,
-        but its speed was not measured against the plain layer."""
-        return resolved() == "mosaic_gpu"
+        """Whether `fused_dense` applies the activation inside the kernel (Mosaic GPU and
+        Triton, which write both activation(Z) and Z). The other backends' `fused_dense`
+        writes Z from the kernel and lets XLA apply the activation: it keeps less for the
+        backward, but its speed was not measured against the plain layer."""
+        return writes_preactivation(resolved())
 
     dot_general.backend = backend
     dot_general.fused_dense = fused_dense

@@ -102,11 +102,12 @@ class GPTConfig:
         pre-activation for the backward, so no separate pass reads the layer's
         output to apply the GELU. No effect with XLA's dot_general. None (the
         default) fuses where the kernel applies the GELU itself
-        (`dot_general.fuses_in_one_launch()`: Mosaic GPU): on gpt-1b on an H200
-        that needs 2.0 GiB less memory (XLA's own GELU keeps both Z and its
-        tanh for the backward) and the step is as fast or slightly faster
-        (fifteenth session, same process: 90.16 and 89.57 ms against 90.26 ms
-        unfused; BENCHMARKS.md). True also takes the other kernels' path
+        (`dot_general.fuses_in_one_launch()`: Mosaic GPU and Triton): on gpt-1b
+        on an H200 that needs 2.0 GiB less memory (XLA's own GELU keeps both Z
+        and its tanh for the backward) and the step is as fast or slightly
+        faster (same process; Mosaic GPU, fifteenth session: 90.16 and 89.57 ms
+        against 90.26 ms unfused; Triton, seventeenth: 92.86 against 93.08 ms;
+        BENCHMARKS.md). True also takes the other kernels' path
         (Z from the kernel, the GELU by XLA, Z kept: not measured for speed);
         False never fuses.
       tie_embeddings: Use the token embedding as the output head.
