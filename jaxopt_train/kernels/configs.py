@@ -159,8 +159,11 @@ def as_config(config: MatmulConfig | dict | None) -> MatmulConfig | None:
 # to 1.029-1.031x (paired runs, fifth session); they cost ~2x the kernel's compile.
 _HOPPER_MOSAIC = MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=4,
                               group_m=16, grid_minor="n", chain_tiles=True)
-# A common Hopper Triton tile (0.96x XLA at 8192^3 on an H200); not yet swept there.
-_HOPPER_TRITON = MatmulConfig(block_m=128, block_n=256, block_k=64, num_stages=3,
+# Swept on an H200 (seventeenth session, autotune's 16 Triton candidates, BENCHMARKS.md):
+# 128 x 256 x 64 with 8 warps leads every large shape; a fourth pipeline stage (192 KiB of
+# shared memory) beat three at 8192^3 (1657 against 1699 us), 16384x8192x2048 (898 / 908)
+# and 16384x2048x8192 (814 / 860), and lost at 4096^3 (225 / 219).
+_HOPPER_TRITON = MatmulConfig(block_m=128, block_n=256, block_k=64, num_stages=4,
                               num_warps=8, group_m=8)
 _SMALL_TRITON = MatmulConfig(block_m=64, block_n=64, block_k=32, num_stages=3,
                              num_warps=4, group_m=8)
