@@ -107,8 +107,9 @@ def _parser() -> argparse.ArgumentParser:
                    "(--compare-matmul pallas|triton): the MLP's fc + bias + GELU as one kernel "
                    "launch that also writes the pre-activation for the backward. Default: where "
                    "the kernel applies the GELU itself (Mosaic GPU and Triton; on gpt-1b on an "
-                   "H200 2.0 GiB less memory and an equal or slightly faster step); --fuse-mlp-activation "
-                   "also on the other kernels, --no-fuse-mlp-activation nowhere")
+                   "H200 2.0 GiB less memory and an equal or slightly faster step); "
+                   "--fuse-mlp-activation also on the other kernels, --no-fuse-mlp-activation "
+                   "nowhere")
     p.add_argument("--xla-preset", choices=sorted(PRESETS), default="gpu-throughput")
     p.add_argument("--xla-extra", default=None, help="more XLA flags, '--name=value ...'")
     p.add_argument("--devices", type=int, help="use the first N devices (default: all)")

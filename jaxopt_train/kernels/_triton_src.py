@@ -75,7 +75,8 @@ def matmul_kernel(a_ptr, b_ptr, bias_ptr, z_ptr, c_ptr,
         acc += tl.load(bias_ptr + cols_in)[None, :]
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     if WRITE_Z:
-        tl.store(z_ptr + rows[:, None] * N + cols[None, :], acc.to(z_ptr.dtype.element_ty), mask=mask)
+        tl.store(z_ptr + rows[:, None] * N + cols[None, :], acc.to(z_ptr.dtype.element_ty),
+                 mask=mask)
     if ACTIVATION == 1:
         acc = acc * tl.sigmoid(GELU_SCALE * (acc + 0.044715 * acc * acc * acc))
     elif ACTIVATION == 2:
