@@ -42,3 +42,8 @@ finish() {  # finish ARCHIVE [TAIL [TAR_OPTION...]]: total time; $OUT/summary.tx
   local f; for f in "$R"/*.log; do echo "----- $f"; tail -n "$tail_n" "$f"; done > "$OUT/summary.txt"
   tar czf "$OUT/$archive.tar.gz" "$@" -C "$(dirname "$R")" "$(basename "$R")"
 }
+install_whl() {  # install_whl: the carried .whl/ wheels (jax-triton) into /tmp/site, which the
+                 # caller puts on PYTHONPATH; without .whl/ a line in steps.log says Triton will skip
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl >/dev/null 2>&1 || echo "=== no .whl/: Triton will be skipped" | tee -a "$R/steps.log"
+}

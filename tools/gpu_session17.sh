@@ -33,8 +33,7 @@ lane_a() {
 }
 lane_b() {  # lane_b GPU
   export CUDA_VISIBLE_DEVICES=$1 JAXOPT_TRAIN_CACHE_DIR=$R/nocache
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl >/dev/null 2>&1 || echo "=== no .whl/: Triton will be skipped" | tee -a "$R/steps.log"
+  install_whl
   # The 40 Mosaic GPU fused-epilogue tests did not run on the TMA-edge wrapper (sixteenth session).
   has "$B_PARTS" epi && step k_epilogue 120 $PY -m pytest -q -rfE -m gpu -p no:cacheprovider tests/test_kernels_gpu.py \
     -k "fused_epilogue and mosaic"

@@ -10,8 +10,7 @@ set -u
 OUT=${OUT:-/tmp/s17c_out}; R=/tmp/s17c; mkdir -p "$R" "$OUT"
 export DEADLINE=${DEADLINE:-520}
 source "$(dirname "$0")/gpu_common.sh"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/*.whl >/dev/null 2>&1 || echo "=== no .whl/: Triton will be skipped" | tee -a "$R/steps.log"
+install_whl
 export PYTHONPATH=/tmp/site:$PYTHONPATH
 STEP_TAIL=15 step k_keptz 200 $PY -m pytest -q -rfE -m gpu -p no:cacheprovider tests/test_kernels_gpu.py \
   -k "(preactivation and not mosaic_kernel) or (triton and fused_epilogue)"

@@ -9,8 +9,7 @@ set -u
 OUT=${OUT:-/tmp/s17d_out}; R=/tmp/s17d; mkdir -p "$R" "$OUT"
 export DEADLINE=${DEADLINE:-330}
 source "$(dirname "$0")/gpu_common.sh"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/*.whl >/dev/null 2>&1 || echo "=== no .whl/: Triton will be skipped" | tee -a "$R/steps.log"
+install_whl
 export PYTHONPATH=/tmp/site:$PYTHONPATH JAXOPT_TRAIN_CACHE_DIR=$R/cache
 LARGE=8192x8192x8192,4096x4096x4096,16384x8192x2048,16384x2048x8192
 STEP_TAIL=80 step tune 200 $PY -m jaxopt_train.kernels.autotune --backend triton --shapes $LARGE --budget-s 40
