@@ -179,6 +179,37 @@ def test_saved_preactivation_gradients_match_reference(backend, activation, with
         assert counts == {False: 4, True: 3}, counts
 
 
+@pytest.mark.parametrize("transpose_a", [False, True])
+@pytest.mark.parametrize("transpose_b", [False, True])
+@pytest.mark.parametrize("m, n, k", [(100, 137, 73), (9, 13, 5), (64, 48, 40)])
+def test_triton_operands_get_16_byte_rows_and_the_strides_that_address_them(m, n, k, transpose_a,
+                                                                          transpose_b):
+    """The Triton wrapper pads each operand's minor dim to a multiple of 8 elements (so the
+    kernel can pipeline its loads) and passes the strides of the padded arrays: reading A
+    and B through those strides, as the kernel does for rows < M, cols < N and k < K, gives
+    the operands back, with zeros in the padded part of K. Aligned operands are not copied."""
+    from jaxopt_train.kernels.triton_kernel import aligned_operands
+
+    rng = np.random.default_rng(m + n + k)
+    a_mat = rng.standard_normal((m, k)).astype(np.float16)
+    b_mat = rng.standard_normal((k, n)).astype(np.float16)
+    a = jnp.asarray(a_mat.T if transpose_a else a_mat)
+    b = jnp.asarray(b_mat.T if transpose_b else b_mat)
+    a_pad, b_pad, k_pad, (s_am, s_ak, s_bk, s_bn) = aligned_operands(a, b, transpose_a, transpose_b)
+    assert a_pad.shape[1] % 8 == 0 and b_pad.shape[1] % 8 == 0, (a_pad.shape, b_pad.shape)
+    assert k <= k_pad < k + 8
+    if (m, n, k) == (64, 48, 40):
+        assert a_pad is a and b_pad is b and k_pad == k
+    rows, cols, depth = np.arange(m), np.arange(n), np.arange(k_pad)
+    read_a = np.asarray(a_pad).ravel()[rows[:, None] * s_am + depth[None, :] * s_ak]
+    read_b = np.asarray(b_pad).ravel()[depth[:, None] * s_bk + cols[None, :] * s_bn]
+    np.testing.assert_array_equal(read_a[:, :k], a_mat)
+    np.testing.assert_array_equal(read_b[:k], b_mat)
+    assert not read_a[:, k:].any() and not read_b[k:].any()
+    as_given = aligned_operands(a, b, transpose_a, transpose_b, multiple=1)
+    assert as_given[0] is a and as_given[1] is b and as_given[2] == k
+
+
 @pytest.mark.parametrize("transpose_b", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_triton_writes_the_preactivation_from_its_forward_launch(transpose_b, with_bias,

@@ -44,16 +44,27 @@ def matmul_kernel(a_ptr, b_ptr, bias_ptr, z_ptr, c_ptr,
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Out-of-range rows/cols wrap around to valid memory (results discarded by
-    # the masked store), which keeps the main loop free of M/N masks. The
-    # contiguity hints hold only when no tile wraps.
+    # the masked store), which keeps the main loop free of M/N masks. Along an
+    # operand's minor dim (M of A stored (K, M), N of B stored (K, N)) they wrap at
+    # the stored row's width, which the wrapper pads to a multiple of 8 elements, not
+    # at M or N: a wrap at an odd size would leave Triton no 16-byte vectors to prove,
+    # and it would load that operand element by element, unpipelined (sm_90 IR).
+    # The contiguity hints hold only when no tile wraps.
     if M % BLOCK_M == 0:
         rows_in = tl.max_contiguous(tl.multiple_of(rows, BLOCK_M), BLOCK_M)
+    elif STRIDE_AM == 1:
+        rows_in = rows % STRIDE_AK
     else:
         rows_in = rows % M
     if N % BLOCK_N == 0:
         cols_in = tl.max_contiguous(tl.multiple_of(cols, BLOCK_N), BLOCK_N)
+        bias_cols = cols_in
+    elif STRIDE_BN == 1:
+        cols_in = cols % STRIDE_BK
+        bias_cols = cols % N  # the bias has N entries, not the padded width
     else:
         cols_in = cols % N
+        bias_cols = cols_in
     depth = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows_in[:, None] * STRIDE_AM + depth[None, :] * STRIDE_AK
     b_ptrs = b_ptr + depth[:, None] * STRIDE_BK + cols_in[None, :] * STRIDE_BN
@@ -72,7 +83,7 @@ def matmul_kernel(a_ptr, b_ptr, bias_ptr, z_ptr, c_ptr,
         b_ptrs += BLOCK_K * STRIDE_BK
 
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols_in)[None, :]
+        acc += tl.load(bias_ptr + bias_cols)[None, :]
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     if WRITE_Z:
         tl.store(z_ptr + rows[:, None] * N + cols[None, :], acc.to(z_ptr.dtype.element_ty),
