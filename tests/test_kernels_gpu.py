@@ -258,25 +258,28 @@ def test_tied_head_gradient_needs_no_padding():
     _close(dtable, matmul_reference(g.T, x, out_dtype=jnp.float32), 2e-2)
 
 
-@pytest.mark.parametrize("transposed", ["a", "b"])
+@pytest.mark.parametrize("align", [True, False])
+@pytest.mark.parametrize("transposed", ["a", "b", None])
 @pytest.mark.parametrize("shape", [(256, 256, 128), (127, 129, 65), (1000, 777, 513)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_triton_transposed_operands_read_as_stored(transposed, shape):
-    """A.T @ B and A @ B.T through the operands' strides (masked, odd shapes included)."""
+def test_triton_transposed_operands_read_as_stored(transposed, shape, align):
+    """A.T @ B, A @ B.T and A @ B through the operands' strides (masked, odd shapes
+    included), with the wrapper's 16-byte row padding and without it (`align=False`)."""
     _backend_or_skip("triton")
     from jaxopt_train.kernels.triton_kernel import triton_matmul
 
     m, k, n = shape
     config = MatmulConfig(block_m=64, block_n=64, block_k=32, num_stages=3, num_warps=4)
     ka, kb = jax.random.split(jax.random.key(9))
-    a_shape, b_shape = ((k, m), (k, n)) if transposed == "a" else ((m, k), (n, k))
+    a_shape = (k, m) if transposed == "a" else (m, k)
+    b_shape = (n, k) if transposed == "b" else (k, n)
     a = jax.random.normal(ka, a_shape, jnp.float32).astype(jnp.bfloat16)
     b = jax.random.normal(kb, b_shape, jnp.float32).astype(jnp.bfloat16)
-    want = matmul_reference(a.T, b, out_dtype=jnp.float32) if transposed == "a" else \
-        matmul_reference(a, b.T, out_dtype=jnp.float32)
+    want = matmul_reference(a.T if transposed == "a" else a, b.T if transposed == "b" else b,
+                            out_dtype=jnp.float32)
     got = jax.jit(lambda a, b: triton_matmul(a, b, None, activation=None, out_dtype=jnp.float32, config=config,
                                              transpose_a=transposed == "a",
-                                             transpose_b=transposed == "b"))(a, b)
+                                             transpose_b=transposed == "b", align=align))(a, b)
     assert got.shape == (m, n)
     _close(got, want, 1e-4)
 
