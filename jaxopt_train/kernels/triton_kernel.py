@@ -28,8 +28,9 @@ _ALIGN = 8
 def aligned_operands(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool,
                      multiple: int = _ALIGN):
     """(a, b, k, strides): the operands with each minor dim zero-padded to a multiple of
-    `multiple` elements (1: as given), the contraction length the kernel loops over, and the element strides
-    (STRIDE_AM, STRIDE_AK, STRIDE_BK, STRIDE_BN) of A = a or a.T and B = b or b.T as stored.
+    `multiple` elements (1: as given), the contraction length the kernel loops over, and
+    the element strides (STRIDE_AM, STRIDE_AK, STRIDE_BK, STRIDE_BN) of A = a or a.T and
+    B = b or b.T as stored.
 
     An M or N pad only widens the stored rows: the kernel still masks at the true M and N,
     so the output keeps its shape and is not sliced. A K pad pads both operands' K (zeros
