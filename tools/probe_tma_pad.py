@@ -13,13 +13,11 @@ against XLA's f32 product first.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
-import jax
 import jax.numpy as jnp
+from _ab_timing import time_checked, write_rows
 
-from jaxopt_train.bench.matmul import _input_sets, time_fn
+from jaxopt_train.bench.matmul import _input_sets
 from jaxopt_train.kernels.autotune import parse_shapes
 from jaxopt_train.kernels.matmul import _round_up, resolve_config
 from jaxopt_train.kernels.mosaic_gpu import cluster_tile, mosaic_matmul
@@ -50,23 +48,14 @@ def main() -> None:
         sets = _input_sets(m, n, k, jnp.bfloat16, 4)
         a, b, _ = sets[0]
         ref = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))
-        row = {"shape": [m, n, k]}
-        for name, fn in fns.items():
-            fn = jax.jit(fn)
-            err = float(jnp.max(jnp.abs(fn(*sets[0]).astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
-            if err > 1e-2:
-                raise SystemExit(f"{name} {m}x{n}x{k}: relative error {err:.1e}")
-            row[name] = 1e6 * time_fn(fn, sets, calls=20, bursts=5, warmup_s=2)
+        row = {"shape": [m, n, k], **time_checked(fns, sets, ref, f"{m}x{n}x{k}")}
         row["tma_vs_whole"] = row["whole_tiles"] / row["tma_edges"]
         row["tma_vs_xla"] = row["xla_dot"] / row["tma_edges"]
         print(f"{m}x{n}x{k}: xla {row['xla_dot']:.1f} us, tma_edges {row['tma_edges']:.1f} us, "
               f"whole_tiles {row['whole_tiles']:.1f} us: {row['tma_vs_whole']:.3f}x faster, "
               f"{row['tma_vs_xla']:.3f}x XLA", flush=True)
         rows.append(row)
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "tma_pad.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+    write_rows("tma_pad.json", rows)
 
 
 if __name__ == "__main__":

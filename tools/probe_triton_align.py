@@ -14,13 +14,11 @@ rotating random inputs; every result is checked against XLA's f32 product first.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
-import jax
 import jax.numpy as jnp
+from _ab_timing import time_checked, write_rows
 
-from jaxopt_train.bench.matmul import _input_sets, time_fn
+from jaxopt_train.bench.matmul import _input_sets
 from jaxopt_train.kernels.autotune import parse_shapes
 from jaxopt_train.kernels.matmul import resolve_config
 from jaxopt_train.kernels.triton_kernel import triton_matmul
@@ -56,23 +54,16 @@ def main() -> None:
         sets = [(a.T if transpose_a else a, b.T if transpose_b else b, bias)
                 for a, b, bias in _input_sets(m, n, k, jnp.bfloat16, 4)]
         ref = xla_dot(sets[0][0].astype(jnp.float32), sets[0][1].astype(jnp.float32), None)
-        row = {"shape": [m, n, k], "layout": layout}
-        for name, fn in {"xla_dot": xla_dot, "aligned": kernel(True), "as_given": kernel(False)}.items():
-            fn = jax.jit(fn)
-            err = float(jnp.max(jnp.abs(fn(*sets[0]).astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
-            if err > 1e-2:
-                raise SystemExit(f"{name} {m}x{n}x{k} {layout}: relative error {err:.1e}")
-            row[name] = 1e6 * time_fn(fn, sets, calls=20, bursts=5, warmup_s=2)
+        fns = {"xla_dot": xla_dot, "aligned": kernel(True), "as_given": kernel(False)}
+        row = {"shape": [m, n, k], "layout": layout,
+               **time_checked(fns, sets, ref, f"{m}x{n}x{k} {layout}")}
         row["aligned_vs_as_given"] = row["as_given"] / row["aligned"]
         row["aligned_vs_xla"] = row["xla_dot"] / row["aligned"]
         print(f"{m}x{n}x{k} {layout}: xla {row['xla_dot']:.1f} us, aligned {row['aligned']:.1f} us, "
               f"as given {row['as_given']:.1f} us: {row['aligned_vs_as_given']:.3f}x faster, "
               f"{row['aligned_vs_xla']:.3f}x XLA", flush=True)
         rows.append(row)
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "triton_align.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+    write_rows("triton_align.json", rows)
 
 
 if __name__ == "__main__":
