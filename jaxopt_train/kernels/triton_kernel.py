@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxopt_train.kernels.configs import MatmulConfig
+from jaxopt_train.kernels.matmul import _pad_to, _round_up
 
 _ACTIVATION_CODES = {None: 0, "gelu": 1, "relu": 2, "silu": 3}
 # Triton pipelines a tile load (cp.async into shared memory, num_stages deep) only when it
@@ -36,22 +37,12 @@ def aligned_operands(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b:
     so the output keeps its shape and is not sliced. A K pad pads both operands' K (zeros
     add nothing to the product). Aligned operands come back as they are: no copy.
     """
-    def pad(x, axis):
-        extra = -x.shape[axis] % multiple
-        if not extra:
-            return x
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, extra)
-        return jnp.pad(x, widths)
-
-    if not transpose_a or transpose_b:  # K is the minor dim of an operand
-        a = pad(a, 0 if transpose_a else 1)
-        b = pad(b, 1 if transpose_b else 0)
-    if transpose_a:  # a stored (K, M): M minor
-        a = pad(a, 1)
-    if not transpose_b:  # b stored (K, N): N minor
-        b = pad(b, 1)
-    k = a.shape[0] if transpose_a else a.shape[1]
+    m, k = a.shape[::-1] if transpose_a else a.shape
+    n = b.shape[0] if transpose_b else b.shape[1]
+    if not transpose_a or transpose_b:  # K is the minor dim of an operand: pad it in both
+        k = _round_up(k, multiple)
+    a = _pad_to(a, (k, _round_up(m, multiple)) if transpose_a else (m, k))
+    b = _pad_to(b, (n, k) if transpose_b else (k, _round_up(n, multiple)))
     strides = ((1, a.shape[1]) if transpose_a else (a.shape[1], 1)) + (
         (1, b.shape[1]) if transpose_b else (b.shape[1], 1))
     return a, b, k, strides
