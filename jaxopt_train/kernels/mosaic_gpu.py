@@ -260,11 +260,11 @@ def _matmul_kernel(a_gmem, b_gmem, bias_gmem, out_gmem, aux_gmem, out_smem, bias
             def mma_body(_, a_smem, b_smem, acc_ref):
                 # Slice this warpgroup's part as stored, then view it transposed.
                 if transpose_a:
-                    a_op = _transposed(plgpu, a_smem.at[:, wg_rows] if split_m else a_smem)
+                    a_op = _transposed(a_smem.at[:, wg_rows] if split_m else a_smem)
                 else:
                     a_op = a_smem.at[wg_rows] if split_m else a_smem
                 if transpose_b:
-                    b_op = _transposed(plgpu, b_smem if split_m else b_smem.at[wg_cols])
+                    b_op = _transposed(b_smem if split_m else b_smem.at[wg_cols])
                 else:
                     b_op = b_smem if split_m else b_smem.at[:, wg_cols]
                 plgpu.wgmma(acc_ref, a_op, b_op)
@@ -317,14 +317,12 @@ def _chained_tiles(run_tile, num_tiles: int, grid_size: int):
         run_tile(tile(count - 1), pipeline.STOP)
 
 
-def _transposed(plgpu, ref):
+def _transposed(ref):
     """A (1, 0)-transposed view of an SMEM ref, for wgmma.
 
-    `plgpu.transpose_ref` is what was validated on the H200 (jax 0.11.2, where it is
-    deprecated in favour of `ref.transpose`); the method is used once it is gone.
+    `ref.transpose(perm)` is the body of `plgpu.transpose_ref` in jax 0.10 and its stated
+    replacement in 0.11, where merely looking the old name up raises a DeprecationWarning.
     """
-    if hasattr(plgpu, "transpose_ref"):
-        return plgpu.transpose_ref(ref, (1, 0))
     return ref.transpose((1, 0))
 
 

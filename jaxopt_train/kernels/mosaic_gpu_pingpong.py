@@ -128,8 +128,8 @@ def kernel(a_gmem, b_gmem, bias_gmem, out_gmem, a_smem, b_smem, full, empty, out
                 def step(k, acc):
                     slot = ring_slot(j, k)
                     plgpu.barrier_wait(full.at[consumer * stages + slot])
-                    a_op = _transposed(plgpu, a_smem.at[slot]) if transpose_a else a_smem.at[slot]
-                    b_op = _transposed(plgpu, b_smem.at[slot]) if transpose_b else b_smem.at[slot]
+                    a_op = _transposed(a_smem.at[slot]) if transpose_a else a_smem.at[slot]
+                    b_op = _transposed(b_smem.at[slot]) if transpose_b else b_smem.at[slot]
                     plgpu.wgmma(acc, a_op, b_op)
                     plgpu.wgmma_wait(in_flight)  # the step `in_flight` back has finished
                     if in_flight:

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Every GPU-marked test except the Triton kernel tests (those ran in call 1 of the eighteenth
+# session: 52 passed), on ONE GPU (~8 min on nvidia-h200): tools/gpu_all_tests.sh needs two.
+# The kernel tests are correctness checks, not timings, so three pytest processes share GPU 0
+# (allocator not preallocated) to spread compilation over the host's cores:
+#   main tests split in two by node id, the option sweeps, then the other modules' GPU tests.
+#   bash tools/gpu_session18b.sh   # carry [".whl"] so jax-triton imports where a test wants it
+set -u
+OUT=${OUT:-/tmp/s18b_out}; R=/tmp/s18b; mkdir -p "$R" "$OUT"
+export DEADLINE=${DEADLINE:-560}
+source "$(dirname "$0")/gpu_common.sh"
+install_whl
+export PYTHONPATH=/tmp/site:$PYTHONPATH CUDA_VISIBLE_DEVICES=0
+T="$PY -m pytest -q -rfE -m gpu -p no:cacheprovider"
+$T --collect-only tests/test_kernels_gpu.py -k "not triton and not options" 2>/dev/null \
+  | grep '::' > "$R/main_ids.txt"
+awk 'NR % 2 == 1' "$R/main_ids.txt" > "$R/main_a.txt"
+awk 'NR % 2 == 0' "$R/main_ids.txt" > "$R/main_b.txt"
+echo "main tests: $(wc -l < "$R/main_ids.txt")" | tee -a "$R/steps.log"
+STEP_TAIL=4 step k_main_a 500 $T $(cat "$R/main_a.txt") &
+STEP_TAIL=4 step k_main_b 500 $T $(cat "$R/main_b.txt") &
+STEP_TAIL=4 step k_options 500 $T tests/test_kernels_gpu.py -k "options and not triton" &
+wait
+STEP_TAIL=6 step others 90 $T tests --ignore=tests/test_kernels_gpu.py
+finish s18b 12
