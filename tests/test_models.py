@@ -253,7 +253,7 @@ def test_mlp_fuses_its_gelu_into_a_kernel_dot_general(scan_layers=True, use_bias
         return jnp.mean(model(tokens).astype(jnp.float32) ** 2)
 
     results = {}
-    # The bf16 GPT's XLA-attention backward needs standard promotion (the TODO in
+    # The bf16 GPT's XLA-attention backward compiles only under standard promotion (see
     # tests/test_train.py's pallas test); both models run under it.
     with jax.numpy_dtype_promotion("standard"):
         for name, cfg in (("fused", fused_cfg), ("plain", plain_cfg)):

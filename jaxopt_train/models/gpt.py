@@ -311,7 +311,10 @@ class CausalSelfAttention(nnx.Module):
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         implementation = _attention_implementation(cfg.attention)
         # jax's XLA attention promotes bf16 against a float32 constant, which
-        # strict dtype promotion (our tests, careful users) rejects.
+        # strict dtype promotion (our tests, careful users) rejects. Its backward, a
+        # dot of an f32 cotangent with bf16, is checked when the step is lowered, which
+        # no block here can cover: compile a bf16 model with XLA attention under
+        # "standard" too (tests/test_train.py).
         with jax.numpy_dtype_promotion("standard"):
             y = jax.nn.dot_product_attention(
                 q, k, v, is_causal=True, implementation=implementation
