@@ -409,8 +409,9 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
             more matmul: M x N more residual memory per call, one matmul less per
             backward. On triton, and on mosaic_gpu without `transpose_b`, the forward
             kernel writes Z next to activation(Z) (cuBLASLt's GELU_AUX); elsewhere the
-            kernel writes Z in f32 and XLA applies the activation. Needs an activation. The forward value does not change; the
-            activation's derivative is taken at Z rounded to `out_dtype`, in f32.
+            kernel writes Z in f32 and XLA applies the activation. Needs an activation.
+            The forward value does not change; the activation's derivative is taken at Z
+            rounded to `out_dtype`, in f32.
 
     Returns:
         (..., M, N) array of `out_dtype`.
