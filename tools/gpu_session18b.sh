@@ -5,6 +5,8 @@
 # (allocator not preallocated) to spread compilation over the host's cores:
 #   main tests split in two by node id, the option sweeps, then the other modules' GPU tests.
 #   bash tools/gpu_session18b.sh   # carry [".whl"] so jax-triton imports where a test wants it
+# TRITON=1 adds the Triton kernel tests as a fourth process (~170 s; nineteenth session).
+# First it prints XLA_FLAGS as tests/conftest.py leaves them: no CPU -O0 flag on a GPU machine.
 set -u
 OUT=${OUT:-/tmp/s18b_out}; R=/tmp/s18b; mkdir -p "$R" "$OUT"
 export DEADLINE=${DEADLINE:-560}
@@ -17,6 +19,9 @@ $T --collect-only tests/test_kernels_gpu.py -k "not triton and not options" 2>/d
 awk 'NR % 2 == 1' "$R/main_ids.txt" > "$R/main_a.txt"
 awk 'NR % 2 == 0' "$R/main_ids.txt" > "$R/main_b.txt"
 echo "main tests: $(wc -l < "$R/main_ids.txt")" | tee -a "$R/steps.log"
+$PY -c "import os, runpy; runpy.run_path('tests/conftest.py'); print('conftest XLA_FLAGS:', repr(os.environ.get('XLA_FLAGS')))" \
+  2>&1 | tail -1 | tee -a "$R/steps.log"
+if [ "${TRITON:-0}" = 1 ]; then STEP_TAIL=4 step k_triton 500 $T tests/test_kernels_gpu.py -k triton & fi
 STEP_TAIL=4 step k_main_a 500 $T $(cat "$R/main_a.txt") &
 STEP_TAIL=4 step k_main_b 500 $T $(cat "$R/main_b.txt") &
 STEP_TAIL=4 step k_options 500 $T tests/test_kernels_gpu.py -k "options and not triton" &
