@@ -318,6 +318,10 @@ def test_bad_flags_exit(argv):
     (["--compare-dispatch", "4,0"], "every k must be >= 1"),
     (["--peak-tflops", "-1"], "--peak-tflops=-1.0 must be > 0"),
     (["--dataset-tokens", "0"], "--dataset-tokens=0.0 must be > 0"),
+    (["--global-batch", "3", "--microbatches", "2"],
+     "global_batch=3 is not divisible by num_microbatches=2"),
+    (["--global-batch", "4", "--microbatches", "2"],  # 2 per micro-batch over 8 devices
+     "micro-batch size 2 (global_batch=4 / num_microbatches=2) is not divisible by num_devices=8"),
     (["--gpu-hour-usd", "-1"], "--gpu-hour-usd=-1.0 must be >= 0"),
 ])
 def test_bad_values_exit_with_the_reason(argv, message):

@@ -400,6 +400,13 @@ def run_bench(args, xla_report) -> dict:
         # (e.g. --quick on 8 emulated devices); an explicit one is validated as given.
         unit = len(devices) * args.microbatches
         args.global_batch = -(-args.global_batch // unit) * unit
+    from jaxopt_train.accumulation import check_divisible  # noqa: PLC0415
+
+    try:  # refused here, before anything compiles, rather than from inside the first row
+        check_divisible(args.global_batch, args.microbatches, len(devices))
+    except ValueError as err:
+        raise SystemExit(f"--global-batch {args.global_batch} / --microbatches "
+                         f"{args.microbatches} on {len(devices)} device(s): {err}") from None
     workload = train_steps.Workload(args.model, args.global_batch, args.microbatches,
                                     seq_len=args.seq_len if args.model.startswith("gpt") else None,
                                     n_layers=args.layers if args.model.startswith("gpt") else None,
