@@ -5,7 +5,7 @@
 # (allocator not preallocated) to spread compilation over the host's cores:
 #   main tests split in two by node id, the option sweeps, then the other modules' GPU tests.
 #   bash tools/gpu_session18b.sh   # carry [".whl"] so jax-triton imports where a test wants it
-# TRITON=1 adds the Triton kernel tests as a fourth process (~170 s; nineteenth session).
+# TRITON=1 adds the Triton kernel tests as a fourth process (~190 s; nineteenth session).
 # First it prints XLA_FLAGS as tests/conftest.py leaves them: no CPU -O0 flag on a GPU machine.
 set -u
 OUT=${OUT:-/tmp/s18b_out}; R=/tmp/s18b; mkdir -p "$R" "$OUT"
