@@ -8,13 +8,7 @@ import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-
-def _cuda_plugin_installed() -> bool:
-    from importlib.metadata import distributions
-
-    return any((dist.metadata["Name"] or "").startswith(("jax-cuda", "jax_cuda"))
-               for dist in distributions())
-
+from jaxopt_train.runtime.doctor import _jax_cuda_plugins  # noqa: E402 (starts no backend)
 
 # The suite's programs are tiny, so its CPU time is mostly XLA compiling them, and
 # most of that is LLVM optimising code that then runs for milliseconds. LLVM at -O0
@@ -24,7 +18,7 @@ def _cuda_plugin_installed() -> bool:
 # level). Not on a GPU machine: there the flag would also lower the optimisation of the
 # GPU kernels the GPU tests check.
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "") \
-        and not _cuda_plugin_installed():
+        and not _jax_cuda_plugins():
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_backend_optimization_level=0").strip()
 
