@@ -303,6 +303,49 @@ def test_gelu_derivative_matches_autodiff_of_gelu(dtype):
     assert float(got[-4]) == 0.0 and float(got[-3]) == 1.0  # -300: 0, +300: 1
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("name,reference", [("relu", jax.nn.relu), ("silu", jax.nn.silu)])
+def test_activation_derivatives_match_jax_nn(name, reference, dtype):
+    """relu's and silu's closed-form derivatives against jax.grad of jax.nn's functions in
+    f32, including z == 0 (relu: 0, where autodiff of a max gives 0.5) and z far below
+    zero (silu: 0, where autodiff of x / (1 + exp(-x)) gives NaN)."""
+    from jaxopt_train.kernels.epilogue import ACTIVATION_DERIVATIVES
+
+    big = float(jnp.finfo(dtype).max)
+    z = jnp.concatenate([jnp.linspace(-12.0, 12.0, 481),
+                         jnp.array([0.0, -100.0, 100.0, -big, big])]).astype(dtype)
+    got = ACTIVATION_DERIVATIVES[name](z)
+    assert got.dtype == jnp.float32
+    want = jax.vmap(jax.grad(reference))(z.astype(jnp.float32))
+    assert bool(jnp.all(jnp.isfinite(got))), got
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["interpret", "xla"])
+@pytest.mark.parametrize("activation", ["relu", "silu"])
+def test_matmul_gradient_at_activation_edge_points(backend, activation):
+    """Gradients through the fused epilogue where the pre-activation sits exactly at relu's
+    kink (a zero row with Flax's zero-initialised bias) or far below zero for silu (z = -128):
+    equal to the reference's (jax.nn), finite, for A, B and the bias."""
+    b = jnp.full((8, 4), 4.0, jnp.bfloat16)
+    a = jnp.stack([jnp.zeros((8,)), jnp.full((8,), -4.0), jnp.full((8,), 0.25)]).astype(jnp.bfloat16)
+    bias = jnp.zeros((4,), jnp.float32)
+
+    def loss(fn):
+        return lambda a, b, bias: jnp.sum(fn(a, b, bias).astype(jnp.float32))
+
+    ours = loss(lambda a, b, bias: matmul(a, b, bias=bias, activation=activation,
+                                          backend=backend, out_dtype=jnp.float32))
+    ref = loss(lambda a, b, bias: matmul_reference(a, b, bias=bias, activation=activation,
+                                                   out_dtype=jnp.float32))
+    got = jax.grad(ours, argnums=(0, 1, 2))(a, b, bias)
+    want = jax.grad(ref, argnums=(0, 1, 2))(a, b, bias)
+    for g, w in zip(got, want):
+        assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))), g
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("activation", ["gelu", "relu", "silu", None])
 def test_epilogue_backward_split_sum_changes_no_value(activation):
     """The GPU backends sum dbias in a pass of its own (an optimization barrier before the

@@ -47,7 +47,26 @@ def silu(x: jax.Array) -> jax.Array:
     return x / (1.0 + jnp.exp(-x))
 
 
+def relu_derivative(z: jax.Array) -> jax.Array:
+    """d relu(z) / dz in f32: 1 where z > 0, else 0, as `jax.nn.relu` defines it. Autodiff
+    of `relu` would give 0.5 at z == 0 (`maximum` splits ties), which a zero bias and a zero
+    input row hit exactly."""
+    return (z > 0).astype(jnp.float32)
+
+
+def silu_derivative(z: jax.Array) -> jax.Array:
+    """d silu(z) / dz = s (1 + z (1 - s)) with s = sigmoid(z), in f32. Autodiff of `silu`
+    differentiates exp(-z), which overflows for z below about -88.7 and gives NaN there;
+    this form gives 0 (and 1 far above zero), as `jax.nn.silu` does. Runs in XLA (the
+    backward), where the logistic function lowers everywhere."""
+    s = jax.nn.sigmoid(z.astype(jnp.float32))
+    return s * (1.0 + z.astype(jnp.float32) * (1.0 - s))
+
+
 ACTIVATION_FNS = {"gelu": gelu, "relu": relu, "silu": silu}
+# Each activation's derivative in closed form, in f32, for the backward of the fused epilogue.
+ACTIVATION_DERIVATIVES = {"gelu": gelu_derivative, "relu": relu_derivative,
+                          "silu": silu_derivative}
 
 
 def apply_epilogue(acc: jax.Array, bias: jax.Array | None, activation: str | None) -> jax.Array:

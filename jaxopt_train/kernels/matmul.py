@@ -28,7 +28,7 @@ import numpy as np
 from jaxopt_train.kernels import configs
 from jaxopt_train.kernels.configs import (ACTIVATIONS, BACKENDS, TRANSPOSING_BACKENDS, MatmulConfig,
                                           as_config)
-from jaxopt_train.kernels.epilogue import ACTIVATION_FNS, apply_epilogue, gelu_derivative
+from jaxopt_train.kernels.epilogue import ACTIVATION_DERIVATIVES, apply_epilogue
 from jaxopt_train.precision import as_float_dtype
 
 logger = logging.getLogger(__name__)
@@ -339,15 +339,12 @@ def _epilogue_backward(activation, z, g, bias, compute_dtype, split_sum=False):
     time other formulations inside the step."""
     if activation is None:
         dz_compute = g.astype(compute_dtype)
-    elif activation == "gelu":
-        # Closed form in f32 (epilogue.gelu_derivative: no overflow, so fp16 is safe too).
-        dz_compute = (g.astype(jnp.float32) * gelu_derivative(z)).astype(compute_dtype)
     else:
-        # relu, silu: autodiff of the forward's own function, in f32 (fp16's z * z in
-        # silu's derivative chain must not overflow).
-        _, act_vjp = jax.vjp(ACTIVATION_FNS[activation], z.astype(jnp.float32))
-        (dz,) = act_vjp(g.astype(jnp.float32))
-        dz_compute = dz.astype(compute_dtype)
+        # Closed forms in f32 (epilogue.ACTIVATION_DERIVATIVES): none overflows, so fp16 is
+        # safe too, and relu's is 0 at z == 0 and silu's finite for very negative z, where
+        # autodiff of the forward's own functions gives 0.5 and NaN.
+        derivative = ACTIVATION_DERIVATIVES[activation](z)
+        dz_compute = (g.astype(jnp.float32) * derivative).astype(compute_dtype)
     if bias is None:
         return dz_compute, None
     if split_sum and activation is not None:
