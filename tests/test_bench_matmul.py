@@ -59,6 +59,8 @@ def test_config_column_names_the_layout_knobs():
     (["--quick", "--shapes", "16x16"], "--shapes='16x16' must be a comma list of MxNxK"),
     (["--quick", "--shapes", "16x0x16"], "positive dims"),
     (["--quick", "--shapes", "16xax16"], "must be a comma list of MxNxK"),
+    (["--quick", "--json", "/nonexistent-folder/matmul.json"], "--json .*cannot write there"),
+    (["--quick", "--json", "/"], "give a file path in an existing folder"),
 ])
 def test_bad_arguments_are_refused_with_the_expected_values(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -97,6 +99,17 @@ def test_shapes_replace_the_plain_tables_shapes(tmp_path):
     assert [(tuple(r["shape"]), r["backend"]) for r in rows] == [
         ((24, 40, 8), "xla_dot"), ((24, 40, 8), "xla"), ((17, 9, 33), "xla_dot"), ((17, 9, 33), "xla")]
     assert all("error" not in r and r["max_rel_error"] < 1e-2 for r in rows)
+
+
+def test_quick_keeps_the_values_given_explicitly(tmp_path):
+    """--quick fills in only what was not given: --calls 3 stays 3, and --input-sets 4 with
+    --launches-per-dispatch 4 is not refused over a quick value of 2 nobody passed."""
+    path = tmp_path / "matmul.json"
+    assert bench.main(["--quick", "--calls", "3", "--input-sets", "4", "--launches-per-dispatch",
+                       "4", "--shapes", "24x40x8", "--no-fused", "--no-layer", "--backends", "xla",
+                       "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert (data["calls"], data["bursts"], data["input_sets"]) == (3, 2, 4)
 
 
 def test_tables_can_be_skipped(tmp_path, capsys):

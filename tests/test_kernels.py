@@ -21,6 +21,7 @@ from jaxopt_train.kernels import matmul as matmul_fn
 from jaxopt_train.kernels import pallas_blocked
 
 import importlib
+import logging
 
 autotune_mod = importlib.import_module("jaxopt_train.kernels.autotune")
 matmul_mod = importlib.import_module("jaxopt_train.kernels.matmul")
@@ -471,6 +472,14 @@ def test_dot_general_falls_back_for_unsupported_dimension_numbers():
     dims = (((1,), (0,)), ((), ()))
     np.testing.assert_array_equal(dot(f32, f32.T, dims, precision=lax.Precision.HIGHEST),
                                   lax.dot_general(f32, f32.T, dims, precision=lax.Precision.HIGHEST))
+    # Empty operands (an empty batch, N = 0, K = 0), which the kernels refuse, go to XLA.
+    for shape_l, shape_r in (((0, 4, 8), (8, 5)), ((4, 8), (8, 0)), ((4, 0), (0, 5))):
+        l, r = jnp.ones(shape_l, jnp.bfloat16), jnp.ones(shape_r, jnp.bfloat16)
+        flax_dims = (((l.ndim - 1,), (0,)), ((), ()))
+        got, want = dot(l, r, flax_dims), lax.dot_general(l, r, flax_dims)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+        assert dot.fused_dense(l, r, jnp.zeros((r.shape[1],), jnp.bfloat16), "gelu") is None
     assert dot_general_for("xla") is lax.dot_general
     with pytest.raises(ValueError, match="expected one of"):
         dot_general_for("cuda")
@@ -646,6 +655,9 @@ def test_mosaic_pipeline_depth_fits_shared_memory():
                    jnp.bfloat16, has_bias=False)
     with pytest.raises(ValueError, match="wgmma_in_flight"):
         MatmulConfig(num_stages=1, wgmma_in_flight=1)
+    with pytest.raises(ValueError, match="at least 2 stages; got num_stages=1"):
+        fit_stages(MatmulConfig(num_stages=1, wgmma_in_flight=0), jnp.bfloat16, jnp.bfloat16,
+                   has_bias=False)
     # Ping-pong: one shared ring of 128x64 + 64x128 bf16 tiles (32 KiB a stage) next to
     # 32 KiB of output slots and 1 KiB of bias: 6 stages fit, 7 do not.
     pingpong = MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=8, schedule="pingpong")
@@ -980,6 +992,93 @@ def test_autotune_refuses_bad_shapes_and_budget():
         autotune([(16, 0, 16)], backend="interpret", timer=lambda fn: 1.0, write_cache=False)
     with pytest.raises(ValueError, match="budget_s=-1"):
         autotune([(16, 16, 16)], backend="interpret", budget_s=-1, write_cache=False)
+    with pytest.raises(ValueError, match=r"candidates=\[\] leaves nothing to time"):
+        autotune([(16, 16, 16)], backend="interpret", candidates=[], write_cache=False)
+    with pytest.raises(ValueError, match="dtype=int8 is not a matmul input dtype"):
+        autotune([(16, 16, 16)], jnp.int8, backend="interpret", write_cache=False)
+
+
+def test_autotune_of_float32_tunes_the_bfloat16_entry_matmul_reads(tmp_path):
+    """matmul runs f32 inputs as bf16 and looks the cache up under bf16, so that is where
+    autotune(dtype=float32) stores its winner."""
+    config = MatmulConfig(block_m=16, block_n=16, block_k=16, num_stages=1)
+    autotune([(24, 16, 16)], jnp.float32, backend="interpret", candidates=[config],
+             timer=lambda fn: 1.0)
+    keys = json.loads((tmp_path / "matmul_autotune.json").read_text())
+    assert keys and all("|bfloat16|" in key for key in keys), keys
+    assert matmul_mod.resolve_config("interpret", 24, 16, 16, jnp.bfloat16) == config
+
+
+def test_autotune_refuses_an_unwritable_cache_before_tuning(tmp_path, monkeypatch):
+    """A cache folder that cannot be written fails before the sweep (whose winners would be
+    lost after it), saying what to do; the CLI says so as a usage error."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("JAXOPT_TRAIN_CACHE_DIR", str(blocker / "cache"))
+    timed = []
+    with pytest.raises(OSError, match="JAXOPT_TRAIN_CACHE_DIR to a writable folder"):
+        autotune([(16, 16, 16)], backend="interpret", timer=lambda fn: timed.append(fn) or 1.0)
+    assert timed == []
+    with pytest.raises(SystemExit) as exit_info:
+        autotune_mod.main(["--backend", "interpret", "--shapes", "16x16x16", "--candidates",
+                           '[{"block_m": 16, "block_n": 16, "block_k": 16, "num_stages": 1}]'])
+    assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize("content,problem", [
+    (b"\xff\xfe not text", "UnicodeDecodeError"),
+    (b"[]", "got a JSON list"),
+    (b'{"a": {"config": {"block_m"', "JSONDecodeError"),
+])
+def test_an_unreadable_autotune_cache_is_ignored_then_kept_aside(tmp_path, content, problem,
+                                                                 caplog):
+    """matmul runs on the shipped defaults with a warning; the next store moves the file
+    to `<name>.corrupt-<time>` instead of overwriting what the user had."""
+    path = tmp_path / "matmul_autotune.json"
+    path.write_bytes(content)
+    a, b = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((8, 2), jnp.bfloat16)
+    with caplog.at_level(logging.WARNING, logger=autotune_mod.__name__):
+        np.testing.assert_array_equal(matmul(a, b, backend="interpret"), jnp.full((4, 2), 8.0))
+    assert problem in caplog.text
+    config = MatmulConfig(block_m=16, block_n=16, block_k=16, num_stages=1)
+    autotune_mod.store("interpret", "cpu", 64, 64, 64, jnp.bfloat16, config, 1e-3)
+    kept = list(tmp_path.glob("matmul_autotune.json.corrupt-*"))
+    assert len(kept) == 1 and kept[0].read_bytes() == content
+    autotune_mod._loaded.clear()
+    assert autotune_mod.lookup("interpret", "cpu", 64, 64, 64, jnp.bfloat16) == config
+
+
+@pytest.mark.parametrize("entry", [
+    {"seconds": 1.0},                                      # no config
+    {"config": {"block_m": 16, "new_knob": 1}},            # a field this version lacks
+    {"config": {"block_m": 100}},                          # an illegal value
+    ["not", "an", "entry"],
+])
+def test_a_malformed_cache_entry_is_skipped_for_the_default(tmp_path, entry, caplog):
+    """A hand-edited or foreign entry is skipped (warning) and matmul takes the default,
+    instead of every matmul call raising."""
+    a, b = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((8, 2), jnp.bfloat16)
+    key = autotune_mod.cache_key("interpret", jax.devices()[0].device_kind, 4, 2, 8,
+                                 jnp.bfloat16, exact=True)
+    (tmp_path / "matmul_autotune.json").write_text(json.dumps({key: entry}))
+    with caplog.at_level(logging.WARNING, logger=autotune_mod.__name__):
+        assert matmul_mod.resolve_config("interpret", 4, 2, 8, jnp.bfloat16) == \
+            configs.default_config("interpret", jax.devices()[0].device_kind, 4, 2, 8)
+        np.testing.assert_array_equal(matmul(a, b, backend="interpret"), jnp.full((4, 2), 8.0))
+    assert "not a valid config" in caplog.text
+
+
+def test_autotune_store_keeps_entries_another_process_wrote(tmp_path):
+    """store re-reads the file under a lock before merging: a winner stored by another
+    process after this one read the cache survives this one's next store."""
+    first = MatmulConfig(block_m=16, block_n=16, block_k=16, num_stages=1)
+    autotune_mod.store("interpret", "cpu", 64, 64, 64, jnp.bfloat16, first, 1e-3)
+    other = dict(json.loads((tmp_path / "matmul_autotune.json").read_text()))
+    other["cpu|other process|entry"] = {"config": first.to_dict()}
+    (tmp_path / "matmul_autotune.json").write_text(json.dumps(other))  # not through _loaded
+    autotune_mod.store("interpret", "cpu", 128, 128, 128, jnp.bfloat16, first, 1e-3)
+    data = json.loads((tmp_path / "matmul_autotune.json").read_text())
+    assert "cpu|other process|entry" in data and len(data) == 5
 
 
 def test_backward_products_look_up_their_own_layouts(monkeypatch):

@@ -221,16 +221,23 @@ def _geomean_large(rows, backend):
     return float(np.exp(np.mean(np.log(ratios)))) if len(ratios) == len(LARGE_SHAPES) else None
 
 
+_DEFAULTS = {"calls": 20, "bursts": 5, "input_sets": 4, "warmup_s": 1.0}
+_QUICK_DEFAULTS = {"calls": 2, "bursts": 2, "input_sets": 2, "warmup_s": 0.0}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxopt-train bench matmul", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, interpret backend (CPU)")
     parser.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     parser.add_argument("--backends", help="comma list (default: every available one)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
-    parser.add_argument("--calls", type=int, default=20, help="calls per burst")
-    parser.add_argument("--bursts", type=int, default=5)
-    parser.add_argument("--input-sets", type=int, default=4, help="rotating input sets (> L2)")
-    parser.add_argument("--warmup-s", type=float, default=1.0)
+    # None: not given, so --quick may pick its own value (explicit values always win).
+    parser.add_argument("--calls", type=int, default=None, help="calls per burst (default 20; "
+                        "--quick: 2)")
+    parser.add_argument("--bursts", type=int, default=None, help="default 5 (--quick: 2)")
+    parser.add_argument("--input-sets", type=int, default=None,
+                        help="rotating input sets, together larger than L2 (default 4; --quick: 2)")
+    parser.add_argument("--warmup-s", type=float, default=None, help="default 1.0 (--quick: 0)")
     parser.add_argument("--launches-per-dispatch", type=int, default=1, metavar="K",
                         help="run each backend on K input sets per jitted call (K divides "
                              "--input-sets), so host dispatch is paid once per K launches: "
@@ -243,13 +250,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-layer", action="store_true",
                         help="skip the forward + backward table of the bias+gelu layer")
     args = parser.parse_args(argv)
+    defaults = _QUICK_DEFAULTS if args.quick else _DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     for name in ("calls", "bursts", "input_sets", "launches_per_dispatch"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if args.warmup_s < 0:
         parser.error(f"--warmup-s must be >= 0; got {args.warmup_s}")
-    if args.quick:
-        args.calls, args.bursts, args.input_sets, args.warmup_s = 2, 2, 2, 0.0
+    if args.json:
+        try:  # now, not after the whole benchmark has run
+            with open(args.json, "a"):
+                pass
+        except OSError as err:
+            parser.error(f"--json {args.json}: cannot write there ({type(err).__name__}: "
+                         f"{err.strerror or err}); give a file path in an existing folder")
     if args.input_sets % args.launches_per_dispatch:
         parser.error(f"--launches-per-dispatch {args.launches_per_dispatch} must divide "
                      f"--input-sets {args.input_sets} (each launch of a dispatch reads its own set)")

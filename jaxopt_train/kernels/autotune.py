@@ -17,6 +17,7 @@ slower when applied to its transposed products (BENCHMARKS.md, sixth session).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import itertools
 import json
@@ -25,6 +26,7 @@ import os
 import pathlib
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -73,43 +75,108 @@ def cache_key(backend: str, device_kind: str, m: int, n: int, k: int, dtype,
     return "|".join(parts)
 
 
+def _parse(path: pathlib.Path) -> tuple[dict, str | None]:
+    """The cache file's entries, and why it could not be used (None when it could).
+    A missing file is an empty cache; anything but a JSON object is unusable."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}, None
+    except (OSError, ValueError) as err:  # ValueError: bad JSON or bytes that are not UTF-8
+        return {}, f"{type(err).__name__}: {err}"
+    if not isinstance(data, dict):
+        return {}, f"expected a JSON object of entries, got a JSON {type(data).__name__}"
+    return data, None
+
+
 def _read(path: pathlib.Path) -> dict:
     key = str(path)
     if key not in _loaded:
-        try:
-            _loaded[key] = json.loads(path.read_text())
-        except FileNotFoundError:
-            _loaded[key] = {}
-        except (OSError, json.JSONDecodeError) as err:
-            logger.warning("ignoring unreadable autotune cache %s: %s", path, err)
-            _loaded[key] = {}
+        data, problem = _parse(path)
+        if problem is not None:
+            logger.warning("ignoring unreadable autotune cache %s (%s); the shipped defaults "
+                           "apply, and the next autotune run moves it aside", path, problem)
+        _loaded[key] = data
     return _loaded[key]
 
 
 def lookup(backend: str, device_kind: str, m: int, n: int, k: int, dtype,
            transposed: str | None = None) -> MatmulConfig | None:
     """The cached winner for this problem in this operand layout (tuned on this exact
-    shape if it was, else on its bucket), or None."""
+    shape if it was, else on its bucket), or None. An entry that is not a valid config
+    (hand-edited, or written by a version with other fields) is skipped with a warning."""
     data = _read(cache_path())
-    entry = (data.get(cache_key(backend, device_kind, m, n, k, dtype, transposed, exact=True))
-             or data.get(cache_key(backend, device_kind, m, n, k, dtype, transposed)))
-    return None if entry is None else MatmulConfig.from_dict(entry["config"])
+    for exact in (True, False):
+        name = cache_key(backend, device_kind, m, n, k, dtype, transposed, exact=exact)
+        entry = data.get(name)
+        if entry is None:
+            continue
+        try:
+            return MatmulConfig.from_dict(entry["config"])
+        except (KeyError, TypeError, ValueError) as err:
+            logger.warning("autotune cache %s: skipping entry %r, not a valid config (%s: %s)",
+                           cache_path(), name, type(err).__name__, err)
+    return None
+
+
+@contextlib.contextmanager
+def _locked(path: pathlib.Path):
+    """Holds an exclusive lock on `path`'s lock file, so that two processes storing
+    winners at once (two GPUs tuning, two CLI runs) both keep theirs. POSIX only; elsewhere
+    no lock (the last writer wins, as before)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        yield
+        return
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def check_cache_writable() -> pathlib.Path:
+    """Raises OSError, saying what to do, when winners could not be stored: checked before
+    tuning, so that a sweep's results are not lost after it has run."""
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".write_check"):
+            pass
+    except OSError as err:
+        raise OSError(f"the autotune cache folder {str(path.parent)!r} is not writable "
+                      f"({type(err).__name__}: {err}); set $JAXOPT_TRAIN_CACHE_DIR to a writable "
+                      f"folder, or pass write_cache=False") from err
+    return path
 
 
 def store(backend: str, device_kind: str, m: int, n: int, k: int, dtype, config: MatmulConfig,
           seconds: float, transposed: str | None = None) -> None:
     """Adds one winner to the cache file, under its exact shape and its bucket (atomic
-    rename; other entries kept, except an earlier winner of the bucket)."""
+    rename; other entries kept, except an earlier winner of the bucket).
+
+    The file is re-read under a lock before the merge, so entries another process stored
+    since this one read it are kept. A file that cannot be parsed is not overwritten: it is
+    renamed to `<name>.corrupt-<time>` (with a warning) and a new one is started.
+    """
     path = cache_path()
-    data = dict(_read(path))
     entry = {"config": config.to_dict(), "seconds": seconds, "shape": [m, n, k],
              "transposed": transposed}
-    for exact in (True, False):
-        data[cache_key(backend, device_kind, m, n, k, dtype, transposed, exact)] = entry
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    tmp.replace(path)
+    with _locked(path):
+        data, problem = _parse(path)
+        if problem is not None:
+            kept = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+            path.replace(kept)
+            logger.warning("autotune cache %s was unreadable (%s); moved it to %s and started "
+                           "a new one", path, problem, kept)
+        for exact in (True, False):
+            data[cache_key(backend, device_kind, m, n, k, dtype, transposed, exact)] = entry
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)
     _loaded[str(path)] = data
 
 
@@ -220,7 +287,8 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
 
     Args:
         shapes: (M, N, K) triples.
-        dtype: input dtype (bfloat16 or float16).
+        dtype: input dtype: bfloat16 or float16; float32 tunes bfloat16, which is what
+            `matmul` runs f32 inputs as (and the cache entry it reads).
         backend: a kernel backend, or "auto".
         candidates: configs to sweep; default `default_candidates(backend, quick=quick)`
             after the shape's own default (`configs.default_config`), which is timed first
@@ -252,6 +320,11 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
         raise ValueError(f"input_sets={input_sets!r} must be an int >= 1")
     if budget_s is not None and not budget_s >= 0:
         raise ValueError(f"budget_s={budget_s!r} must be None or >= 0 seconds")
+    if jnp.dtype(dtype) not in matmul_mod.INPUT_DTYPES:
+        raise ValueError(f"dtype={jnp.dtype(dtype)} is not a matmul input dtype; expected "
+                         f"bfloat16, float16 or float32")
+    # matmul runs f32 inputs as bf16 and looks the cache up under bf16: tune that.
+    dtype = jnp.dtype(jnp.bfloat16) if jnp.dtype(dtype) == jnp.float32 else jnp.dtype(dtype)
     shapes = [tuple(shape) for shape in shapes]
     for shape in shapes:
         if len(shape) != 3 or not all(isinstance(d, (int, np.integer)) and d >= 1 for d in shape):
@@ -261,8 +334,13 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
         raise ValueError(f"transposed={transposed!r} is tuned only for {TRANSPOSING_BACKENDS}, "
                          f"which read the operand as stored; {backend=} multiplies a "
                          f"transposed copy, i.e. runs the plain layout: tune that instead")
-    given = list(candidates) if candidates else None
+    given = None if candidates is None else list(candidates)
+    if given is not None and not given:
+        raise ValueError("candidates=[] leaves nothing to time; pass None for the default "
+                         "sweep, or a non-empty list of MatmulConfig")
     listed = given or default_candidates(backend, quick=quick)
+    if write_cache:
+        check_cache_writable()
     timer = timer or burst_timer
     device_kind = jax.devices()[0].device_kind
     winners = {}
@@ -395,6 +473,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.transposed is not None and backend not in TRANSPOSING_BACKENDS:
         parser.error(f"--transposed {args.transposed}: only {TRANSPOSING_BACKENDS} read a "
                      f"transposed operand as stored; --backend resolved to {backend!r}")
+    try:
+        check_cache_writable()
+    except OSError as err:
+        parser.error(str(err))
     try:
         winners = autotune(shapes, jnp.dtype(args.dtype), backend=backend, candidates=candidates,
                            budget_s=args.budget_s, transposed=args.transposed, quick=args.quick)

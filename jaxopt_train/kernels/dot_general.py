@@ -7,7 +7,7 @@ out_sharding=None[, preferred_element_type=...])`. That pattern, with both
 operands in bfloat16 or float16, goes to `matmul`, and so does a 2-D `rhs`
 contracted on its dim 1 (`x @ embedding.T`, a tied LM head: `matmul(...,
 transpose_b=True)`, which reads it without a transposed copy); everything else (batch
-dims, other contracting dims, float32 operands, an explicit precision or
+dims, other contracting dims, float32 or empty operands, an explicit precision or
 out_sharding) goes to `lax.dot_general` unchanged, so swapping it in never
 changes what a model computes outside the kernels' domain.
 
@@ -42,7 +42,7 @@ MATMUL_CHOICES = ("xla", "pallas", "triton")
 def _kernel_eligible(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                      out_sharding) -> bool:
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-    return (rhs.ndim == 2 and lhs.ndim >= 2
+    return (rhs.ndim == 2 and lhs.ndim >= 2 and lhs.size > 0 and rhs.size > 0
             and tuple(lhs_contract) == (lhs.ndim - 1,) and tuple(rhs_contract) in ((0,), (1,))
             and not tuple(lhs_batch) and not tuple(rhs_batch)
             and jnp.dtype(lhs.dtype) in _KERNEL_DTYPES and lhs.dtype == rhs.dtype
@@ -85,9 +85,9 @@ def make_dot_general(backend: str = "auto", config: MatmulConfig | dict | None =
     def fused_dense(x, kernel, bias, activation):
         """`activation(x @ kernel + bias)` from one kernel launch that saves the
         pre-activation for the backward; None where the kernels do not apply (XLA
-        resolved, a dtype other than bf16/fp16, a kernel that is not 2-D)."""
+        resolved, a dtype other than bf16/fp16, a kernel that is not 2-D, an empty operand)."""
         if (resolved() == "xla" or getattr(kernel, "ndim", 0) != 2 or x.ndim < 2
-                or jnp.dtype(x.dtype) not in _KERNEL_DTYPES or x.dtype != kernel.dtype):
+                or x.size == 0 or kernel.size == 0 or jnp.dtype(x.dtype) not in _KERNEL_DTYPES or x.dtype != kernel.dtype):
             return None
         return matmul(x, kernel, bias=bias, activation=activation, backend=resolved(),
                       config=config, save_preactivation=True)

@@ -117,6 +117,9 @@ def epilogue_scratch(plgpu, config: MatmulConfig, out_dtype, has_bias: bool) -> 
 def fit_stages(config: MatmulConfig, in_dtype, out_dtype, has_bias: bool) -> int:
     """The deepest pipeline <= config.num_stages whose buffers fit in shared memory
     (with the ping-pong schedule a stage holds one consumer's block_m x block_n tile's operands)."""
+    if config.num_stages < 2:
+        raise ValueError(f"mosaic_gpu pipelines its TMA loads over at least 2 stages; got "
+                         f"num_stages={config.num_stages} in {config}: pass num_stages >= 2")
     bk, bn = config.block_k, config.block_n
     rows, cols = cta_tile(config)
     per_stage = (rows * bk + bk * cols) * jnp.dtype(in_dtype).itemsize
