@@ -10,7 +10,8 @@ import pytest
 
 from jaxopt_train.precision import DynamicLossScale, NoOpLossScale
 from jaxopt_train.train.checkpoint import (Checkpointer, RunDirError, check_same_model,
-                                           existing_checkpoint_steps, prepare_run_dir)
+                                           clear_run_dir, existing_checkpoint_steps,
+                                           prepare_run_dir)
 from jaxopt_train.train.state import TrainState, init_train_state
 
 
@@ -117,8 +118,22 @@ def test_prepare_run_dir_guards(tmp_path):
         prepare_run_dir(run, resume=False, overwrite=False)
     prepare_run_dir(run, resume=True, overwrite=False)  # fine: there is something to resume
     assert existing_checkpoint_steps(run) == [3]
+    prepare_run_dir(run, resume=False, overwrite=True)  # checks only: the old run is still there
+    assert existing_checkpoint_steps(run) == [3]
+    with open(os.path.join(run, "notes.txt"), "w") as f:
+        f.write("the user's own file")
+    clear_run_dir(run)  # once the new run is built
+    assert existing_checkpoint_steps(run) == [] and os.listdir(run) == ["notes.txt"]
+    # A run that died before its first checkpoint left metrics and a config: a new run
+    # there must not append to them unless told to start over.
+    for name in ("metrics.jsonl", "config.json"):
+        with open(os.path.join(run, name), "w") as f:
+            f.write("{}\n")
+    with pytest.raises(RunDirError, match="no finished checkpoint .*metrics.jsonl, config.json.*--overwrite"):
+        prepare_run_dir(run, resume=False, overwrite=False)
+    with pytest.raises(RunDirError, match="nothing to resume"):
+        prepare_run_dir(run, resume=True, overwrite=False)
     prepare_run_dir(run, resume=False, overwrite=True)
-    assert existing_checkpoint_steps(run) == []
     blocker = tmp_path / "a_file"
     blocker.write_text("keep me")
     with pytest.raises(RunDirError, match=r"cannot create run_dir='.*a_file/run': Not a directory"):

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import urllib.request
 
@@ -25,6 +26,7 @@ from jaxopt_train.data.text import load_text_corpus
 from jaxopt_train.models import GPT, get_gpt_config
 from jaxopt_train.train import NonFiniteError, RunDirError, TrainConfig, Trainer, train
 from jaxopt_train.train import loop as loop_lib
+from jaxopt_train.train.checkpoint import existing_checkpoint_steps
 from jaxopt_train.train.metrics import read_jsonl
 from jaxopt_train.train.model import gpt_loss_fn
 
@@ -105,6 +107,24 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     other = dataclasses.replace(split_cfg, resume=True, model_overrides=dict(TINY_MODEL, d_model=16))
     with pytest.raises(RunDirError, match="model_overrides"):
         train(other)
+    # The logged lr is the rate the interval's last step ran with: optax's schedule at the
+    # optimizer count before that step (step - 1), as test_logged_lr_is_the_optimizer_schedule
+    # pins _current_lr to that schedule.
+    assert [r["lr"] for r in full_records] == [
+        pytest.approx(loop_lib._current_lr(split_cfg, r["step"] - 1)) for r in full_records]
+    assert full_records[0]["lr"] == pytest.approx(split_cfg.lr / 2)  # step 2 ran at count 1 of 2
+    # --overwrite with a bad setting fails before it deletes anything the run had.
+    files = sorted(os.listdir(split_cfg.run_dir))
+    bad = dataclasses.replace(split_cfg, overwrite=True, data=str(tmp_path / "missing.txt"))
+    with pytest.raises((FileNotFoundError, ValueError)):
+        train(bad)
+    assert sorted(os.listdir(split_cfg.run_dir)) == files
+    assert existing_checkpoint_steps(split_cfg.run_dir) == [2, 8]
+    # A damaged latest checkpoint is refused by step, pointing at the previous one.
+    shutil.rmtree(os.path.join(split_cfg.run_dir, "checkpoints", "8", "state"))
+    with pytest.raises(RunDirError, match=r"checkpoint at step 8 .* damaged or incomplete; to "
+                                          r"resume from step 2 \(the previous checkpoint\)"):
+        train(dataclasses.replace(split_cfg, resume=True))
 
 
 def test_sigterm_saves_checkpoint_and_exits_cleanly(tmp_path):
@@ -196,6 +216,13 @@ def test_prometheus_scrape_and_tensorboard_events_during_a_run(tmp_path):
     losses = events.Scalars("loss")
     assert [e.step for e in losses] == [2, 4]
     np.testing.assert_allclose([e.value for e in losses], [r["loss"] for r in records], rtol=1e-6)
+
+
+def test_default_run_dirs_started_in_the_same_second_differ(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(loop_lib.time, "time", lambda: 1_700_000_000.0)
+    first, second = (loop_lib._default_run_dir(TrainConfig()) for _ in range(2))
+    assert second == first + "-2" and os.path.isdir(first) and os.path.isdir(second)
 
 
 @pytest.mark.parametrize("steps, warmup", [(8, 2), (300, 30), (5, 0), (1, 3)])

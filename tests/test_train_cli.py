@@ -1,5 +1,7 @@
 """`jaxopt-train train`: argument handling, and one short end-to-end run of the CLI."""
 
+import dataclasses
+import json
 import os
 
 import jax
@@ -50,13 +52,41 @@ def test_bad_flags_exit_2_naming_the_flag(argv, needle, capsys):
     assert needle in err
 
 
-def test_defaults_and_overrides_parse():
+def test_defaults_and_overrides_parse(tmp_path, capsys):
     assert cli.config_from_args([]) == TrainConfig()
+    run_dir = str(tmp_path / "no_config_json")
     cfg = cli.config_from_args(["--preset", "gpt-tiny", "--model", "d_model=64", "--model",
                                 "remat=dots", "--no-scan-layers", "--steps", "20",
-                                "--run-dir", "/tmp/x", "--resume"])
+                                "--run-dir", run_dir, "--resume"])
     assert cfg.model_overrides == {"d_model": 64, "remat": "dots"}
     assert cfg.steps == 20 and cfg.resume and not cfg.scan_layers
+    assert "config.json is missing" in capsys.readouterr().err
+
+
+def test_resume_keeps_the_runs_own_settings_and_changes_only_the_flags_given(tmp_path, capsys):
+    """A run started with non-default settings and resumed with `--resume --run-dir D
+    --steps N` (the README's command) continues with its own batch, precision, seed, lr and
+    model, not the defaults; flags given on the resume line change what they name."""
+    run_dir = str(tmp_path / "run")
+    first = cli.config_from_args(["--batch-size", "8", "--precision", "bf16", "--seed", "3",
+                                  "--lr", "1e-3", "--microbatches", "2", "--model", "d_model=32",
+                                  "--seq-len", "32", "--run-dir", run_dir])
+    os.makedirs(run_dir)
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump({"config": first.to_dict()}, f)  # as the loop writes it
+    resumed = cli.config_from_args(["--run-dir", run_dir, "--resume", "--steps", "400",
+                                    "--model", "n_layers=1"])
+    assert resumed == dataclasses.replace(first, steps=400, resume=True,
+                                          model_overrides={"d_model": 32, "n_layers": 1})
+    err = capsys.readouterr().err
+    assert "resuming with the settings in" in err and "--steps 200 -> 400" in err
+    # An unreadable record is an error naming the file, not a silent fall-back to defaults.
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.config_from_args(["--run-dir", run_dir, "--resume"])
+    assert exit_info.value.code == 2
+    assert "cannot read the run's settings" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kwargs, needle", [

@@ -166,31 +166,51 @@ def existing_checkpoint_steps(run_dir: str) -> list[int]:
                   if name.isdigit() and os.path.isdir(os.path.join(directory, name)))
 
 
+# What a run leaves in its directory: an existing one of these means a run was there.
+RUN_FILES = (CHECKPOINT_SUBDIR, "metrics.jsonl", "config.json", "tb")
+
+
 def prepare_run_dir(run_dir: str, *, resume: bool, overwrite: bool) -> None:
-    """Creates run_dir, refusing to clobber an existing run unless told.
+    """Checks run_dir against resume/overwrite and creates it; deletes nothing.
+
+    With `overwrite`, the old run is removed later, by `clear_run_dir`, once the new run
+    has been built: a bad flag must not cost the user the run they had.
 
     Raises:
-      RunDirError: checkpoints exist and neither `resume` nor `overwrite` is set,
-        or `resume` is set and there is nothing to resume, or run_dir cannot be created.
+      RunDirError: run_dir holds a run (checkpoints, or metrics/config of a run that died
+        before its first checkpoint) and neither `resume` nor `overwrite` is set, or
+        `resume` is set and there is no checkpoint to resume, or run_dir cannot be created.
     """
     steps = existing_checkpoint_steps(run_dir)
     if steps and not (resume or overwrite):
         raise RunDirError(
             f"run_dir={run_dir!r} already holds checkpoints (steps {steps}); pass --resume to "
             "continue that run, --overwrite to delete it and start over, or another --run-dir")
+    found = [name for name in RUN_FILES[1:] if os.path.exists(os.path.join(run_dir, name))]
+    if found and not steps and not overwrite:
+        raise RunDirError(
+            f"run_dir={run_dir!r} holds a run with no finished checkpoint ({', '.join(found)}): "
+            f"{'there is nothing to resume; ' if resume else ''}pass --overwrite to delete it and "
+            "start over, or another --run-dir")
     if resume and not steps:
         raise RunDirError(f"--resume: run_dir={run_dir!r} has no finished checkpoint to resume from")
-    if overwrite and jax.process_index() == 0:
-        for name in (CHECKPOINT_SUBDIR, "metrics.jsonl", "config.json", "tb"):
-            path = os.path.join(run_dir, name)
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            elif os.path.exists(path):
-                os.remove(path)
     try:
         os.makedirs(run_dir, exist_ok=True)
     except OSError as err:  # a file in the way, no permission, read-only or missing mount
         raise RunDirError(f"cannot create run_dir={run_dir!r}: {err.strerror or err}") from err
+
+
+def clear_run_dir(run_dir: str) -> None:
+    """Deletes what an earlier run left in run_dir (checkpoints, metrics, config, TensorBoard
+    events): `--overwrite`, called once the new run is built. Other files stay."""
+    if jax.process_index() != 0:
+        return
+    for name in RUN_FILES:
+        path = os.path.join(run_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
 
 
 def check_same_model(saved: dict[str, Any], current: dict[str, Any], run_dir: str) -> None:

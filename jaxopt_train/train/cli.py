@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 from jaxopt_train.train import config as config_lib
@@ -123,12 +124,59 @@ def _flag_for_field(field: str) -> str:
     return _FIELD_FLAGS.get(field, "--" + field.replace("_", "-"))
 
 
+def _given_fields(argv: list[str] | None) -> set[str]:
+    """The TrainConfig fields whose flags appear in argv: argv parsed again with every
+    default suppressed, so that only what the user typed is left."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    given = set(vars(parser.parse_args(argv)))
+    return {"model_overrides" if name == "model" else name for name in given}
+
+
+def _resumed_values(parser, values: dict, given: set[str]) -> dict:
+    """--resume: the run's own settings from RUN_DIR/config.json, with only the flags given
+    on this command line changed (e.g. --steps to extend it), so that a resumed run keeps
+    its data, precision, batch and seed. The changes are printed."""
+    path = os.path.join(values["run_dir"], "config.json")
+    if not os.path.exists(path):
+        print(f"jaxopt-train train: warning: {path} is missing, so the run's own settings are "
+              "unknown; resuming with this command line's flags and defaults", file=sys.stderr)
+        return values
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)["config"]
+        if not isinstance(saved, dict):
+            raise TypeError(f"expected an object under 'config', got {type(saved).__name__}")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        parser.error(f"--resume: cannot read the run's settings from {path} "
+                     f"({type(err).__name__}: {err}); restore the file, or start a new --run-dir")
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    merged = {k: v for k, v in saved.items() if k in fields}  # a newer version's extra keys
+    for name in given & fields:
+        merged[name] = ({**saved.get(name, {}), **values[name]} if name == "model_overrides"
+                        else values[name])
+    merged.update(resume=True, overwrite=False, run_dir=values["run_dir"])
+    changed = [f"{_flag_for_field(name)} {saved.get(name)!r} -> {merged[name]!r}"
+               for name in sorted(given & fields - {"resume", "run_dir"})
+               if saved.get(name) != merged[name]]
+    print(f"jaxopt-train train: resuming with the settings in {path}"
+          + (f"; changed by this command line: {', '.join(changed)}" if changed else ""),
+          file=sys.stderr)
+    return merged
+
+
 def config_from_args(argv: list[str] | None = None) -> TrainConfig:
-    """Parses argv into a validated TrainConfig (exits 2 naming the flag on a bad value)."""
+    """Parses argv into a validated TrainConfig (exits 2 naming the flag on a bad value).
+
+    With --resume (and --run-dir), the run's saved settings are the starting point and
+    only the flags given here change them."""
     parser = build_parser()
     args = parser.parse_args(argv)
     values = vars(args)
     values["model_overrides"] = _parse_overrides(parser, values.pop("model"))
+    if values["resume"] and values["run_dir"] is not None:
+        values = _resumed_values(parser, values, _given_fields(argv))
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     try:
         return TrainConfig(**{k: v for k, v in values.items() if k in fields})

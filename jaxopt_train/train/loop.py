@@ -10,6 +10,7 @@ eval and checkpoint points, so steps dispatch back to back in between.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -24,7 +25,7 @@ import numpy as np
 from jaxopt_train.precision import get_policy
 import jaxopt_train.train.mfu as mfu_lib
 from jaxopt_train.train.checkpoint import (Checkpointer, RunDirError, check_same_model,
-                                           prepare_run_dir)
+                                           clear_run_dir, prepare_run_dir)
 from jaxopt_train.train.config import TrainConfig
 from jaxopt_train.train.metrics import MetricsLogger, peak_memory_bytes
 from jaxopt_train.train.state import param_count
@@ -47,12 +48,24 @@ class TrainResult:
 
 
 def _default_run_dir(cfg: TrainConfig) -> str:
+    """runs/<preset>-<date>-<time>, claimed by creating it: a second run started in the same
+    second gets a `-2` suffix instead of writing into the first one's directory."""
     stamp = int(time.time())
     if jax.process_count() > 1:  # every process must agree on the directory
         from jax.experimental import multihost_utils  # noqa: PLC0415
 
         stamp = int(multihost_utils.broadcast_one_to_all(np.int64(stamp)))
-    return os.path.join("runs", f"{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(stamp))}")
+    base = os.path.join("runs", f"{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(stamp))}")
+    if jax.process_count() > 1:  # the processes of one job share the directory
+        return base
+    for n in itertools.count(1):
+        candidate = base if n == 1 else f"{base}-{n}"
+        try:
+            os.makedirs(candidate)
+            return candidate
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
 
 
 class _StopSignal:
@@ -87,8 +100,35 @@ def _write_config(run_dir: str, cfg: TrainConfig, task: Task) -> None:
         json.dump(record, f, indent=2, sort_keys=True, default=str)
 
 
+def _damaged(ckpt: Checkpointer, err: Exception) -> RunDirError:
+    """The error for a latest checkpoint that orbax cannot read (files missing or truncated),
+    saying which step and how to resume from the previous one."""
+    step = ckpt.latest_step()
+    earlier = [s for s in ckpt.all_steps() if s < step]
+    hint = (f"to resume from step {earlier[-1]} (the previous checkpoint), move "
+            f"{os.path.join(ckpt.directory, str(step))} out of {ckpt.directory}"
+            if earlier else "no earlier checkpoint is kept")
+    reason = (str(err).strip().splitlines() or [""])[0][:300]
+    return RunDirError(f"cannot restore the checkpoint at step {step} in {ckpt.directory}: "
+                       f"{type(err).__name__}: {reason}. It is damaged or incomplete; {hint}, "
+                       f"or start over with --overwrite.")
+
+
+def _restore(ckpt: Checkpointer, state):
+    try:
+        restored, _ = ckpt.restore(state)
+    except RunDirError:
+        raise
+    except Exception as err:  # noqa: BLE001 - orbax/tensorstore raise many kinds on bad files
+        raise _damaged(ckpt, err) from err
+    return restored
+
+
 def _check_resume_shape(run_dir: str, cfg: TrainConfig, ckpt: Checkpointer) -> None:
-    saved = ckpt.read_meta().get("model_shape")
+    try:
+        saved = ckpt.read_meta().get("model_shape")
+    except Exception as err:  # noqa: BLE001 - as in _restore
+        raise _damaged(ckpt, err) from err
     if saved is None:
         path = os.path.join(run_dir, "config.json")
         if os.path.exists(path):
@@ -154,9 +194,10 @@ def train(config: TrainConfig, *, until_step: int | None = None, devices=None,
     k = cfg.steps_per_dispatch
     run_dir = cfg.run_dir or _default_run_dir(cfg)
     prepare_run_dir(run_dir, resume=cfg.resume, overwrite=cfg.overwrite)
-    ckpt = Checkpointer(run_dir, keep=cfg.keep_checkpoints)
+    ckpt = None
     try:
         if cfg.resume:  # before building anything: a mismatch fails in milliseconds
+            ckpt = Checkpointer(run_dir, keep=cfg.keep_checkpoints)
             _check_resume_shape(run_dir, cfg, ckpt)
         policy = get_policy(cfg.precision)
         task = build_task(cfg, policy)
@@ -167,12 +208,21 @@ def train(config: TrainConfig, *, until_step: int | None = None, devices=None,
             task.fns, optimizer, policy, microbatches=cfg.microbatches, grad_sync=cfg.grad_sync,
             grad_compression=cfg.grad_compression, steps_per_dispatch=k, zero=cfg.zero,
             grad_dtype=cfg.grad_dtype, zero_clip_norm=zero_clip_norm, devices=devices)
+        if cfg.overwrite:  # only now: a bad flag above has cost the old run nothing
+            clear_run_dir(run_dir)
+            if jax.process_count() > 1:  # no process writes before process 0 has cleared
+                from jax.experimental import multihost_utils  # noqa: PLC0415
+
+                multihost_utils.sync_global_devices("jaxopt_train.clear_run_dir")
+        if ckpt is None:
+            ckpt = Checkpointer(run_dir, keep=cfg.keep_checkpoints)
         if cfg.resume:
-            trainer.state, _ = ckpt.restore(trainer.state)
+            trainer.state = _restore(ckpt, trainer.state)
         _write_config(run_dir, cfg, task)
         return _run(cfg, task, trainer, ckpt, run_dir, target, stream)
     finally:
-        ckpt.close()
+        if ckpt is not None:
+            ckpt.close()
 
 
 def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run_dir: str,
@@ -259,7 +309,8 @@ def _log(cfg: TrainConfig, task: Task, trainer: Trainer, logger: MetricsLogger,
     metrics["grad_norm"] = float(summary["grad_norm"][-1])
     metrics["loss_scale"] = float(summary["loss_scale"][-1])
     metrics["skipped_steps"] = int(trainer.state.loss_scale.skipped_steps)
-    metrics["lr"] = _current_lr(cfg, step)
+    # The rate the interval's last step ran with: the optimizer's count was step - 1 then.
+    metrics["lr"] = _current_lr(cfg, step - 1)
     if monitor is not None:
         metrics.update(monitor.latest())
     logger.log(step, metrics)
