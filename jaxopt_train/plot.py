@@ -26,9 +26,25 @@ PANELS: dict[str, tuple[str, str, float]] = {
 
 def _metric_scale(panel: str, name: str) -> float:
     if panel == "memory":
-        # bytes -> GiB; DCGM frame-buffer fields are MiB already.
-        return 1 / 1024 if name.startswith("DCGM_FI_DEV_FB") else 1 / 2**30
+        return _memory_scale_to_gib(name)
     return PANELS[panel][2]
+
+
+def _memory_scale_to_gib(name: str) -> float:
+    """The factor taking memory metric `name` to GiB, read from the unit its name carries.
+
+    The loop logs `peak_memory_gib` already in GiB; dividing every memory metric
+    by 2**30 drew it in billionths of a GiB. A name with no recognised unit is
+    drawn as logged rather than guessed at.
+    """
+    lowered = name.lower()
+    if lowered.startswith("dcgm_fi_dev_fb") or re.search(r"(^|[_/])mib($|[_/])", lowered):
+        return 1 / 1024  # DCGM frame-buffer fields are MiB
+    if re.search(r"(^|[_/])gib($|[_/])", lowered):
+        return 1.0
+    if "bytes" in lowered:
+        return 1 / 2**30
+    return 1.0
 
 
 def load_run(run_dir: str) -> list[dict[str, float]]:

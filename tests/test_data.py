@@ -16,9 +16,11 @@ from jax.sharding import PartitionSpec as P
 from jaxopt_train.data import (
     ImageDataset,
     TokenDataset,
+    check_labels,
     load_image_npz,
     load_text_corpus,
     load_token_file,
+    max_token_id,
     process_batch_slice,
     shard_batch,
     stdlib_source_files,
@@ -200,6 +202,37 @@ def test_image_npz_errors(tmp_path):
     np.savez(tmp_path / "c.npz", images=np.zeros((3, 4, 4)), labels=np.zeros(3, np.int64))
     with pytest.raises(ValueError, match=r"\(N, H, W, C\)"):
         load_image_npz(tmp_path / "c.npz")
+
+
+def test_image_labels_out_of_range_are_refused_naming_values(tmp_path):
+    images = np.zeros((6, 4, 4, 1), np.uint8)
+    np.savez(tmp_path / "neg.npz", images=images, labels=np.array([0, -100, 2, -100, -1, 1]))
+    with pytest.raises(ValueError, match=r"3 of 6 labels are out of range \(values -100, -1; first "
+                                         r"at index 1\); labels must be class ids in \[0, "
+                                         r"num_classes\) with num_classes=3"):
+        load_image_npz(tmp_path / "neg.npz", num_classes=3)
+    np.savez(tmp_path / "big.npz", images=images, labels=np.array([0, 1, 2, 3, 7, 1]))
+    with pytest.raises(ValueError, match=r"2 of 6 labels .*values 3, 7;.*num_classes=3"):
+        load_image_npz(tmp_path / "big.npz", num_classes=3)
+    assert load_image_npz(tmp_path / "big.npz", num_classes=8)["labels"].max() == 7
+    # Without num_classes, an int64 label that int32 cannot hold must not wrap round.
+    np.savez(tmp_path / "wrap.npz", images=images, labels=np.array([0, 1, 2**32 + 1, 0, 0, 0]))
+    with pytest.raises(ValueError, match=r"values 4294967297;.*labels must fit int32"):
+        load_image_npz(tmp_path / "wrap.npz")
+    with pytest.raises(ValueError, match="num_classes=0 must be a positive int"):
+        check_labels(np.array([0]), 0)
+
+
+def test_max_token_id_reads_memmaps_in_chunks(tmp_path):
+    tokens = (np.arange(10_001, dtype=np.uint16) % 300).astype(np.uint16)
+    tokens[9_999] = 50256  # in the last, partial chunk
+    tokens.tofile(tmp_path / "t.bin")
+    memmap = load_token_file(tmp_path / "t.bin", "uint16")
+    assert max_token_id(memmap, chunk_size=1000) == 50256
+    assert max_token_id(memmap) == 50256
+    assert max_token_id(np.array([3], np.uint32)) == 3
+    with pytest.raises(ValueError, match="non-empty 1-D"):
+        max_token_id(np.zeros((2, 2), np.uint16))
 
 
 def test_synthetic_batches():

@@ -63,6 +63,34 @@ def test_panel_contents_and_missing_panel(tmp_path, capsys):
     assert set(captured["throughput.png"]) == {"tokens_per_s"}
 
 
+def test_memory_units_follow_the_metric_name(tmp_path):
+    # The loop logs peak_memory_gib already in GiB; it used to be divided by 2**30 again.
+    sink = JsonlSink(tmp_path / "run" / "metrics.jsonl")
+    for step in (1, 2):
+        sink.write(step, {"peak_memory_gib": 20.5, "peak_memory_bytes": 3 * 2**30,
+                          "host_memory_mib": 2048.0, "memory_in_use": 7.0})
+    sink.close()
+    captured = {}
+    import matplotlib.pyplot as plt
+
+    original_savefig = plt.Figure.savefig
+
+    def spy(fig, path, **kwargs):
+        captured[str(path).rsplit("/", 1)[-1]] = {line.get_label(): list(line.get_ydata())
+                                                  for line in fig.axes[0].get_lines()}
+        return original_savefig(fig, path, **kwargs)
+
+    plt.Figure.savefig = spy
+    try:
+        plot.plot_runs([str(tmp_path / "run")], str(tmp_path / "out"))
+    finally:
+        plt.Figure.savefig = original_savefig
+    assert captured["memory.png"] == {"peak_memory_gib": [20.5, 20.5],
+                                      "peak_memory_bytes": [3.0, 3.0],
+                                      "host_memory_mib": [2.0, 2.0],
+                                      "memory_in_use": [7.0, 7.0]}  # no unit: drawn as logged
+
+
 def test_bad_run_dir(tmp_path, capsys):
     assert plot.main([str(tmp_path / "nope")]) == 1
     assert "no metrics.jsonl" in capsys.readouterr().out

@@ -136,8 +136,11 @@ def test_prometheus_port_in_use():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        with pytest.raises(OSError):
-            PrometheusSink(taken.getsockname()[1], addr="127.0.0.1")
+        port = taken.getsockname()[1]
+        # A ValueError with the OS's reason, not a bare OSError traceback from the server.
+        with pytest.raises(ValueError, match=rf"cannot serve Prometheus metrics on 127.0.0.1:{port}: "
+                                             r"Address already in use; pick another port, or 0"):
+            PrometheusSink(port, addr="127.0.0.1")
 
 
 def test_multisink_fans_out_and_closes_all(tmp_path):

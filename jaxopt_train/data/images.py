@@ -11,15 +11,21 @@ from jaxopt_train.data.sampling import batch_indices, check_positive_int
 from jaxopt_train.data.tokens import SPLITS
 
 
-def load_image_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
+def load_image_npz(path: str | os.PathLike, *, num_classes: int | None = None) -> dict[str, np.ndarray]:
     """Loads ``{"images": [N, H, W, C], "labels": int32 [N]}`` from an ``.npz`` file.
 
     ``images`` may be uint8 (0..255) or floating; it is returned as stored
     (`ImageDataset` scales uint8 to [0, 1] per batch, keeping host memory small).
 
+    Args:
+      path: the ``.npz`` file.
+      num_classes: if given, every label must be a class id in [0, num_classes).
+        Without it the labels must still fit int32, the dtype they are returned in.
+
     Raises:
       FileNotFoundError: no such file.
-      ValueError: missing arrays, wrong ranks/dtypes, or mismatched lengths.
+      ValueError: missing arrays, wrong ranks/dtypes, mismatched lengths, or
+        labels out of range.
     """
     path = pathlib.Path(path)
     if not path.is_file():
@@ -33,7 +39,44 @@ def load_image_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
             )
         images, labels = npz["images"], npz["labels"]
     check_image_arrays(images, labels)
+    source = f"labels of {str(path)!r}"
+    if num_classes is not None:
+        check_labels(labels, num_classes, source)
+    else:
+        # An int64 label past int32 would wrap round in the cast below and pass as another id.
+        _check_range(labels, np.iinfo(np.int32).min, np.iinfo(np.int32).max + 1, source,
+                     "labels must fit int32")
     return {"images": images, "labels": labels.astype(np.int32)}
+
+
+def check_labels(labels: np.ndarray, num_classes: int, source: str = "labels") -> None:
+    """Raises ValueError unless every label is a class id in [0, num_classes).
+
+    A label outside that range (e.g. -100, an ignore index elsewhere) has no
+    logit to pick; under `jit` the loss would turn it into NaN mid-run, so it is
+    refused here, before anything is compiled, naming the offending values.
+    """
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+        raise ValueError(f"num_classes={num_classes!r} must be a positive int")
+    labels = np.asarray(labels)
+    fixes = []
+    if np.any(labels < 0):
+        fixes.append("there is no ignore index (such as -100): drop or relabel those examples")
+    if np.any(labels >= num_classes):
+        fixes.append("raise num_classes (--num-classes) if the ids above it are real classes")
+    _check_range(labels, 0, num_classes, source, f"labels must be class ids in [0, num_classes) "
+                 f"with num_classes={num_classes}; " + "; ".join(fixes))
+
+
+def _check_range(labels: np.ndarray, low: int, high: int, source: str, rule: str) -> None:
+    labels = np.asarray(labels)
+    bad = (labels < low) | (labels >= high)
+    if bad.any():
+        values = np.unique(labels[bad])
+        shown = ", ".join(str(v) for v in values[:8]) + (", ..." if values.size > 8 else "")
+        first = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"{source}: {int(bad.sum())} of {labels.size} labels are out of range "
+                         f"(values {shown}; first at index {first}); {rule}")
 
 
 def check_image_arrays(images: np.ndarray, labels: np.ndarray) -> None:

@@ -42,6 +42,19 @@ def load_token_file(path: str | os.PathLike, dtype: str | np.dtype = "uint16") -
     return np.memmap(path, dtype=np.dtype(name).newbyteorder("<"), mode="r")
 
 
+def max_token_id(tokens: np.ndarray, chunk_size: int = 1 << 24) -> int:
+    """The largest id in a 1-D token array, read ``chunk_size`` tokens at a time.
+
+    Chunked so that a memory-mapped file of billions of tokens is scanned with
+    bounded memory (a plain ``np.max`` would page the whole file into RAM at once
+    and, on some numpy versions, allocate a full-size temporary).
+    """
+    check_positive_int("chunk_size", chunk_size)
+    if tokens.ndim != 1 or tokens.size == 0:
+        raise ValueError(f"tokens must be a non-empty 1-D array, got shape={tokens.shape}")
+    return max(int(np.max(tokens[i:i + chunk_size])) for i in range(0, tokens.size, chunk_size))
+
+
 def _is_dtype_like(value) -> bool:
     try:
         np.dtype(value)

@@ -132,6 +132,10 @@ class PrometheusSink:
     Args:
       port: TCP port; 0 picks a free one (read it back from `.port`).
       addr: address to bind; "0.0.0.0" for scrapers on other hosts.
+
+    Raises:
+      ValueError: a port outside [0, 65535], or one that cannot be bound (in use,
+        privileged), with the OS's reason.
     """
 
     def __init__(self, port: int = 9400, addr: str = "0.0.0.0", *, prefix: str = "jaxopt_train_"):
@@ -143,7 +147,13 @@ class PrometheusSink:
         self.registry = prometheus_client.CollectorRegistry()
         self._gauges: dict[str, Any] = {}
         self._gauge_type = prometheus_client.Gauge
-        started = prometheus_client.start_http_server(port, addr=addr, registry=self.registry)
+        try:
+            started = prometheus_client.start_http_server(port, addr=addr, registry=self.registry)
+        except OSError as err:  # EADDRINUSE, EACCES (port < 1024), an unknown addr
+            reason = err.strerror or str(err)
+            raise ValueError(
+                f"cannot serve Prometheus metrics on {addr}:{port}: {reason}; pick another "
+                "port, or 0 for any free one") from err
         # prometheus_client >= 0.17 returns (server, thread); older ones cannot be stopped.
         self._server, self._thread = started if isinstance(started, tuple) else (None, None)
         self.port = self._server.server_port if self._server is not None else port

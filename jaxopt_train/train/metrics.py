@@ -85,7 +85,12 @@ class MetricsLogger:
         self.is_main = jax.process_index() == 0
         self.stream = stream or sys.stdout
         self.jsonl = JsonlWriter(os.path.join(run_dir, "metrics.jsonl")) if self.is_main else None
-        self.sinks = _optional_sinks(run_dir, tensorboard, prometheus_port) if self.is_main else []
+        try:
+            self.sinks = _optional_sinks(run_dir, tensorboard, prometheus_port) if self.is_main else []
+        except BaseException:
+            if self.jsonl is not None:  # the caller never gets an object to close
+                self.jsonl.close()
+            raise
         use_bar = progress == "bar" or (progress == "auto" and _isatty(self.stream))
         self.bar = _make_bar(total_steps, start_step, self.stream) if (use_bar and self.is_main) else None
         # The bound port (prometheus_port=0 picks a free one), for scrapers and tests.
@@ -182,5 +187,11 @@ def _optional_sinks(run_dir: str, tensorboard: bool, prometheus_port: int | None
     if tensorboard:
         out.append(sinks.TensorBoardSink(os.path.join(run_dir, "tb")))
     if prometheus_port is not None:
-        out.append(sinks.PrometheusSink(prometheus_port))
+        try:
+            out.append(sinks.PrometheusSink(prometheus_port))
+        except ValueError as err:
+            for sink in out:  # the TensorBoard writer opened above
+                sink.close()
+            raise ValueError(f"--prometheus-port {prometheus_port} "
+                             f"({prometheus_port=}): {err}") from err
     return out

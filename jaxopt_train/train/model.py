@@ -140,8 +140,13 @@ def gpt_loss_fn(model, batch) -> jax.Array:
 
 
 def vision_loss_fn(model, batch, train: bool) -> jax.Array:
-    """Softmax cross-entropy of an image classifier on {"images", "labels"} batches."""
-    import optax  # noqa: PLC0415
+    """Softmax cross-entropy of an image classifier on {"images", "labels"} batches.
 
-    logits = model(batch["images"], train=train).astype(jnp.float32)
-    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]))
+    Uses `classification_loss` rather than optax's: for a label outside
+    [0, num_classes) optax gives a NaN loss but a finite gradient, so the
+    trainer's non-finite guard let the update through; ours makes the gradient
+    NaN too (under jit) and the step is skipped.
+    """
+    from jaxopt_train.models import classification_loss  # noqa: PLC0415
+
+    return classification_loss(model(batch["images"], train=train), batch["labels"])

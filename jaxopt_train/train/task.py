@@ -55,7 +55,8 @@ def gpt_model_config(cfg: TrainConfig, policy: Policy, vocab_size: int | None = 
     if vocab_size is not None and vocab_size > model_cfg.vocab_size:
         raise ValueError(f"the data has token ids up to {vocab_size - 1} but preset={cfg.preset!r} "
                          f"has vocab_size={model_cfg.vocab_size}; use a preset with a larger "
-                         "vocabulary or override vocab_size")
+                         f"vocabulary or override it with --model vocab_size={vocab_size} "
+                         f"(model_overrides={{'vocab_size': {vocab_size}}})")
     return model_cfg
 
 
@@ -79,7 +80,7 @@ def _prefer_cudnn_attention(model_cfg):
 def _load_tokens(cfg: TrainConfig) -> tuple[np.ndarray, int, str]:
     """(tokens, smallest vocab that covers them, description)."""
     from jaxopt_train.data.text import load_text_corpus  # noqa: PLC0415
-    from jaxopt_train.data.tokens import load_token_file  # noqa: PLC0415
+    from jaxopt_train.data.tokens import load_token_file, max_token_id  # noqa: PLC0415
 
     if cfg.data is None:
         tokens = load_text_corpus(None)
@@ -89,7 +90,9 @@ def _load_tokens(cfg: TrainConfig) -> tuple[np.ndarray, int, str]:
                                 "a .bin token file, or a .npz of images")
     if cfg.data.endswith(".bin"):
         tokens = load_token_file(cfg.data, "uint16")
-        return tokens, 65536, f"token file {cfg.data} ({tokens.size:,} uint16 tokens)"
+        # Scanned once here (about a second per GB): an id past the model's vocab
+        # would only show later as NaN losses and a misleading "lower --lr" stop.
+        return tokens, max_token_id(tokens) + 1, f"token file {cfg.data} ({tokens.size:,} uint16 tokens)"
     tokens = load_text_corpus(cfg.data)
     return tokens, 256, f"text {cfg.data} ({tokens.size:,} bytes)"
 
@@ -104,8 +107,7 @@ def _gpt_task(cfg: TrainConfig, policy: Policy) -> Task:
         raise ValueError(f"data={cfg.data!r} holds images but preset={cfg.preset!r} is a language "
                          "model; use --preset cnn-small/resnet18/resnet50 for images")
     tokens, data_vocab, description = _load_tokens(cfg)
-    # A .bin file's real vocabulary is unknown without a scan; trust the preset's for those.
-    model_cfg = gpt_model_config(cfg, policy, None if data_vocab == 65536 else data_vocab)
+    model_cfg = gpt_model_config(cfg, policy, data_vocab)
     train_ds = TokenDataset(tokens, model_cfg.seq_len, split="train", seed=cfg.seed)
     val_ds = TokenDataset(tokens, model_cfg.seq_len, split="val", seed=cfg.seed)
     model = GPT(model_cfg, rngs=nnx.Rngs(cfg.seed))
@@ -126,15 +128,19 @@ def _vision_task(cfg: TrainConfig, policy: Policy) -> Task:
     from jaxopt_train.models import create_vision_model  # noqa: PLC0415
 
     if cfg.data is not None:
-        from jaxopt_train.data.images import ImageDataset, load_image_npz  # noqa: PLC0415
+        from jaxopt_train.data.images import (  # noqa: PLC0415
+            ImageDataset, check_labels, load_image_npz)
 
         if not cfg.data.endswith(".npz"):
             raise ValueError(f"data={cfg.data!r}: preset={cfg.preset!r} trains on images; give an "
                              ".npz with 'images' [N,H,W,C] and 'labels' [N]")
         arrays = load_image_npz(cfg.data)
+        # The classifier widens to the largest label, so --num-classes is a lower bound;
+        # what remains to refuse is a negative id (e.g. an ignore index of -100).
+        num_classes = max(cfg.num_classes, int(np.max(arrays["labels"])) + 1)
+        check_labels(arrays["labels"], num_classes, f"labels of {cfg.data!r}")
         train_ds = ImageDataset(arrays["images"], arrays["labels"], split="train", seed=cfg.seed)
         val_ds = ImageDataset(arrays["images"], arrays["labels"], split="val", seed=cfg.seed)
-        num_classes = max(cfg.num_classes, int(np.max(arrays["labels"])) + 1)
         image_size, channels = train_ds.images.shape[1], train_ds.images.shape[3]
         train_batch = lambda step: train_ds.batch(step, cfg.batch_size)  # noqa: E731
         eval_batch = lambda i: val_ds.batch(i, cfg.batch_size)  # noqa: E731

@@ -1,0 +1,110 @@
+"""Bad inputs to `jaxopt-train train` stop before training, with a message and exit status 2.
+
+Image labels and token ids outside the model's classes / vocabulary, and a
+Prometheus port that cannot be bound. Every check here fires before the train
+step is compiled, so these tests build at most a tiny model and compile nothing
+of the trainer's.
+"""
+
+import os
+import socket
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxopt_train.precision import get_policy
+from jaxopt_train.train import TrainConfig, cli, train
+from jaxopt_train.train.model import vision_loss_fn
+from jaxopt_train.train.task import build_task
+
+TINY_GPT_FLAGS = ["--model", "d_model=32", "--model", "n_layers=1", "--model", "n_heads=2",
+                  "--seq-len", "32", "--batch-size", "8", "--steps", "2", "--progress", "lines"]
+
+
+def _images_npz(path, labels):
+    images = np.random.default_rng(0).integers(0, 256, (len(labels), 8, 8, 3), dtype=np.uint8)
+    np.savez(path, images=images, labels=np.asarray(labels, np.int64))
+    return str(path)
+
+
+def test_negative_image_labels_exit_2_naming_values_and_num_classes(tmp_path, capsys):
+    # Every other label is -100 (an ignore index elsewhere): before the fix the run
+    # trained on, logging loss nan and exiting 0.
+    labels = [-100 if i % 2 == 0 else i % 10 for i in range(40)]
+    data = _images_npz(tmp_path / "neg.npz", labels)
+    run_dir = tmp_path / "run"
+    argv = ["--preset", "cnn-small", "--data", data, "--steps", "2", "--batch-size", "8",
+            "--max-nonfinite-steps", "1", "--progress", "lines", "--run-dir", str(run_dir)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "labels of" in err and "neg.npz" in err
+    assert "20 of 40 labels are out of range (values -100; first at index 0)" in err
+    assert "num_classes=10" in err and "Traceback" not in err
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_labels_above_num_classes_still_widen_the_classifier(tmp_path):
+    # --num-classes is a lower bound: labels up to 11 give a 12-way classifier.
+    data = _images_npz(tmp_path / "wide.npz", [i % 12 for i in range(40)])
+    cfg = TrainConfig(preset="cnn-small", data=data, num_classes=10, batch_size=8)
+    task = build_task(cfg, get_policy("fp32"))
+    out_bias = [x for x in jax.tree.leaves(task.fns.params) if x.shape == (12,)]
+    assert out_bias, "expected a 12-class output layer"
+
+
+def _linear_classifier_loss(w, labels):
+    images = jnp.ones((len(labels), 4), jnp.float32)
+    batch = {"images": images, "labels": jnp.asarray(labels, jnp.int32)}
+    return vision_loss_fn(lambda x, train: x @ w, batch, True)
+
+
+def test_vision_loss_gradient_is_nan_for_an_out_of_range_label_under_jit():
+    # Under jit the id cannot be checked; the gradient (not only the loss) must be NaN
+    # so the trainer's non-finite guard skips the step. optax's loss, used before,
+    # gave a NaN loss with a finite gradient and the update went through.
+    w = jnp.ones((4, 3), jnp.float32) * 0.1
+    grad = jax.jit(jax.grad(_linear_classifier_loss))(w, jnp.array([-100, 1], jnp.int32))
+    assert np.isnan(np.asarray(grad)).all()
+    loss = jax.jit(_linear_classifier_loss)(w, jnp.array([3, 1], jnp.int32))
+    assert np.isnan(np.asarray(loss))
+    good = jax.jit(jax.grad(_linear_classifier_loss))(w, jnp.array([0, 2], jnp.int32))
+    assert np.isfinite(np.asarray(good)).all()
+    with pytest.raises(ValueError, match=r"ids in \[0, 3\)"):  # concrete ids are checked
+        _linear_classifier_loss(w, np.array([-100, 1], np.int32))
+
+
+def test_token_ids_beyond_the_vocab_are_refused_naming_the_fix(tmp_path):
+    tokens = np.arange(4096, dtype=np.uint16) % 256
+    tokens[3000] = 50256  # one GPT-2 id in a byte-level file
+    path = tmp_path / "gpt2.bin"
+    tokens.tofile(path)
+    cfg = TrainConfig(data=str(path), model_overrides=dict(d_model=32, n_layers=1, n_heads=2),
+                      seq_len=32, batch_size=8, steps=2, progress="lines",
+                      run_dir=str(tmp_path / "run"))
+    with pytest.raises(ValueError, match=r"token ids up to 50256 but preset='gpt-tiny' has "
+                                         r"vocab_size=256.*--model vocab_size=50257"):
+        train(cfg)
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+
+
+def test_token_file_within_the_vocab_builds(tmp_path):
+    path = tmp_path / "bytes.bin"
+    (np.arange(4096, dtype=np.uint16) % 256).tofile(path)
+    cfg = TrainConfig(data=str(path), model_overrides=dict(d_model=32, n_layers=1, n_heads=2),
+                      seq_len=32, batch_size=8)
+    task = build_task(cfg, get_policy("fp32"))
+    assert task.train_batch(0)["inputs"].max() < 256
+
+
+def test_prometheus_port_in_use_exits_2_naming_the_flag(tmp_path, capsys):
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = TINY_GPT_FLAGS + ["--prometheus-port", str(port), "--run-dir", str(tmp_path / "run")]
+        assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--prometheus-port {port}" in err and "in use" in err
+    assert "or 0 for any free one" in err and "Traceback" not in err
