@@ -19,6 +19,7 @@ from jaxopt_train.collectives import (
     ring_all_reduce,
     ring_reduce_scatter,
 )
+from jaxopt_train.collectives.compression import ErrorFeedbackState
 
 AUTO = jax.sharding.AxisType.Auto
 
@@ -203,6 +204,28 @@ def test_bad_types_and_axis_pairs():
         _trace(lambda x: all_reduce_tree(x, ("a", "b"), method="ring"), X, (2, 4), ("a", "b"))
     with pytest.raises(ValueError, match="error_state= is only used with compression"):
         _trace(lambda x: all_reduce_tree(x, "data", error_state=object()), X)
+
+
+@pytest.mark.parametrize("fn, exc, match", [
+    (lambda x: all_reduce_tree(x, "data", bucket_mb="25"), TypeError,
+     "bucket_mb='25' must be a number of MiB .* not str"),
+    (lambda x: all_reduce_tree(x, "data", bucket_mb=float("nan")), ValueError, "bucket_mb=nan must be >= 0"),
+    (lambda x: all_reduce_tree(x, "data", first_bucket_mb=None, bucket_mb=None), TypeError,
+     "bucket_mb=None must be a number of MiB"),
+    (lambda x: all_reduce_tree({"a": x}, "data", compression="bf16", error_state={"a": jnp.zeros_like(x)}),
+     TypeError, "error_state must be an ErrorFeedbackState, built with init_error_feedback.*got dict"),
+    (lambda x: all_reduce_tree({"a": x}, "data", compression="bf16",
+                               error_state=ErrorFeedbackState({"b": jnp.zeros_like(x)})),
+     ValueError, "error_state.error must have the gradient tree's structure"),
+    (lambda x: all_reduce_tree(x, "data", method="psum", ring_order=list(range(8))), ValueError,
+     r"ring_order= applies to the ring methods .* with method='psum'"),
+    (lambda x: all_reduce_tree(x, "data", method="ring", group_size=4), ValueError,
+     "group_size= applies to method='hierarchical' only; got group_size=4 with method='ring'"),
+])
+def test_wrong_types_and_ignored_options_are_refused(fn, exc, match):
+    """Each names the argument, what it must be and what was given (no raw AttributeError / silence)."""
+    with pytest.raises(exc, match=match):
+        _trace(fn, X)
 
 
 X64 = jnp.zeros((8 * 8, 2), jnp.float32)  # 8 rows a device: reduce-scatter divides them

@@ -147,3 +147,67 @@ def test_zero1_dp_step_matches_the_all_reduce_step(grad_dtype):
                                    err_msg=jax.tree_util.keystr(path))
     table = got["wte"]["embedding"][...]
     assert table.addressable_shards[0].data.size == table.size // 4  # really sharded
+
+
+def _no_sweep(*_args, **_kwargs):
+    raise AssertionError("the benchmark ran; the flags should have been refused first")
+
+
+def test_time_burst_with_no_warmup():
+    assert bench.time_burst(lambda x: x + 1, (jnp.ones(3),), warmup=0, iters=1, bursts=1) > 0
+
+
+def test_exits_1_when_every_variant_failed(monkeypatch, capsys):
+    def fail(*_args, **_kwargs):
+        raise RuntimeError("no link")
+    monkeypatch.setattr(bench, "time_burst", fail)
+    assert bench.main(["--sizes", "4K", "--dtypes", "f32", "--chunks", "1", "--methods", "ring"]) == 1
+    err = capsys.readouterr().err
+    assert "psum f32 4K failed: RuntimeError: no link" in err and "every all-reduce variant failed" in err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--quick"], dict(warmup=1, iters=3, bursts=3, gpt_iters=2, gpt_batch=2, gpt_overrides={"n_layers": 1})),
+    (["--quick", "--warmup", "0", "--iters", "7", "--bursts", "2", "--gpt-iters", "4", "--gpt-batch", "3",
+      "--gpt-overrides", "n_layers=2,use_bias=false,layer_norm_epsilon=1e-6,dtype=bfloat16"],
+     dict(warmup=0, iters=7, bursts=2, gpt_iters=4, gpt_batch=3,
+          gpt_overrides={"n_layers": 2, "use_bias": False, "layer_norm_epsilon": 1e-6, "dtype": "bfloat16"})),
+    ([], dict(warmup=3, iters=10, bursts=5, gpt_iters=5, gpt_batch=4, gpt_overrides={})),
+])
+def test_quick_defaults_fill_only_unset_flags(monkeypatch, argv, expected):
+    seen = {}
+
+    def fake_gpt(args, record):
+        seen.update({k: getattr(args, k) for k in expected})
+        return []
+    monkeypatch.setattr(bench, "bench_collectives", lambda args, record: [{"fake": "row"}])
+    monkeypatch.setattr(bench, "print_table", lambda rows, note: None)
+    monkeypatch.setattr(bench_gpt, "bench_gpt", fake_gpt)
+    assert bench.main([*argv, "--gpt"]) == 0
+    assert seen == expected
+
+
+@pytest.mark.parametrize("value, message", [
+    ("n_layers", "argument --gpt-overrides: 'n_layers' must look like FIELD=VALUE"),
+    ("=3", "argument --gpt-overrides: '=3' must look like FIELD=VALUE"),
+    ("use_bias=maybe", "argument --gpt-overrides: use_bias='maybe' must be True or False"),
+    ("n_layerz=2", "argument --gpt-overrides: unknown GPTConfig field(s) ['n_layerz']"),
+])
+def test_bad_gpt_overrides_exit_2_before_any_benchmark(monkeypatch, capsys, value, message):
+    monkeypatch.setattr(bench, "bench_collectives", _no_sweep)
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--gpt", "--gpt-overrides", value])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sizes", "6", "--dtypes", "f32"], "[6] bytes must each be a positive multiple of the 4-byte item size"),
+    (["--sizes", "4K,2", "--dtypes", "f32,bf16"], "[2] bytes must each be a positive multiple of the 4-byte"),
+    (["--sizes", "4K,3"], "[3] bytes must each be a positive multiple of the 4-byte"),
+    (["--sizes", "3", "--dtypes", "bf16"], "[3] bytes must each be a positive multiple of the 2-byte"),
+])
+def test_sizes_not_whole_elements_are_refused(monkeypatch, capsys, argv, message):
+    monkeypatch.setattr(bench, "bench_collectives", _no_sweep)
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err

@@ -93,6 +93,19 @@ def test_plan_buckets_reverse_order_small_first_and_dtype_groups():
         plan_buckets(leaves, 1, -1)
 
 
+def test_plan_buckets_inf_is_one_bucket_per_dtype_by_default():
+    """The documented math.inf: the default small first bucket must not split it in two."""
+    f32 = lambda n_bytes: SimpleNamespace(shape=(n_bytes // 4,), dtype=jnp.float32)  # noqa: E731
+    leaves = [f32(1 << 20), SimpleNamespace(shape=(8,), dtype=jnp.bfloat16), f32(1 << 20), f32(1 << 20)]
+    buckets = plan_buckets(leaves, math.inf)
+    assert [b.leaf_indices for b in buckets] == [(3, 2, 0), (1,)]
+    assert len(plan_buckets(leaves, math.inf, first_bucket_mb=1)) == 3  # an explicit cap still applies
+    with pytest.raises(TypeError, match="bucket_mb='25' must be a number of MiB"):
+        plan_buckets(leaves, "25")
+    with pytest.raises(TypeError, match="first_bucket_mb=True must be a number of MiB"):
+        plan_buckets(leaves, 25, True)
+
+
 def _compressed_step(mesh, codec, method, feedback):
     def body(g, err):
         state = init_error_feedback([g]) if not feedback else type(init_error_feedback(g))([err])
@@ -121,6 +134,37 @@ def test_compression_error_within_documented_bound(mesh, codec, method):
         bound = 2.0**-8 * (np.abs(np.asarray(g, np.float64)).sum(0) + np.abs(true)) * (1 + 1e-5) + 1e-6
     assert np.all(err <= bound), (err / bound).max()
     assert err.max() > 0  # the wire really was compressed
+
+
+def test_int8_encode_keeps_a_non_finite_block_non_finite():
+    x = jnp.zeros((3, INT8_BLOCK), jnp.float32).at[0, 5].set(jnp.inf).at[1, 7].set(jnp.nan).at[2].set(1.0)
+    got = np.asarray(decode(encode(x, "int8"), "int8"))
+    assert np.isnan(got[:2]).all()  # the whole block: its scale is NaN
+    np.testing.assert_allclose(got[2], 1.0, rtol=1e-6)  # other blocks untouched
+
+
+@pytest.mark.parametrize("method, bad", [("ring", np.inf), ("ring", np.nan), ("psum", np.inf)])
+def test_int8_non_finite_input_gives_a_non_finite_sum_on_4_devices(method, bad):
+    """An overflow must reach the loss scaler's finite check (it used to come out as finite zeros),
+    and keeping the previous error state on that step (as train.step does) leaves later steps exact."""
+    n, size = 4, 4 * 2 * INT8_BLOCK  # each device's chunk holds two int8 blocks
+    mesh4 = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
+    fn = _smap(lambda g, e: _int8_with_feedback(g, e, method), mesh4, (P("data"), P("data")),
+               (P("data"), P("data")))
+    g = np.ones((n, size), np.float32)
+    g[1, 3] = bad
+    err0 = jnp.zeros((n, size), jnp.float32)
+    got, _ = (np.asarray(a) for a in fn(jnp.asarray(g), err0))
+    assert np.isnan(got[:, :INT8_BLOCK]).all()  # the block holding the bad element, on every device
+    np.testing.assert_allclose(got[:, INT8_BLOCK:], n, rtol=1e-5)  # the rest is still the sum
+    later, _ = (np.asarray(a) for a in fn(jnp.ones((n, size), jnp.float32), err0))
+    np.testing.assert_allclose(later, n, rtol=1e-5)
+
+
+def _int8_with_feedback(g, err, method):
+    summed, new = all_reduce_tree([g[0]], "data", method=method, compression="int8",
+                                  error_state=ErrorFeedbackState([err[0]]))
+    return summed[0][None], new.error[0][None]
 
 
 def test_error_feedback_keeps_accumulated_error_bounded(mesh):
@@ -186,6 +230,13 @@ def test_ring_order_groups_processes_and_snakes_tpu_coords():
     text = describe_ring(gpus, ring_order(gpus))
     assert text.startswith("ring over 8 devices (2 processes, 2 cross-process hops)")
     assert text.count("(cross-process)") == 2
+
+
+@pytest.mark.parametrize("order", [[0, 1, 9], [0, 1, 1, 2], [0, 1, 2], ["a", 1, 2, 3]])
+def test_describe_ring_refuses_an_order_that_is_not_a_permutation(order):
+    devices = [SimpleNamespace(id=i, process_index=0) for i in range(4)]
+    with pytest.raises(ValueError, match=r"order=.* must be a permutation of 0..3 \(one index per device\)"):
+        describe_ring(devices, order)
 
 
 def test_ring_order_on_real_devices_is_a_permutation():

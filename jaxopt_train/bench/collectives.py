@@ -88,9 +88,13 @@ def nvlink_peak(device) -> tuple[float | None, str]:
 
 
 def time_burst(fn: Callable, args: tuple, *, warmup: int, iters: int, bursts: int) -> float:
-    """Median seconds per call over `bursts` bursts of `iters` back-to-back calls."""
+    """Median seconds per call over `bursts` bursts of `iters` back-to-back calls.
+
+    `warmup=0` is allowed: the first burst then also times the compilation.
+    """
     import jax  # noqa: PLC0415
 
+    out = None  # blocking on None is a no-op: nothing to wait for without warm-up
     for _ in range(warmup):
         out = fn(*args)
     jax.block_until_ready(out)
@@ -241,15 +245,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", type=_csv(str, "ring,ring_bidir"), default=None,
                    help="variants besides psum: ring,ring_bidir,ring_wire_bf16,hierarchical,peer,peer_wire_bf16 "
                         "(default all; peer ones on 2 Hopper GPUs only)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10, help="calls per timed burst")
-    p.add_argument("--bursts", type=int, default=5)
+    # None: unset, so --quick can pick smaller defaults without overriding a given value.
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 3; --quick: 1)")
+    p.add_argument("--iters", type=int, default=None, help="calls per timed burst (default 10; --quick: 3)")
+    p.add_argument("--bursts", type=int, default=None, help="timed bursts (default 5; --quick: 3)")
     p.add_argument("--peak", type=float, default=None, help="link peak GB/s per direction (default: NVML/table)")
     p.add_argument("--gpt", action="store_true", help="also time a data-parallel GPT step per grad-sync method")
     p.add_argument("--gpt-config", default="gpt-tiny")
-    p.add_argument("--gpt-overrides", default="", help="GPTConfig overrides, e.g. n_layers=4,dtype=bfloat16")
-    p.add_argument("--gpt-batch", type=int, default=4, help="sequences per device")
-    p.add_argument("--gpt-iters", type=int, default=5)
+    p.add_argument("--gpt-overrides", default=None,
+                   help="GPTConfig overrides FIELD=VALUE,..., values read as JSON else as strings, "
+                        "e.g. n_layers=4,dtype=bfloat16,use_bias=false (--quick default: n_layers=1)")
+    p.add_argument("--gpt-batch", type=int, default=None, help="sequences per device (default 4; --quick: 2)")
+    p.add_argument("--gpt-iters", type=int, default=None, help="calls per timed burst of the step "
+                                                                   "(default 5; --quick: 2)")
     p.add_argument("--gpt-methods", type=_csv(str, "psum,ring"), default=["psum", "ring"])
     p.add_argument("--gpt-grad-dtype", choices=("param", "compute"), default="param",
                    help="gradients in the params' dtype or the model's compute dtype")
@@ -268,8 +276,38 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Unset counts: (default, --quick default); checked against the minimum before either applies.
+_COUNT_DEFAULTS = {"warmup": (3, 1), "iters": (10, 3), "bursts": (5, 3), "gpt_batch": (4, 2), "gpt_iters": (5, 2)}
+
+
+def _check_sizes(parser: argparse.ArgumentParser, sizes: list[int] | None, dtypes: list[str]) -> None:
+    """Each size must be whole elements of every dtype, else fewer bytes are timed than reported."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    for dtype in dtypes:
+        itemsize = jnp.dtype(DTYPES[dtype]).itemsize
+        bad = [size for size in sizes or () if size % itemsize]
+        if bad:
+            parser.error(f"argument --sizes: {bad} bytes must each be a positive multiple of the "
+                         f"{itemsize}-byte item size of --dtypes {dtype}")
+
+
+def _apply_defaults(args) -> None:
+    """Fills flags left unset with the normal or the --quick defaults."""
+    for flag, (normal, quick) in _COUNT_DEFAULTS.items():
+        if getattr(args, flag) is None:
+            setattr(args, flag, quick if args.quick else normal)
+    if args.gpt_overrides is None:
+        args.gpt_overrides = "n_layers=1" if args.quick else ""
+    if args.quick:
+        args.sizes = args.sizes or [64 << 10, 1 << 20]
+    args.sizes = args.sizes or [1 << s for s in range(20, 31, 2)]
+    args.chunks = args.chunks or ([1, 2] if args.quick else [1, 4])
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     bad = [d for d in args.dtypes if d not in DTYPES]
     if bad:
         print(f"--dtypes {bad} unknown; expected some of {sorted(DTYPES)}", file=sys.stderr)
@@ -287,18 +325,19 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and not value > 0:
             print(f"--{flag.replace('_', '-')}={value} must be > 0", file=sys.stderr)
             return 2
-    for flag in ("warmup", "iters", "bursts", "gpt_batch", "gpt_iters"):
-        if getattr(args, flag) < (0 if flag == "warmup" else 1):
-            print(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= "
-                  f"{0 if flag == 'warmup' else 1}", file=sys.stderr)
+    for flag in _COUNT_DEFAULTS:
+        value, least = getattr(args, flag), 0 if flag == "warmup" else 1
+        if value is not None and value < least:  # before the defaults: 0 is not "unset"
+            print(f"--{flag.replace('_', '-')}={value} must be >= {least}", file=sys.stderr)
             return 2
-    if args.quick:
-        args.sizes = args.sizes or [64 << 10, 1 << 20]
-        args.warmup, args.iters, args.bursts, args.gpt_iters = 1, 3, 3, 2
-        args.gpt_overrides = args.gpt_overrides or "n_layers=1"
-        args.gpt_batch = min(args.gpt_batch, 2)
-    args.sizes = args.sizes or [1 << s for s in range(20, 31, 2)]
-    args.chunks = args.chunks or ([1, 2] if args.quick else [1, 4])
+    _check_sizes(parser, args.sizes, args.dtypes)
+    _apply_defaults(args)
+    from jaxopt_train.bench import collectives_gpt  # noqa: PLC0415
+
+    # Before any benchmark: a bad override must not cost a whole sweep first.
+    args.gpt_overrides = collectives_gpt.parse_gpt_overrides(parser, args.gpt_overrides)
+    if args.gpt:
+        collectives_gpt.check_gpt_config(parser, args.gpt_config, args.gpt_overrides)
     import jax  # noqa: PLC0415
 
     device = jax.devices()[0]
@@ -329,8 +368,6 @@ def main(argv: list[str] | None = None) -> int:
             dump()
         return add
 
-    from jaxopt_train.bench.collectives_gpt import bench_gpt, print_gpt  # noqa: PLC0415
-
     rows = bench_collectives(args, record("allreduce"))
     gpt_rows = []
     gpt_failed = False
@@ -339,13 +376,16 @@ def main(argv: list[str] | None = None) -> int:
             # jax.nn's bf16 attention backward mixes bf16 with f32 constants, which a
             # caller's strict promotion setting (our tests') rejects while tracing.
             with jax.numpy_dtype_promotion("standard"):
-                gpt_rows = bench_gpt(args, record("gpt_step"))
+                gpt_rows = collectives_gpt.bench_gpt(args, record("gpt_step"))
         except Exception as err:  # noqa: BLE001 (keep the all-reduce table, then fail)
             print(f"gpt step benchmark failed: {type(err).__name__}: {err}", file=sys.stderr)
             gpt_failed = True
     dump()
     print_table(rows, peak_note)
-    print_gpt(gpt_rows)
+    collectives_gpt.print_gpt(gpt_rows)
+    if not rows:
+        print("bench collectives: every all-reduce variant failed (see the errors above)", file=sys.stderr)
+        return 1
     return 1 if gpt_failed else 0
 
 

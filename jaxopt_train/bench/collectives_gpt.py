@@ -10,14 +10,48 @@ device at equal per-device batch. `--gpt-zero1` adds per-leaf ZeRO-1 and
 
 from __future__ import annotations
 
+import argparse
 import os
 from typing import Callable
 
 from jaxopt_train.bench.collectives import time_burst, trace_overlap
 
 
+def parse_gpt_overrides(parser: argparse.ArgumentParser, text: str) -> dict:
+    """`--gpt-overrides` ("n_layers=4,dtype=bfloat16,use_bias=false") as GPTConfig overrides.
+
+    Values are read as JSON (ints, floats, true/false), else kept as strings, as
+    `jaxopt-train train --model` reads them. A malformed item exits 2 naming the flag.
+    """
+    items = [item for item in text.split(",") if item]
+    if not items:  # skip importing the trainer for nothing
+        return {}
+    from jaxopt_train.train.cli import _parse_overrides  # noqa: PLC0415 (pulls in the trainer)
+
+    for item in items:  # checked here: _parse_overrides' own message names --model
+        key, sep, _ = item.partition("=")
+        if not sep or not key:
+            parser.error(f"argument --gpt-overrides: {item!r} must look like FIELD=VALUE, e.g. n_layers=4")
+    return _parse_overrides(parser, items)
+
+
+def check_gpt_config(parser: argparse.ArgumentParser, name: str, overrides: dict) -> None:
+    """Builds the GPTConfig once so a bad preset or override exits 2 naming its flag."""
+    from jaxopt_train.models import GPT_PRESETS, get_gpt_config  # noqa: PLC0415
+
+    if name not in GPT_PRESETS:
+        parser.error(f"argument --gpt-config: {name!r} is not a GPT preset; expected one of {GPT_PRESETS}")
+    try:
+        get_gpt_config(name, **overrides)
+    except (TypeError, ValueError) as err:
+        parser.error(f"argument --gpt-overrides: {err}")
+
+
 def bench_gpt(args, record: Callable[[dict], None]) -> list[dict]:
-    """Data-parallel GPT step per grad-sync method, vs compute-only, comm-only and one device."""
+    """Data-parallel GPT step per grad-sync method, vs compute-only, comm-only and one device.
+
+    `args.gpt_overrides` is the dict from `parse_gpt_overrides`.
+    """
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
@@ -29,8 +63,7 @@ def bench_gpt(args, record: Callable[[dict], None]) -> list[dict]:
     from jaxopt_train.models import GPT, get_gpt_config, gpt_loss  # noqa: PLC0415
     from jaxopt_train.zero import gather_leaves, leaf_specs, place_leaves, reduce_scatter_leaves  # noqa: PLC0415
 
-    overrides = dict(kv.split("=") for kv in args.gpt_overrides.split(",") if kv)
-    overrides = {k: (int(v) if v.isdigit() else v) for k, v in overrides.items()}
+    overrides = dict(args.gpt_overrides)
     cfg = get_gpt_config(args.gpt_config, **overrides)
     graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param)
     devices = jax.devices()

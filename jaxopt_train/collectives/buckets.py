@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Sequence
 
 import jax.numpy as jnp
@@ -40,6 +41,15 @@ class Bucket:
         return sum(self.sizes) * self.dtype.itemsize
 
 
+def _check_mb(name: str, value) -> float:
+    """`value` as a float number of MiB >= 0 (inf allowed), or a TypeError/ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}={value!r} must be a number of MiB (int or float), not {type(value).__name__}")
+    if not value >= 0:  # also refuses NaN
+        raise ValueError(f"{name}={value!r} must be >= 0 MiB (0: one leaf per bucket, math.inf: no limit)")
+    return float(value)
+
+
 def plan_buckets(leaves: Sequence, bucket_mb: float, first_bucket_mb: float | None = None) -> list[Bucket]:
     """Groups leaves (anything with `.shape` and `.dtype`) into buckets, in reverse leaf order.
 
@@ -49,16 +59,17 @@ def plan_buckets(leaves: Sequence, bucket_mb: float, first_bucket_mb: float | No
         would push it past this (a larger leaf gets a bucket of its own).
         `0` puts each leaf in its own bucket; `math.inf` one bucket per dtype.
       first_bucket_mb: cap of the first bucket of each dtype (default
-        `min(1, bucket_mb)`), so the first reduction starts early.
+        `min(1, bucket_mb)`, so the first reduction starts early; with
+        `bucket_mb=math.inf` the default is no cap, keeping one bucket per dtype).
 
     Returns:
       Buckets in the order their reductions should be issued.
     """
-    if not bucket_mb >= 0:
-        raise ValueError(f"{bucket_mb=} must be >= 0 (MiB; 0 = one bucket per leaf, math.inf = one per dtype)")
-    first = min(1.0, bucket_mb) if first_bucket_mb is None else first_bucket_mb
-    if not first >= 0:
-        raise ValueError(f"{first_bucket_mb=} must be >= 0 MiB")
+    bucket_mb = _check_mb("bucket_mb", bucket_mb)
+    if first_bucket_mb is not None:
+        first = _check_mb("first_bucket_mb", first_bucket_mb)
+    else:  # inf asks for one bucket per dtype: a small first bucket would split it
+        first = bucket_mb if math.isinf(bucket_mb) else min(1.0, bucket_mb)
     done: list[Bucket] = []
     open_: dict[np.dtype, list[int]] = {}
     opened_before: set[np.dtype] = set()

@@ -32,6 +32,12 @@ block (the 2-device exchange drops the s_sum / 2 term). For bf16 (8
 significant bits, unit roundoff 2**-8) the bound is
 `2**-8 * (sum_j |v_j| + |sum_j v_j|)`. With feedback the accumulated error over
 any number of steps stays within one step's bound.
+
+Non-finite input: an inf or NaN anywhere in a block makes that block of the
+result non-finite (inf or NaN for bf16, NaN for int8), as with `lax.psum`, and
+the block's new error is NaN too. Discard the new error state on such a step
+and keep the previous one (as `train.step` does with `all_finite`), or the
+NaN is re-sent on every later step.
 """
 
 from __future__ import annotations
@@ -85,6 +91,11 @@ def encode(x, codec: str):
     blocks = x.reshape(x.shape[:-1] + (-1, INT8_BLOCK))
     amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
     scale = jnp.where(amax > 0, amax / 127.0, jnp.float32(1.0)).astype(jnp.float32)
+    # An int8 payload cannot hold inf/NaN, and an inf scale decodes finite
+    # values to NaN but its zeros to 0 * inf: the second encoding (of the sum)
+    # would then lose the NaN again. A NaN scale keeps the whole block NaN
+    # through every decode, so an overflow reaches the caller's finite check.
+    scale = jnp.where(jnp.isfinite(amax), scale, jnp.float32(jnp.nan))
     q = jnp.clip(jnp.round(blocks / scale), -127, 127).astype(jnp.int8)
     return q.reshape(x.shape), scale[..., 0]
 

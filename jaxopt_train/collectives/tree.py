@@ -54,6 +54,32 @@ def _reducer(method: str, axis_name, *, ring_order, group_size, num_chunks):
     return lambda flat: all_reduce_rings(flat, rings, num_chunks=num_chunks, bidirectional=bidirectional)
 
 
+def _check_method_options(method: str, ring_order, group_size) -> None:
+    """Refuses options the chosen method would silently ignore."""
+    if ring_order is not None and method in ("psum", "peer"):
+        raise ValueError(f"ring_order= applies to the ring methods ('ring', 'ring_bidir', 'hierarchical'); "
+                         f"got {ring_order=} with {method=} (drop ring_order or pick a ring method)")
+    if group_size is not None and method != "hierarchical":
+        raise ValueError(f"group_size= applies to method='hierarchical' only; got {group_size=} with {method=}")
+
+
+def _error_leaves(error_state, treedef, leaves) -> list:
+    """The leaves of `error_state.error` in gradient-leaf order, checked against the gradients."""
+    if not isinstance(error_state, compression_lib.ErrorFeedbackState):
+        raise TypeError(f"error_state must be an ErrorFeedbackState, built with init_error_feedback(params); "
+                        f"got {type(error_state).__name__}")
+    try:
+        errors = treedef.flatten_up_to(error_state.error)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"error_state.error must have the gradient tree's structure {treedef}; build it "
+                         f"with init_error_feedback(params) ({err})") from None
+    for leaf, error in zip(leaves, errors):
+        if jnp.size(error) != leaf.size:
+            raise ValueError(f"error_state leaf of shape {jnp.shape(error)} does not match gradient leaf of "
+                             f"shape {leaf.shape}; build it with init_error_feedback(params)")
+    return errors
+
+
 def _check_leaves(leaves):
     for leaf in leaves:
         dtype = getattr(leaf, "dtype", None)
@@ -87,14 +113,18 @@ def all_reduce_tree(tree: Any, axis_name: AxisName, *, method: str = "psum", buc
         Mosaic GPU kernel stores into the peer's memory, see `peer`; with
         compression "bf16" only; buckets of other than f16/bf16/f32 leaves
         are summed by psum).
-      bucket_mb: bucket size in MiB (0: one bucket per leaf).
-      first_bucket_mb: size of the first bucket (default min(1, bucket_mb)).
+      bucket_mb: bucket size in MiB (0: one bucket per leaf, math.inf: one
+        bucket per dtype).
+      first_bucket_mb: size of the first bucket (default min(1, bucket_mb);
+        no cap when bucket_mb is math.inf).
       compression: None, "bf16" or "int8" (see `compression` module for the
         scheme and the error bound); floating leaves only, summed in f32.
       error_state: an `ErrorFeedbackState` from `init_error_feedback`, to
         carry compression error across steps; then the result is a pair.
-      ring_order: axis indices in ring order for the ring methods.
-      group_size: devices per group for "hierarchical" on one axis.
+      ring_order: axis indices in ring order for the ring methods (refused
+        with "psum" and "peer", which would ignore it).
+      group_size: devices per group for "hierarchical" on one axis (refused
+        with the other methods).
       num_chunks: pipelined rings per shard for the ring methods.
 
     Returns:
@@ -103,6 +133,7 @@ def all_reduce_tree(tree: Any, axis_name: AxisName, *, method: str = "psum", buc
     """
     if method not in METHODS:
         raise ValueError(f"{method=} must be one of {METHODS}")
+    _check_method_options(method, ring_order, group_size)
     compression_lib.check_codec(compression)
     if error_state is not None and compression is None:
         raise ValueError("error_state= is only used with compression='bf16' or 'int8'; got compression=None")
@@ -114,13 +145,7 @@ def all_reduce_tree(tree: Any, axis_name: AxisName, *, method: str = "psum", buc
     n = axis_size(axis_name)
     leaves, treedef = jax.tree.flatten(tree)
     _check_leaves(leaves)
-    errors = None
-    if error_state is not None:
-        errors = treedef.flatten_up_to(error_state.error)
-        for leaf, err in zip(leaves, errors):
-            if err.size != leaf.size:
-                raise ValueError(f"error_state leaf of shape {err.shape} does not match gradient leaf of "
-                                 f"shape {leaf.shape}; build it with init_error_feedback(params)")
+    errors = None if error_state is None else _error_leaves(error_state, treedef, leaves)
     reduce_flat = _reducer(method, axis_name, ring_order=ring_order, group_size=group_size, num_chunks=num_chunks)
     exchange_ring = None
     if compression is not None:
