@@ -6,7 +6,9 @@ Two ways to train with a batch larger than memory allows:
   K micro-batches and sums their gradients with `lax.scan` (f32 accumulators).
   Under data parallelism, reduce the returned gradients across devices once,
   after the scan (e.g. `lax.psum` inside `jax.shard_map`), never per
-  micro-batch: `tests/test_accumulation.py` checks the compiled HLO for it.
+  micro-batch: inside shard_map the gradients stay per-device (the params are
+  marked varying over the batch's mesh axes), and `tests/test_accumulation.py`
+  checks the compiled HLO for a single all-reduce.
 - `multi_steps(optimizer, K)`: `optax.MultiSteps` for micro-batches fed from
   the host one jit call at a time; the inner optimizer only steps every K calls.
 
@@ -128,6 +130,13 @@ def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
       `extra` (`jax.random.key`) is split into K keys, micro-batch k getting
       `jax.random.split(key, K)[k]`; other `extra` arguments reach every
       micro-batch unchanged.
+
+    Inside `jax.shard_map` the gradients are this device's own: params that do
+    not vary over the mesh axes the batch (or `extra`) varies over are marked
+    varying first, so JAX's varying-axes checking (`check_vma=True`) does not
+    psum them in the backward pass of every micro-batch. Reduce them once,
+    after the call (`lax.psum`, `all_reduce_tree`), or use
+    `data_parallel_value_and_grad`.
     """
     if not isinstance(num_microbatches, (int, np.integer)) or isinstance(num_microbatches, bool) \
             or num_microbatches < 1:
@@ -146,6 +155,9 @@ def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
         if batch_size % num_microbatches:
             raise ValueError(f"batch size {batch_size} is not divisible by {num_microbatches=}; "
                              "pick a batch size that is a multiple of the number of micro-batches")
+        # Inside shard_map (check_vma=True) keep each device's gradients local
+        # until the caller's one reduction after the scan; a no-op elsewhere.
+        params = _to_varying(params, _varying_axes_of_tree((batch, extra)))
         if num_microbatches == 1:
             return value_and_grad(params, batch, *extra)
         key_positions = [i for i, x in enumerate(extra) if _is_key(x)]
@@ -210,18 +222,34 @@ def multi_steps(optimizer, every_k: int, *, skip_non_finite: bool = True):
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-def _to_varying(tree, axis_name: str):
+def _varying_axes_of_tree(tree) -> tuple[str, ...]:
+    """Mesh axes along which any array leaf of `tree` varies (empty outside shard_map and
+    under `check_vma=False`, where nothing carries varying axes)."""
+    axes = set()
+    for leaf in jax.tree.leaves(tree):
+        if hasattr(leaf, "dtype"):
+            axes |= _varying_axes(leaf)
+    return tuple(sorted(axes))
+
+
+def _to_varying(tree, axis_names: str | tuple[str, ...]):
     # Under shard_map's varying-axes checking, differentiating replicated
     # params against per-device data makes JAX insert a psum into the
     # backward pass (the transpose of the implicit broadcast to "varying"),
-    # inside the scan: one all-reduce per micro-batch. Marking the params
-    # varying up front keeps the per-device gradients local until our psum.
+    # inside the scan: one all-reduce per micro-batch, and a caller who then
+    # reduces once more gets n times the gradient. Marking the params varying
+    # up front keeps the per-device gradients local until the caller's psum.
+    axis_names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+
     def one(x):
-        if not hasattr(x, "dtype") or axis_name in _varying_axes(x):
+        if not hasattr(x, "dtype"):
+            return x
+        missing = tuple(a for a in axis_names if a not in _varying_axes(x))
+        if not missing:
             return x
         if hasattr(lax, "pcast"):
-            return lax.pcast(x, axis_name, to="varying")
-        return lax.pvary(x, axis_name)  # jax < 0.9 spelling
+            return lax.pcast(x, missing, to="varying")
+        return lax.pvary(x, missing)  # jax < 0.9 spelling
     return jax.tree.map(one, tree)
 
 

@@ -63,6 +63,11 @@ def _finite_flag(grads_finite) -> jax.Array:
     return grads_finite
 
 
+def _wide(dtype) -> np.dtype:
+    """float32, or `dtype` itself when it is wider (float64): the dtype scaling runs in."""
+    return np.dtype(dtype) if jnp.finfo(dtype).bits > 32 else np.dtype(jnp.float32)
+
+
 class _LossScale:
     """Pytree plumbing: `_arrays` are traced leaves, `_statics` hashable config."""
 
@@ -108,18 +113,27 @@ class _LossScale:
         return f"{type(self).__name__}({', '.join(parts)})"
 
     def scale(self, tree):
-        """Multiplies every floating leaf (usually the loss) by the loss scale."""
-        return jax.tree.map(lambda x: x * self.loss_scale.astype(x.dtype)
-                            if is_floating_array(x) else x, tree)
+        """Multiplies every floating leaf (usually the loss) by the loss scale, in f32.
+
+        A float16 or bfloat16 leaf comes back as float32 (float64 stays float64):
+        in float16 the product overflows once |loss| * scale > 65504, and the
+        scale itself is inf from 2**16 on. The backward pass still hands a
+        float16 loss the cotangent `scale` in float16, so gradients through a
+        float16 loss overflow from a scale of 2**16; compute the loss in float32
+        (`output_dtype` f32) and the dynamic scale has float32's whole range.
+        """
+        return jax.tree.map(lambda x: x.astype(_wide(x.dtype)) * self.loss_scale.astype(
+            _wide(x.dtype)) if is_floating_array(x) else x, tree)
 
     def unscale(self, tree):
-        """Divides every floating leaf (usually gradients) by the loss scale, in f32."""
+        """Divides every floating leaf (usually gradients) by the loss scale, in f32,
+        and casts the result back to the leaf's dtype."""
         inverse = 1.0 / self.loss_scale
 
         def one(x):
             if not is_floating_array(x):
                 return x
-            wide = x.dtype if jnp.finfo(x.dtype).bits > 32 else np.dtype(jnp.float32)
+            wide = _wide(x.dtype)
             return (x.astype(wide) * inverse.astype(wide)).astype(x.dtype)
         return jax.tree.map(one, tree)
 

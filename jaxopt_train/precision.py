@@ -194,17 +194,21 @@ def nnx_apply_with_state(policy: str | Policy, graphdef, state, *args, **kwargs)
     `nnx.Param`s and floating inputs are cast to the compute dtype (other
     state, e.g. BatchStat, keeps its dtype), outputs to the
     output dtype, and the state after the call (BatchNorm statistics, RNG
-    counters) back to the param dtype. Gradients w.r.t. `state` come back in
-    the dtype of `state`, i.e. the f32 master weights. `policy` is a Policy or
-    a name `get_policy` accepts.
+    counters) back to the dtypes `state` has. `state` itself is left untouched
+    (the module runs on a copy), so it may be closed over inside `jax.jit`.
+    Gradients w.r.t. `state` come back in the dtype of `state`, i.e. the f32
+    master weights. `policy` is a Policy or a name `get_policy` accepts.
     """
     from flax import nnx  # noqa: PLC0415  (keeps precision importable without flax)
 
     policy = get_policy(policy)
-    model = nnx.merge(graphdef, state)
-    # Only Params go to the compute dtype: statistics (BatchStat) and other
-    # state keep their own dtype, as mixed-precision training wants.
-    nnx.update(model, policy.cast_to_compute(nnx.state(model, nnx.Param)))
+    # nnx.merge reuses the Variables it is given and the call writes into them
+    # (the cast, BatchNorm statistics, RNG counters): merged from `state` itself,
+    # the caller's master weights would turn bf16 and a `state` closed over by
+    # jax.jit would raise TraceContextError. jax.tree.map builds new Variables,
+    # so the module runs on a copy and `state` keeps its values and dtypes for
+    # the cast back below.
+    model = nnx.merge(graphdef, _compute_copy(policy, state))
     with policy.matmul_scope():
         out = model(*policy.cast_to_compute(args), **policy.cast_to_compute(kwargs))
     _, new_state = nnx.split(model)
@@ -236,6 +240,19 @@ def linen_apply(policy: str | Policy, module, variables, *args, **kwargs):
         out, updates = result
         return policy.cast_to_output(out), policy.cast_to_param(updates)
     return policy.cast_to_output(result)
+
+
+def _compute_copy(policy: Policy, state):
+    """A copy of the NNX `state` (new Variable objects, so nothing written during the call
+    reaches `state`) with its `nnx.Param`s in the compute dtype. Statistics (BatchStat) and
+    other state keep their dtype, as mixed-precision training wants."""
+    from flax import nnx  # noqa: PLC0415
+
+    def copy(variable):
+        if isinstance(variable, nnx.Param):
+            return policy.cast_to_compute(variable)
+        return jax.tree.map(lambda x: x, variable)
+    return jax.tree.map(copy, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _cast_linen_params(policy: Policy, variables):

@@ -207,6 +207,51 @@ def test_nnx_apply_with_state_and_linen_mutable():
     np.testing.assert_allclose(updates["batch_stats"]["mean"], mean, rtol=1e-6)
 
 
+def _batchnorm_mlp_state():
+    class WithStats(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(4, 4, rngs=rngs)
+            self.bn = nnx.BatchNorm(4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.bn(self.linear(x))
+    return nnx.split(WithStats(nnx.Rngs(0)))
+
+
+def test_nnx_apply_leaves_the_callers_state_untouched():
+    # nnx.merge reuses the state's Variables: the cast to bf16 and the new
+    # BatchNorm statistics used to be written into the caller's state.
+    graphdef, state = _batchnorm_mlp_state()
+    before = jax.tree.map(np.array, state)
+    x = jax.random.normal(jax.random.key(5), (8, 4), jnp.float32)
+    with jax.numpy_dtype_promotion("standard"):  # Flax's BatchNorm promotes bf16 with f32
+        out, new_state = prec.nnx_apply_with_state("bf16", graphdef, state, x)
+        prec.nnx_apply("bf16", graphdef, state, x)
+    assert out.dtype == F32
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(before)):
+        assert got.dtype == want.dtype == F32
+        np.testing.assert_array_equal(got, want)  # master weights and statistics unchanged
+    assert jax.tree.map(lambda a: a.dtype, new_state) == jax.tree.map(lambda a: a.dtype, state)
+    # The new state carries the call's statistics (momentum 0.99), the caller's does not.
+    assert np.abs(new_state["bn"]["mean"][...]).max() > 0 == np.abs(state["bn"]["mean"][...]).max()
+
+
+def test_nnx_apply_with_the_state_closed_over_under_jit():
+    # Closed over, `state` holds concrete Variables of the outer trace; writing
+    # into them raised flax.errors.TraceContextError.
+    graphdef, state = _batchnorm_mlp_state()
+    x = jax.random.normal(jax.random.key(6), (8, 4), jnp.float32)
+    with jax.numpy_dtype_promotion("standard"):
+        out, new_state = jax.jit(lambda x: prec.nnx_apply_with_state("bf16", graphdef, state, x))(x)
+        eager_out, eager_state = prec.nnx_apply_with_state("bf16", graphdef, state, x)
+    # bf16 compute: jit and eager may round differently (fusion), within bf16's precision.
+    np.testing.assert_allclose(out, eager_out, rtol=2e-2, atol=2e-2)
+    assert new_state["linear"]["kernel"][...].dtype == F32
+    np.testing.assert_allclose(new_state["bn"]["mean"][...], eager_state["bn"]["mean"][...],
+                               rtol=2e-2, atol=1e-4)
+    assert state["linear"]["kernel"][...].dtype == F32
+
+
 def test_apply_functions_take_policy_names():
     x = jax.random.normal(jax.random.key(4), (2, 8), jnp.float32)
     graphdef, state = nnx.split(_NNXMLP(nnx.Rngs(0)))
@@ -365,11 +410,57 @@ def test_scale_unscale_round_trip_is_a_pytree(make, dtype):
         return s.unscale(s.scale(g)), s.scale(jnp.asarray(2.0, dtype))
     back, scaled_loss = round_trip(scale, grads)
     np.testing.assert_array_equal(back["a"], grads["a"])
-    assert back["a"].dtype == dtype and back["n"].dtype == grads["n"].dtype
+    assert back["n"].dtype == grads["n"].dtype
     assert float(scaled_loss) == 2.0 * float(scale.loss_scale)
+    if not isinstance(scale, prec.NoOpLossScale):  # scaling runs (and stays) in f32
+        assert back["a"].dtype == scaled_loss.dtype == F32
     leaves, treedef = jax.tree.flatten(scale)
     assert type(jax.tree.unflatten(treedef, leaves)) is type(scale)
     assert scale.skipped_steps.dtype == jnp.int32 and scale.loss_scale.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("exponent", [16, 20])
+@pytest.mark.parametrize("make", [prec.StaticLossScale, lambda s: prec.DynamicLossScale(s)])
+def test_scale_of_an_fp16_loss_is_finite_float32(make, exponent):
+    # In fp16, 2**16 is already inf (max 65504): multiplying there overflowed
+    # every step once the dynamic scale had grown that far.
+    scale = make(2.0**exponent)
+    loss = jnp.asarray(3.0, jnp.float16)
+    scaled = jax.jit(lambda s, x: s.scale(x))(scale, loss)
+    assert scaled.dtype == F32 and float(scaled) == 3.0 * 2.0**exponent
+    assert float(scale.scale(jnp.asarray(-1e-3, jnp.float16))) == float(np.float16(-1e-3)) * 2.0**exponent
+
+
+@pytest.mark.parametrize("exponent", [16, 20, 30])
+def test_unscale_of_fp16_gradients_runs_in_float32(exponent):
+    # 2**-30 is 0 in fp16 and 2**-20 subnormal: dividing in fp16 would lose the gradients.
+    scale = prec.StaticLossScale(2.0**exponent)
+    want = np.array([1e-3, -2.5e-2, 3e-5, 0.0], np.float32)
+    scaled = jnp.asarray(want * 2.0**exponent, jnp.float32)
+    if exponent <= 20:  # then the scaled gradients fit fp16: unscale them from there
+        scaled = scaled.astype(jnp.float16)
+    got = jax.jit(lambda s, g: s.unscale(g))(scale, scaled)
+    assert got.dtype == scaled.dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=1e-3)
+
+
+def test_fp16_gradients_are_correct_after_unscale():
+    # The backward hands each fp16 value y the cotangent scale * dloss/dy in
+    # fp16: an fp16 loss (dloss/dloss = 1) takes scales up to 2**15, while a
+    # loss reduced in f32 from fp16 outputs (output_dtype f32) with small
+    # dloss/dy works at 2**16 and 2**20.
+    w = jnp.asarray([0.25, -0.5, 1.0], jnp.float32)
+    x = jnp.asarray([1e-2, 2e-2, -1e-2], jnp.float32)
+
+    def outputs16(w):
+        return w.astype(jnp.float16) * x.astype(jnp.float16)
+    want = jax.grad(lambda w: jnp.sum((w * x) ** 2))(w)
+    for scale, loss in [(prec.StaticLossScale(2.0**10), lambda w: jnp.sum(outputs16(w) ** 2)),
+                        (prec.StaticLossScale(2.0**16), lambda w: jnp.sum(outputs16(w).astype(F32) ** 2)),
+                        (prec.DynamicLossScale(2.0**20), lambda w: jnp.sum(outputs16(w).astype(F32) ** 2))]:
+        value, grads = jax.jit(jax.value_and_grad(lambda w: scale.scale(loss(w))))(w)
+        assert bool(jnp.isfinite(value)) and grads.dtype == F32
+        np.testing.assert_allclose(scale.unscale(grads), want, rtol=2e-3)
 
 
 def test_all_finite_and_select_tree():
