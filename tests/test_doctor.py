@@ -139,6 +139,56 @@ def test_no_cuda_plugin_warns(monkeypatch):
     assert driver.status == "warn" and "jax[cuda13]" in driver.fix
 
 
+@pytest.mark.parametrize("lost_in", ["nvmlDeviceGetName", "nvmlDeviceGetHandleByIndex"])
+def test_a_lost_gpu_fails_its_line_and_the_others_still_report(monkeypatch, capsys, lost_in):
+    fake = install_fake_nvml(monkeypatch, make_fake_nvml(two_gpus(), nvlinks={(0, 1): 18}))
+    working = getattr(fake, lost_in)
+
+    def lost_on_gpu1(arg, *rest):
+        if arg in (1, ("handle", 1)):
+            raise fake.NVMLError("GPU is lost")
+        return working(arg, *rest)
+
+    monkeypatch.setattr(fake, lost_in, lost_on_gpu1)
+    checks = _by_name(doctor.check_gpus(CUDA13))
+    assert checks["gpu1"].status == "fail" and "GPU is lost" in checks["gpu1"].detail
+    assert "nvidia-smi" in checks["gpu1"].fix
+    assert checks["gpu0"].status == "pass" and checks["gpu0 ECC"].status == "pass"
+    assert checks["driver"].status == "pass" and "gpu1 ECC" not in checks
+    assert not any(name.startswith("topology") for name in checks)  # one GPU left
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert doctor.main([]) == 1
+    out = capsys.readouterr().out
+    assert "[FAIL] gpu1: NVML error: GPU is lost" in out and "[PASS] gpu0:" in out
+    assert fake.calls["shutdown"] == fake.calls["init"]
+
+
+@pytest.mark.skipif(bool(doctor._jax_cuda_plugins()), reason="a JAX CUDA plugin is installed here")
+def test_cli_with_cuda_platform_but_no_cuda_fails_without_a_traceback():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cuda"
+    result = subprocess.run([sys.executable, "-m", "jaxopt_train.runtime.doctor", "--json"], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    backend = {c["name"]: c for c in json.loads(result.stdout)["checks"]}["backend"]
+    assert backend["status"] == "fail" and "JAX_PLATFORMS" in backend["fix"]
+
+
+def test_backend_that_fails_with_any_exception_is_a_fail_line(monkeypatch):
+    # JAX_PLATFORMS=cuda without CUDA ends in a bare AssertionError from xla_bridge.
+    import jax
+
+    def no_cuda(*args, **kwargs):
+        raise AssertionError
+
+    monkeypatch.setattr(jax, "devices", no_cuda)
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    checks, devices = doctor.check_backend()
+    assert devices == [] and [c.name for c in checks] == ["backend"]
+    assert checks[0].status == "fail" and "JAX_PLATFORMS" in checks[0].fix
+    assert checks[0].detail.endswith("AssertionError with JAX_PLATFORMS='cuda'")
+
+
 def test_bad_flag():
     with pytest.raises(SystemExit) as err:
         doctor.main(["--no-such-option"])

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -46,6 +47,30 @@ def test_flops_bad_inputs():
         resnet_flops_per_image("resnet34")
     with pytest.raises(ValueError, match="image_size=0"):
         resnet_flops_per_image("resnet50", image_size=0)
+
+
+def test_flops_accept_numpy_ints():
+    cfg = get_gpt_config("gpt-124m")
+    assert gpt_flops_per_token(cfg, seq_len=np.int64(64)) == gpt_flops_per_token(cfg, seq_len=64)
+    assert (resnet_flops_per_image("resnet18", image_size=np.int32(64), num_classes=np.int64(10))
+            == resnet_flops_per_image("resnet18", image_size=64, num_classes=10))
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda cfg: gpt_flops_per_token(cfg, seq_len=True), TypeError, "seq_len=True must be an int in"),
+    (lambda cfg: gpt_flops_per_token(cfg, seq_len=64.0), TypeError, "seq_len=64.0 must be an int in"),
+    (lambda cfg: gpt_flops_per_token(cfg, seq_len=0), ValueError, r"seq_len=0 must be an int in \[1, 1024\]"),
+    (lambda cfg: gpt_flops_param_count({}), TypeError, "cfg must be a GPTConfig .*got dict"),
+    (lambda cfg: gpt_flops_per_token({}), TypeError, "cfg must be a GPTConfig"),
+    (lambda cfg: resnet_flops_per_image("resnet50", num_classes=0), ValueError,
+     "num_classes=0 must be a positive int"),
+    (lambda cfg: resnet_flops_per_image("resnet50", num_classes=True), TypeError, "num_classes=True"),
+    (lambda cfg: resnet_flops_per_image("resnet50", image_size=True), TypeError, "image_size=True"),
+    (lambda cfg: resnet_flops_per_image("resnet50", image_size=224.0), TypeError, "image_size=224.0"),
+])
+def test_flops_refuse_bools_non_ints_and_empty_sizes(call, error, match):
+    with pytest.raises(error, match=match):
+        call(get_gpt_config("gpt-124m"))
 
 
 def test_resnet_macs_match_published_figures():

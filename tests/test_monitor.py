@@ -79,14 +79,30 @@ def test_off_on_this_machine_without_pynvml(monkeypatch):
     assert not monitor.enabled and "not installed" in monitor.reason
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"interval_s": 0}, "interval_s must be a positive"),
-    ({"interval_s": "1"}, "interval_s must be a positive"),
-    ({"max_samples": 0}, "max_samples must be >= 1"),
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"interval_s": 0}, ValueError, "interval_s must be a positive"),
+    ({"interval_s": "1"}, ValueError, "interval_s must be a positive"),
+    # nan busy-polled NVML; inf (and huge values) killed the sampler thread with OverflowError.
+    ({"interval_s": float("nan")}, ValueError, "finite and at most 3600, got interval_s=nan"),
+    ({"interval_s": float("inf")}, ValueError, "finite and at most 3600, got interval_s=inf"),
+    ({"interval_s": 1e300}, ValueError, "at most 3600, got interval_s=1e"),
+    ({"interval_s": -1.0}, ValueError, "interval_s=-1.0"),
+    ({"max_samples": 0}, ValueError, "max_samples must be >= 1"),
+    ({"max_samples": None}, TypeError, "max_samples must be an int >= 1, got max_samples=None"),
+    ({"max_samples": 2.5}, TypeError, "max_samples must be an int >= 1, got max_samples=2.5"),
+    ({"max_samples": True}, TypeError, "max_samples must be an int >= 1, got max_samples=True"),
 ])
-def test_bad_arguments(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
         GPUMonitor(**kwargs)
+
+
+def test_edge_arguments_are_accepted():
+    import numpy as np
+
+    monitor = GPUMonitor(interval_s=3600, max_samples=np.int64(1))
+    assert monitor.interval_s == 3600.0 and monitor._max_samples == 1
+    assert type(monitor._max_samples) is int
 
 
 def test_bad_device_index(monkeypatch):

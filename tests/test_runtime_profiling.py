@@ -64,13 +64,13 @@ def test_traces_exactly_the_range(tmp_path):
 
 
 def test_jumping_steps_and_close_stop_a_running_trace(tmp_path):
-    # With 4 steps per dispatch the loop reports steps 0, 4, 8: the range 5:7 is
-    # skipped over, 3:9 starts at 4 and is stopped by close() at the end.
-    skipped = StepProfiler((5, 7), tmp_path / "skipped")
-    for step in (0, 4, 8):
-        skipped.step(step)
-        assert not skipped.active
-    assert skipped.done and not (tmp_path / "skipped").exists()
+    # With 4 steps per dispatch the loop reports steps 0, 4, 8: the dispatch at 4 runs
+    # steps 4..7, so 5:7 is traced there; 3:9 starts at 4 and is stopped by close().
+    inside = StepProfiler((5, 7), tmp_path / "inside")
+    for step, active in ((0, False), (4, True), (8, False)):
+        inside.step(step)
+        assert inside.active == active, step
+    assert inside.done and any(n.endswith(".xplane.pb") for n in _trace_files(tmp_path / "inside"))
 
     running = StepProfiler("3:9", tmp_path / "running")
     for step in (0, 4):
@@ -78,3 +78,79 @@ def test_jumping_steps_and_close_stop_a_running_trace(tmp_path):
     assert running.active
     running.close(outputs=jnp.ones(3))
     assert not running.active and any(n.endswith(".xplane.pb") for n in _trace_files(tmp_path / "running"))
+
+
+class _FakeTrace:
+    def __init__(self, monkeypatch):
+        self.calls = []
+        monkeypatch.setattr(jax.profiler, "start_trace", lambda *a, **k: self.calls.append("start"))
+        monkeypatch.setattr(jax.profiler, "stop_trace", lambda: self.calls.append("stop"))
+
+
+@pytest.mark.parametrize("steps_per_dispatch", [None, 4])
+@pytest.mark.parametrize("spec, started_at", [("10:12", 8), ("8:9", 8), ("11", 8), ("7:13", 4),
+                                              ("12:13", 12)])
+def test_range_inside_a_dispatch_group_is_traced(tmp_path, monkeypatch, caplog, spec, started_at,
+                                                 steps_per_dispatch):
+    # Was: "10:12" with steps 0, 4, 8, 12 started no trace and set done, silently.
+    trace = _FakeTrace(monkeypatch)
+    profiler = StepProfiler(spec, tmp_path, steps_per_dispatch=steps_per_dispatch)
+    start, stop = parse_step_range(spec)
+    for step in range(0, 20, 4):
+        profiler.step(step)
+        assert profiler.active == (started_at <= step < stop), step
+    profiler.close()
+    assert trace.calls == ["start", "stop"] and profiler.done
+    assert not caplog.records
+
+
+def test_explicit_steps_per_dispatch_covers_the_first_dispatch(tmp_path, monkeypatch):
+    trace = _FakeTrace(monkeypatch)
+    profiler = StepProfiler("1:3", tmp_path, steps_per_dispatch=4)
+    profiler.step(0)  # runs steps 0..3 (inference could not know that at the first call)
+    assert profiler.active
+    profiler.step(4)
+    assert trace.calls == ["start", "stop"]
+
+
+@pytest.mark.parametrize("steps, end", [((0, 4, 8), "jumped from step 4 to step 8"),
+                                        ((20, 24), "training started to step 20")])
+def test_skipped_range_warns(tmp_path, monkeypatch, caplog, steps, end):
+    trace = _FakeTrace(monkeypatch)
+    profiler = StepProfiler("5:7", tmp_path, steps_per_dispatch=1)
+    for step in steps:
+        profiler.step(step)
+    profiler.close()
+    assert profiler.done and trace.calls == []
+    [record] = caplog.records
+    assert record.levelname == "WARNING" and "profile steps 5:7 were never traced" in record.message
+    assert end in record.message
+
+
+def test_range_never_reached_warns_at_close(tmp_path, monkeypatch, caplog):
+    trace = _FakeTrace(monkeypatch)
+    profiler = StepProfiler("100:110", tmp_path)
+    for step in range(8):
+        profiler.step(step)
+    profiler.close()
+    assert trace.calls == [] and profiler.done
+    [record] = caplog.records
+    assert "profile steps 100:110 were never traced: training ended at step 7" in record.message
+
+
+@pytest.mark.parametrize("step, error, match", [
+    ("10", TypeError, "step must be an int >= 0, got step='10'"),
+    (10.0, TypeError, "got step=10.0"),
+    (True, TypeError, "got step=True"),
+    (-1, ValueError, "step must be an int >= 0, got step=-1"),
+])
+def test_step_rejects_non_int_steps(tmp_path, step, error, match):
+    with pytest.raises(error, match=match):
+        StepProfiler("10:12", tmp_path).step(step)
+
+
+@pytest.mark.parametrize("value, error", [(0, ValueError), (2.0, TypeError), ("4", TypeError),
+                                          (True, TypeError)])
+def test_bad_steps_per_dispatch(tmp_path, value, error):
+    with pytest.raises(error, match="steps_per_dispatch must be an int >= 1"):
+        StepProfiler("10:12", tmp_path, steps_per_dispatch=value)

@@ -39,6 +39,7 @@ def test_help_exits_zero(capsys):
     (["--resume"], "resume=True needs run_dir"),
     (["--model", "d_model"], "FIELD=VALUE"),
     (["--profile-steps", "5:2"], "--profile-steps"),
+    (["--steps", "8", "--profile-steps", "100:110"], "--profile-steps: profile_steps='100:110' starts at"),
     (["--steps-per-dispatch", "4", "--steps", "10"], "multiple of steps_per_dispatch"),
     (["--matmul", "cuda-cores"], "--matmul"),
     (["--matmul", "pallas"], "--matmul: matmul='pallas' needs a bf16 or fp16 compute dtype"),
@@ -95,10 +96,22 @@ def test_resume_keeps_the_runs_own_settings_and_changes_only_the_flags_given(tmp
     (dict(clip_norm=float("nan")), "clip_norm=nan"),
     (dict(prometheus_port=70000), "prometheus_port=70000"),
     (dict(preset="cnn-small", model_overrides={"d_model": 8}), "model_overrides"),
+    (dict(steps=8, profile_steps="100:110"), "profile_steps='100:110' starts at step 100, but "
+                                             "training runs steps 0..7 "),
+    (dict(steps=8, profile_steps="100:110"), "steps=8"),
+    (dict(steps=8, profile_steps="8"), "profile_steps='8' starts at step 8"),
 ])
 def test_config_errors_name_field_and_value(kwargs, needle):
     with pytest.raises((ValueError, TypeError), match=needle.replace("(", r"\(").replace("[", r"\[")):
         TrainConfig(**kwargs)
+
+
+def test_profile_range_inside_a_dispatch_group_is_accepted():
+    # The profiler traces the group of 4 that runs steps 10 and 11 (steps 8..11).
+    cfg = TrainConfig(steps=16, steps_per_dispatch=4, log_every=4, eval_every=0,
+                      checkpoint_every=0, profile_steps="10:12")
+    assert cfg.profile_steps == "10:12"
+    assert TrainConfig(steps=8, profile_steps="7:100").profile_steps == "7:100"
 
 
 def test_matmul_flag_reaches_the_gpt_config():

@@ -25,13 +25,30 @@ so ~8.2 GFLOPs forward). Training is 3x the forward pass.
 
 from __future__ import annotations
 
+import operator
+
 from jaxopt_train.models.gpt import GPTConfig
 from jaxopt_train.models.resnet import VISION_PRESETS, VISION_SPECS
 
 
 def _check_gpt_config(cfg: GPTConfig) -> None:
     if not isinstance(cfg, GPTConfig):
-        raise TypeError(f"cfg must be a GPTConfig, got {type(cfg).__name__}")
+        raise TypeError(f"cfg must be a GPTConfig (e.g. get_gpt_config('gpt-124m')), "
+                        f"got {type(cfg).__name__}")
+
+
+def _check_int(name: str, value, *, maximum: int | None = None) -> int:
+    """`value` as an int in [1, maximum]; numpy integers count, bools do not."""
+    legal = f"an int in [1, {maximum}]" if maximum is not None else "a positive int"
+    if isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be {legal}, not a bool")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}={value!r} must be {legal}, got {type(value).__name__}") from None
+    if value < 1 or (maximum is not None and value > maximum):
+        raise ValueError(f"{name}={value!r} must be {legal}")
+    return value
 
 
 def gpt_param_count(cfg: GPTConfig) -> int:
@@ -50,6 +67,7 @@ def gpt_param_count(cfg: GPTConfig) -> int:
 
 def gpt_flops_param_count(cfg: GPTConfig) -> int:
     """Returns N of the FLOP formula (see the module docstring)."""
+    _check_gpt_config(cfg)
     lookups = cfg.seq_len * cfg.d_model
     if not cfg.tie_embeddings:
         lookups += cfg.vocab_size * cfg.d_model
@@ -64,10 +82,13 @@ def gpt_flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> int:
       seq_len: Trained sequence length; defaults to ``cfg.seq_len``.
     """
     _check_gpt_config(cfg)
-    seq_len = cfg.seq_len if seq_len is None else seq_len
-    if not isinstance(seq_len, int) or not 1 <= seq_len <= cfg.seq_len:
-        raise ValueError(f"seq_len={seq_len!r} must be an int in [1, {cfg.seq_len}]")
+    seq_len = cfg.seq_len if seq_len is None else _check_int("seq_len", seq_len, maximum=cfg.seq_len)
     return 6 * gpt_flops_param_count(cfg) + 12 * cfg.n_layers * cfg.d_model * seq_len
+
+
+def _check_vision_name(name: str) -> None:
+    if name not in VISION_SPECS:
+        raise ValueError(f"name={name!r} is not a vision preset; legal values: {VISION_PRESETS}")
 
 
 def _conv_out(size: int, kernel: int, stride: int) -> int:
@@ -83,6 +104,9 @@ def _conv_macs(size: int, cin: int, cout: int, kernel: int, stride: int) -> tupl
 
 def vision_forward_macs(name: str, image_size: int, num_classes: int = 1000) -> int:
     """Multiply-accumulates of one forward pass of a square ``image_size`` RGB image."""
+    _check_vision_name(name)
+    image_size = _check_int("image_size", image_size)
+    num_classes = _check_int("num_classes", num_classes)
     spec = VISION_SPECS[name]
     total, size = 0, image_size
     if spec.kind == "cnn":
@@ -124,10 +148,7 @@ def resnet_flops_per_image(
       num_classes: Classifier outputs.
       training: Count forward + backward (3x forward) instead of forward only.
     """
-    if name not in VISION_SPECS:
-        raise ValueError(f"name={name!r} is not a vision preset; legal values: {VISION_PRESETS}")
+    _check_vision_name(name)
     image_size = VISION_SPECS[name].default_image_size if image_size is None else image_size
-    if not isinstance(image_size, int) or image_size < 1:
-        raise ValueError(f"image_size={image_size!r} must be a positive int")
     forward = 2 * vision_forward_macs(name, image_size, num_classes)
     return 3 * forward if training else forward

@@ -33,6 +33,9 @@ _SLOWDOWN_REASONS = {0x8: "hardware slowdown", 0x20: "software thermal slowdown"
 _TOPOLOGY = {0: "same board", 10: "PIX (one PCIe switch)", 20: "PXB (several PCIe switches)",
              30: "PHB (PCIe host bridge)", 40: "NODE (across host bridges, same NUMA node)",
              50: "SYS (across NUMA nodes)"}
+# The fix for a GPU NVML cannot read (NVMLError "GPU is lost", "Unknown Error").
+_GPU_ERROR_FIX = ("check nvidia-smi and the kernel log (dmesg: Xid errors); a lost GPU needs a "
+                  "reset (nvidia-smi -r) or a reboot, or the node drained")
 
 
 @dataclasses.dataclass
@@ -150,8 +153,11 @@ def check_backend() -> tuple[list[Check], list]:
 
     try:
         devices = jax.devices()
-    except RuntimeError as err:
-        return [Check("backend", FAIL, f"JAX could not start a backend: {err}",
+    except Exception as err:  # noqa: BLE001
+        # Not only RuntimeError: JAX_PLATFORMS=cuda without a CUDA plugin ends in an
+        # AssertionError inside xla_bridge.backends; the doctor must report it, not crash.
+        detail = str(err) or f"{type(err).__name__} with JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r}"
+        return [Check("backend", FAIL, f"JAX could not start a backend: {detail}",
                       "check JAX_PLATFORMS and the jax[cuda] install")], []
     kinds = sorted({d.device_kind for d in devices})
     detail = f"{jax.default_backend()}: {len(devices)} x {', '.join(kinds)}"
@@ -334,12 +340,30 @@ def check_gpus(jax_cuda_plugins: dict[int, str] | None = None) -> list[Check]:
             return [Check("nvidia", WARN, f"no NVIDIA GPU checks: {reason}",
                           "on an NVIDIA machine: install the driver and nvidia-ml-py")]
         checks = _check_driver(nvml, jax_cuda_plugins)
-        handles = nvml_lib.device_handles(nvml)
-        if not handles:
+        try:
+            count = nvml.nvmlDeviceGetCount()
+        except Exception as err:  # noqa: BLE001
+            return checks + [Check("nvidia", FAIL, f"NVML could not count the GPUs: {err}",
+                                   _GPU_ERROR_FIX)]
+        if not count:
             return checks + [Check("nvidia", WARN, "NVML runs but sees no GPU")]
-        for index, handle in handles:
-            checks += _check_gpu(nvml, index, handle)
-        return checks + _check_topology(nvml, handles)
+        handles = []
+        for index in range(count):
+            # One lost or wedged GPU (NVMLError "GPU is lost") is a finding about that
+            # GPU: report it and keep checking the others.
+            try:
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                checks += _check_gpu(nvml, index, handle)
+            except Exception as err:  # noqa: BLE001
+                checks.append(Check(f"gpu{index}", FAIL, f"NVML error: {err or type(err).__name__}",
+                                    _GPU_ERROR_FIX))
+            else:
+                handles.append((index, handle))
+        try:
+            checks += _check_topology(nvml, handles)
+        except Exception as err:  # noqa: BLE001
+            checks.append(Check("topology", WARN, f"NVML could not read the topology: {err}"))
+        return checks
 
 
 def run_checks() -> list[Check]:

@@ -9,6 +9,8 @@ MiB for frame-buffer memory, W for power, C for temperature, MHz for clocks.
 from __future__ import annotations
 
 import contextlib
+import math
+import operator
 import statistics
 import sys
 import threading
@@ -16,6 +18,31 @@ import time
 from typing import Any
 
 from jaxopt_train.runtime.nvml import device_handles, load_nvml, read_dcgm_fields
+
+# An hour between samples is already useless for a training run; far larger values
+# overflow threading.Event.wait's timeout and kill the sampler thread.
+MAX_INTERVAL_S = 3600.0
+
+
+def _check_interval(interval_s: Any) -> None:
+    if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)):
+        raise ValueError(f"interval_s must be a positive number of seconds, got {interval_s=}")
+    # nan passes `<= 0` and would busy-poll NVML; inf kills the sampler thread.
+    if not (math.isfinite(interval_s) and 0 < interval_s <= MAX_INTERVAL_S):
+        raise ValueError(f"interval_s must be a positive number of seconds, finite and at most "
+                         f"{MAX_INTERVAL_S:g}, got {interval_s=}")
+
+
+def _check_max_samples(max_samples: Any) -> None:
+    try:
+        operator.index(max_samples)
+        is_int = not isinstance(max_samples, bool)
+    except TypeError:
+        is_int = False
+    if not is_int:
+        raise TypeError(f"max_samples must be an int >= 1, got {max_samples=}")
+    if max_samples < 1:
+        raise ValueError(f"max_samples must be >= 1, got {max_samples=}")
 
 
 class GPUMonitor:
@@ -34,21 +61,19 @@ class GPUMonitor:
     Metric keys are `FIELD/gpuN`, e.g. `DCGM_FI_DEV_GPU_UTIL/gpu0`.
 
     Args:
-      interval_s: seconds between samples (> 0).
+      interval_s: seconds between samples, finite, in (0, 3600].
       devices: NVML GPU indices to watch (default: all).
-      max_samples: keep at most this many samples per GPU (oldest dropped).
+      max_samples: keep at most this many samples per GPU (oldest dropped), an int >= 1.
       log: where the one-line "monitoring off" notice goes (default stderr).
     """
 
     def __init__(self, interval_s: float = 1.0, devices: list[int] | None = None,
                  *, max_samples: int = 100_000, log=None):
-        if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or interval_s <= 0:
-            raise ValueError(f"interval_s must be a positive number of seconds, got {interval_s=}")
-        if max_samples < 1:
-            raise ValueError(f"max_samples must be >= 1, got {max_samples=}")
+        _check_interval(interval_s)
+        _check_max_samples(max_samples)
         self.interval_s = float(interval_s)
         self._device_indices = devices
-        self._max_samples = max_samples
+        self._max_samples = operator.index(max_samples)
         self._log = log
         self._lock = threading.Lock()
         self._stop = threading.Event()

@@ -1,18 +1,22 @@
 """Profile a chosen range of training steps with jax.profiler.
 
 `--profile-steps 10:12` traces steps 10 and 11 (a Python slice: start included, stop
-excluded), after compilation and warm-up, so the trace shows steady state. The
-trace lands in `LOGDIR/plugins/profile/<run>/` and opens in TensorBoard's profile
-plugin (`tensorboard --logdir LOGDIR`) or in Perfetto (ui.perfetto.dev, the
-`*.trace.json.gz` file).
+excluded), after compilation and warm-up, so the trace shows steady state. With
+several steps per dispatch it traces every dispatch group that runs a step of the
+range (a group cannot be split). The trace lands in `LOGDIR/plugins/profile/<run>/`
+and opens in TensorBoard's profile plugin (`tensorboard --logdir LOGDIR`) or in
+Perfetto (ui.perfetto.dev, the `*.trace.json.gz` file).
 """
 
 from __future__ import annotations
 
+import logging
 import operator
 import os
 import re
 from typing import Any
+
+_log = logging.getLogger(__name__)
 
 
 def parse_step_range(text: str | int) -> tuple[int, int]:
@@ -33,29 +37,47 @@ def parse_step_range(text: str | int) -> tuple[int, int]:
     return start, stop
 
 
-class StepProfiler:
-    """Starts a jax.profiler trace at step START and stops it at step STOP.
+def _check_step(name: str, value: Any, *, minimum: int) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {name}={value!r}")
+    try:  # int() would accept "10" and silently truncate 10.5
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int >= {minimum}, got {name}={value!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {name}={value}")
+    return value
 
-    Call `.step(i)` at the top of every step (before dispatching step i). With several
-    steps per dispatch, `i` may jump: tracing starts at the first `i` in
-    [START, STOP) and stops at the first `i >= STOP`. Work is asynchronous, so pass
-    the previous step's outputs as `outputs` to wait for them before the trace stops
-    (otherwise the trace may miss the traced steps' device work). `close()` stops a
-    trace still running at the end of training.
+
+class StepProfiler:
+    """Starts a jax.profiler trace at step START and stops it after step STOP - 1.
+
+    Call `.step(i)` at the top of every dispatch (before dispatching step i). With
+    several steps per dispatch, one call covers steps `i .. i + steps_per_dispatch - 1`:
+    tracing starts at the first dispatch that covers any step of [START, STOP) and
+    stops at the first call with `i >= STOP` (after the dispatch that ran step
+    STOP - 1), so a range inside one dispatch group traces that whole group. Work is
+    asynchronous, so pass the previous step's outputs as `outputs` to wait for them
+    before the trace stops (otherwise the trace may miss the traced steps' device
+    work). `close()` stops a trace still running at the end of training. A range the
+    calls skip over, or that training never reaches, is logged as a warning.
 
     Args:
       steps: what `parse_step_range` reads ("START:STOP", "10" or 10), or a
         (start, stop) pair of ints.
       logdir: directory for the trace.
       perfetto: also write a Perfetto trace file.
+      steps_per_dispatch: steps each `.step(i)` call stands for; None (the default)
+        infers it from the gap between consecutive calls (1 at the first call).
 
     Raises:
-      TypeError: for a pair whose entries are not ints, or a non-bool `perfetto`.
-      ValueError: for an empty or malformed range.
+      TypeError: for a pair whose entries are not ints, a non-bool `perfetto` or a
+        non-int `steps_per_dispatch`.
+      ValueError: for an empty or malformed range, or `steps_per_dispatch < 1`.
     """
 
     def __init__(self, steps: str | int | tuple[int, int], logdir: str | os.PathLike, *,
-                 perfetto: bool = False):
+                 perfetto: bool = False, steps_per_dispatch: int | None = None):
         if isinstance(steps, (tuple, list)):
             if len(steps) != 2:
                 raise ValueError(f"a step range pair is (start, stop), got {steps=}")
@@ -67,25 +89,49 @@ class StepProfiler:
         self.start_step, self.stop_step = parse_step_range(steps)
         if not isinstance(perfetto, bool):
             raise TypeError(f"perfetto must be True or False, got {perfetto=}")
+        if steps_per_dispatch is not None:
+            steps_per_dispatch = _check_step("steps_per_dispatch", steps_per_dispatch, minimum=1)
         self.logdir = os.fspath(logdir)
         self._perfetto = perfetto
+        self._steps_per_dispatch = steps_per_dispatch
+        self._last_step: int | None = None
         self.active = False
         self.done = False
 
     def step(self, step: int, outputs: Any = None) -> None:
-        """Starts or stops the trace as `step` enters or leaves the range."""
-        import jax
+        """Starts or stops the trace as the dispatch starting at `step` enters or leaves the range.
 
+        Raises:
+          TypeError: unless `step` is an int.
+          ValueError: for a negative `step`.
+        """
+        step = _check_step("step", step, minimum=0)
+        size = self._dispatch_size(step)
+        previous, self._last_step = self._last_step, step
         if self.done:
             return
-        if not self.active and self.start_step <= step < self.stop_step:
+        if self.active:
+            if step >= self.stop_step:
+                self._stop(outputs)
+        elif step >= self.stop_step:
+            self.done = True
+            before = ("training started" if previous is None
+                      else f"the dispatches jumped from step {previous}")
+            _log.warning("profile steps %d:%d were never traced: %s to step %d, past them",
+                         self.start_step, self.stop_step, before, step)
+        elif step + size > self.start_step:  # this dispatch runs a step of the range
+            import jax
+
             os.makedirs(self.logdir, exist_ok=True)
             jax.profiler.start_trace(self.logdir, create_perfetto_trace=self._perfetto)
             self.active = True
-        elif self.active and step >= self.stop_step:
-            self._stop(outputs)
-        elif step >= self.stop_step:
-            self.done = True  # the range was skipped over entirely
+
+    def _dispatch_size(self, step: int) -> int:
+        if self._steps_per_dispatch is not None:
+            return self._steps_per_dispatch
+        if self._last_step is not None and step > self._last_step:
+            return step - self._last_step  # loops dispatch groups of one fixed size
+        return 1
 
     def _stop(self, outputs: Any) -> None:
         import jax
@@ -97,6 +143,11 @@ class StepProfiler:
         self.done = True
 
     def close(self, outputs: Any = None) -> None:
-        """Stops a trace that is still running."""
+        """Stops a trace that is still running; warns if the range was never reached."""
         if self.active:
             self._stop(outputs)
+        elif not self.done:
+            self.done = True
+            reached = "no step" if self._last_step is None else f"step {self._last_step}"
+            _log.warning("profile steps %d:%d were never traced: training ended at %s",
+                         self.start_step, self.stop_step, reached)

@@ -198,7 +198,11 @@ class TrainConfig:
         if self.resume and self.run_dir is None:
             raise ValueError("resume=True needs run_dir: the directory of the run to continue")
         if self.profile_steps is not None:
-            parse_profile_steps(self.profile_steps)
+            start, _ = parse_profile_steps(self.profile_steps)
+            if start >= self.steps:
+                raise ValueError(f"profile_steps={self.profile_steps!r} starts at step {start}, but "
+                                 f"training runs steps 0..{self.steps - 1} (steps={self.steps}); "
+                                 f"pick a range that starts below {self.steps}")
         if self.matmul != "xla":
             self._check_matmul()
 

@@ -356,7 +356,8 @@ def _make_profiler(cfg: TrainConfig, run_dir: str):
         return None
     from jaxopt_train.runtime.profiling import StepProfiler  # noqa: PLC0415
 
-    return StepProfiler(cfg.profile_steps, os.path.join(run_dir, "profile"))
+    return StepProfiler(cfg.profile_steps, os.path.join(run_dir, "profile"),
+                        steps_per_dispatch=cfg.steps_per_dispatch)
 
 
 __all__ = ["NonFiniteError", "RunDirError", "TrainResult", "train"]
