@@ -48,3 +48,11 @@ def test_bad_flags_are_refused_with_the_reason(argv, message, capsys):
 def test_indivisible_batch_exits_2(capsys):
     assert bench.main(["--quick", "--batch", "30", "--microbatches", "4"]) == 2
     assert "not divisible" in capsys.readouterr().err
+
+
+def test_json_folder_is_created_and_checked_before_the_run(tmp_path, capsys):
+    args = bench._parse(["--quick", "--json", str(tmp_path / "nodir" / "acc.json")])
+    assert (tmp_path / "nodir").is_dir() and args.json.endswith("acc.json")
+    with pytest.raises(SystemExit) as exc:
+        bench._parse(["--quick", "--json", str(tmp_path)])
+    assert exc.value.code == 2 and "--json" in capsys.readouterr().err

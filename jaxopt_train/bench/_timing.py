@@ -78,6 +78,37 @@ def peak_bytes_in_use(device) -> int | None:
 StepFn = Callable[[Any], tuple[Any, Any]]
 
 
+class Handoff:
+    """A state handed to `warm_up`, `time_bursts` or `trace_steps` so the caller keeps no
+    reference of its own: given one, they take the state out, step it, put the last state
+    back and return the same Handoff.
+
+    A caller's own reference would keep the state entering the call alive while the steps
+    run; for a non-donated step that is one more full copy of the training state in every
+    memory sample (and in the allocator's peak).
+    """
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: Any):
+        self.state = state
+
+    def take(self) -> Any:
+        state, self.state = self.state, None
+        return state
+
+
+def _take(state: Any) -> tuple[Handoff | None, Any]:
+    return (state, state.take()) if isinstance(state, Handoff) else (None, state)
+
+
+def _give_back(handoff: Handoff | None, state: Any) -> Any:
+    if handoff is None:
+        return state
+    handoff.state = state
+    return handoff
+
+
 @dataclasses.dataclass
 class BurstTiming:
     """Per-optimizer-step seconds of each timed burst."""
@@ -101,13 +132,15 @@ class BurstTiming:
 
 def warm_up(step: StepFn, state: Any, calls: int, seconds: float = 0.0) -> Any:
     """Runs `calls` dispatches (at least one) and waits for them; then keeps running bursts
-    of that many until `seconds` have passed since the start.
+    of that many until `seconds` have passed since the start. Returns the last state (or
+    `state` itself, refilled, when it is a `Handoff`).
 
     The time-based part is for GPUs that hit their power cap: an H200 running gpt-1b
     draws its 700 W within a second, and its SM clock then sinks from 1980 MHz towards
     ~1550 MHz as the chip warms, so steps timed in the first seconds of load run a few
     percent faster than the steady state (BENCHMARKS.md, twelfth session).
     """
+    handoff, state = _take(state)
     start = time.perf_counter()
     while True:
         out = None
@@ -115,12 +148,13 @@ def warm_up(step: StepFn, state: Any, calls: int, seconds: float = 0.0) -> Any:
             state, out = step(state)
         jax.block_until_ready((state, out))
         if time.perf_counter() - start >= seconds:
-            return state
+            return _give_back(handoff, state)
 
 
 def time_bursts(step: StepFn, state: Any, *, bursts: int, calls_per_burst: int,
                 steps_per_call: int) -> tuple[Any, BurstTiming]:
     """Times `bursts` bursts of `calls_per_burst` back-to-back dispatches, one sync each."""
+    handoff, state = _take(state)
     wall, dispatch, in_calls = [], [], []
     steps = calls_per_burst * steps_per_call
     for _ in range(bursts):
@@ -135,7 +169,7 @@ def time_bursts(step: StepFn, state: Any, *, bursts: int, calls_per_burst: int,
         wall.append((time.perf_counter() - start) / steps)
         dispatch.append(min(call_s) / steps_per_call)
         in_calls.append(sum(call_s) / steps)
-    return state, BurstTiming(wall, dispatch, steps, in_calls)
+    return _give_back(handoff, state), BurstTiming(wall, dispatch, steps, in_calls)
 
 
 @dataclasses.dataclass
@@ -161,6 +195,7 @@ class Trace:
 def trace_steps(step: StepFn, state: Any, *, calls: int, steps_per_call: int,
                 device) -> tuple[Any, Trace]:
     """Runs `calls` dispatches, each synced, sampling memory in use around each one."""
+    handoff, state = _take(state)
     trace = Trace(source=memory_source(device))
     trace.bytes_at_rest.append(bytes_in_use(device))
     for _ in range(calls):
@@ -170,7 +205,7 @@ def trace_steps(step: StepFn, state: Any, *, calls: int, steps_per_call: int,
         jax.block_until_ready((state, out))
         trace.step_s.append((time.perf_counter() - start) / steps_per_call)
         trace.bytes_at_rest.append(bytes_in_use(device))
-    return state, trace
+    return _give_back(handoff, state), trace
 
 
 def nvml_indices(devices) -> tuple[list[int] | None, str]:

@@ -170,6 +170,12 @@ def _parse(argv):
         parser.error(f"--precision: {err}")
     args.steps = args.steps or (3 if args.quick else 10)
     args.repeats = args.repeats or (3 if args.quick else 7)
+    if args.json:  # checked (and its folder created) now, not after the timing
+        from jaxopt_train.bench.train_report import output_file_problem  # noqa: PLC0415
+
+        problem = output_file_problem(args.json)
+        if problem:
+            parser.error(f"--json {args.json!r}: expected a writable file path; {problem}")
     return args
 
 

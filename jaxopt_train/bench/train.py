@@ -10,7 +10,8 @@ Configs run one after the other on the same model and global batch:
   `--opt-state-dtype`), cuDNN attention on GPU,
   `lax.scan` accumulation with one all-reduce after it, donated state, the
   first remat policy ("none", "dots", "full") whose compiled step fits
-  `--memory-budget`, the fastest grad-sync method, `--steps-per-dispatch` steps
+  `--memory-budget`, the fastest grad-sync method (under `--zero 0`; ZeRO-1
+  reduce-scatters the gradients per leaf), `--steps-per-dispatch` steps
   per compiled call, and the `--xla-preset` XLA flags; on more than one device
   its f32 master params and AdamW state are sharded per leaf over the devices
   (`--zero 1`, the default; ZeRO-1: all-gather params, reduce-scatter gradients;
@@ -40,6 +41,8 @@ import math
 import sys
 import time
 import warnings
+
+from jaxopt_train.bench import train_checks
 
 QUICK = dict(model="gpt-tiny", global_batch=8, microbatches=2, steps=4, warmup=1, warmup_s=0.0, bursts=2,
              seq_len=32, layers=1, image_size=16, steps_per_dispatch=2, trace_steps=3)
@@ -121,18 +124,32 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-tflops", type=float, help="dense peak per device (MFU denominator)")
     p.add_argument("--out", help="directory for train_bench.md, train_bench.json, train_bench.png")
     p.add_argument("--json", help="write the raw figures as JSON to this path")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace report files that already exist (--out's, --json's)")
     p.add_argument("--quick", action="store_true", help="CPU small mode (tiny shapes and steps)")
     return p
 
 
 def _parse(argv):
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     defaults = QUICK if args.quick else DEFAULTS
     args.defaulted = set()
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
             args.defaulted.add(name)
+    train_checks.check_shape_flags(parser, args)
+    train_checks.check_grad_sync(parser, args)
+    train_checks.check_outputs(parser, args)
+    if args.xla_extra is not None:
+        from jaxopt_train.runtime.xla_flags import parse_xla_flags  # noqa: PLC0415
+
+        try:
+            parse_xla_flags(args.xla_extra)
+        except ValueError as err:
+            parser.error(f"--xla-extra {args.xla_extra!r}: expected XLA flags such as "
+                         f"'--xla_gpu_enable_latency_hiding_scheduler=true ...' ({err})")
     for name in ("global_batch", "microbatches", "steps", "warmup", "bursts", "trace_steps",
                  "steps_per_dispatch"):
         low = 0 if name == "warmup" else 1
@@ -219,9 +236,11 @@ class Bench:
             runner = train_steps.build_runner(workload, run, train_steps.data_mesh(devices))
         k, bursts = runner.steps_per_call, self.args.bursts
         calls = max(1, math.ceil(self.args.steps / bursts / k))
-        # Take the state from the runner: a second reference would keep the
-        # initial (non-donated) state alive and inflate the config's memory.
-        state, runner.state = runner.state, None
+        # Hand the state over: a reference kept here (or in the runner) would keep the
+        # state entering each timing call alive, one more copy of a non-donated state
+        # in every memory sample, the swing and the peak.
+        state = _timing.Handoff(runner.state)
+        runner.state = None
         state = _timing.warm_up(runner.step, state, self.args.warmup, self.args.warmup_s)
         with _timing.gpu_clocks(devices) as clocks:
             state, timing = _timing.time_bursts(runner.step, state, bursts=bursts,
@@ -313,7 +332,7 @@ def choose_grad_sync(args, workload, run, devices):
     """The fastest `all_reduce_tree` method on gradients shaped like the params (psum on 1 device)."""
     if args.grad_sync != "auto":
         return args.grad_sync, {}
-    if len(devices) == 1:
+    if len(devices) == 1 or run.zero:  # ZeRO-1 reduce-scatters per leaf instead
         return "psum", {}
     import jax  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
@@ -371,7 +390,8 @@ def _ablation_runs(baseline, optimised, workload, num_devices):
         None if optimised.split_qkv else "--split-qkv not given",
         policy=optimised.policy, attention=optimised.attention, split_qkv=True)
     add(f"+grad_sync={optimised.grad_sync}",
-        None if num_devices > 1 and optimised.grad_sync != "psum" else "psum chosen (or 1 device)",
+        None if num_devices > 1 and optimised.grad_sync != "psum" else
+        "psum chosen (or 1 device, or --zero 1: gradients reduce-scattered per leaf)",
         grad_sync=optimised.grad_sync, accumulation="scan")
     add(f"+steps_per_dispatch={optimised.steps_per_dispatch}"
         + (" (+scan accumulation)" if workload.microbatches > 1 else ""),
@@ -395,6 +415,7 @@ def run_bench(args, xla_report) -> dict:
         raise SystemExit(f"--devices={args.devices}, but only {jax.device_count()} "
                          f"{jax.default_backend()} device(s) are visible")
     devices = jax.devices()[: args.devices] if args.devices else jax.devices()
+    train_checks.check_backends(_parser(), args, devices)
     if "global_batch" in args.defaulted:
         # A defaulted batch must still split over every device and micro-batch
         # (e.g. --quick on 8 emulated devices); an explicit one is validated as given.
@@ -449,7 +470,9 @@ def run_bench(args, xla_report) -> dict:
         "items_per_step": workload.items_per_step, "flops_per_step": workload.flops_per_step,
         "peak_tflops_per_device": peak,
         "mfu_denominator": None if peak is None else
-        f"{peak:g} TFLOP/s x {len(devices)} device(s) (dense bf16 peak of {kind})",
+        f"{peak:g} TFLOP/s x {len(devices)} device(s) ("
+        + ("--peak-tflops" if args.peak_tflops else f"dense bf16 peak of {kind}") + ")",
+        "grad_sync_collective": _grad_sync_collective(optimised, len(devices)),
         "dataset_items": bench.dataset_items, "gpu_hour_usd": args.gpu_hour_usd,
         "xla_flags": xla_report, "memory_budget_bytes": budget, "remat_trials": remat_trials,
         "grad_sync_ms": sync_times, "rows": rows, "ablations_skipped": skipped,
@@ -459,6 +482,8 @@ def run_bench(args, xla_report) -> dict:
     if workload.is_gpt:
         cfg = workload.gpt_config()
         result["gpt"] = {"seq_len": cfg.seq_len, "d_model": cfg.d_model, "n_layers": cfg.n_layers}
+    else:
+        result["vision"] = {"image_size": workload.image_side}
     if len(devices) > 1 and not args.no_scaling:
         result["scaling"] = _scaling(bench, optimised, rows[1])
     if args.compare:
@@ -470,20 +495,35 @@ def run_bench(args, xla_report) -> dict:
     return result
 
 
+def _grad_sync_collective(optimised, num_devices: int) -> str:
+    """The collective the optimised step's gradients actually go through."""
+    if num_devices == 1:
+        return "none (1 device)"
+    if optimised.zero:
+        return "reduce-scatter per leaf (ZeRO-1; --grad-sync applies under --zero 0)"
+    return optimised.grad_sync
+
+
 def _plain_rows(bench, attention: str) -> tuple[list[dict], list[dict]]:
     """The `--compare-plain` rows, and {name, reason} for each plain loop that failed.
 
     The plain loop has no remat and no accumulation, so on a model that needs them it
     can run out of memory: that costs its row, never the rows already measured."""
-    from jaxopt_train.bench import plain, train_steps  # noqa: PLC0415
+    from jaxopt_train.bench import _timing, plain, train_steps  # noqa: PLC0415
 
     workload, mesh = bench.workload, train_steps.data_mesh(bench.devices)
+    device = bench.devices[0]
     rows, failed = [], []
     for variant in plain.VARIANTS:
         run = plain.plain_run(variant, attention)
+        # The memory window opens before the runner holds its state, as for the other rows:
+        # the XLA estimate already counts the state among the step's arguments.
+        gc.collect()
+        window = (_timing.peak_bytes_in_use(device), _timing.bytes_in_use(device))
         try:
             runner = plain.build_plain_runner(workload.gpt_config(), workload.global_batch, run, mesh)
-            rows.append(bench.measure(run, runner=runner))
+            rows.append(bench.measure(run, runner=runner, peak_window=window))
+            del runner
         except Exception as err:  # noqa: BLE001 - e.g. RESOURCE_EXHAUSTED; reported in the table
             reason = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
             print(f"[bench train] {run.name} failed: {reason}", file=sys.stderr, flush=True)

@@ -12,11 +12,40 @@ import json
 import math
 import os
 import statistics
+import tempfile
 from typing import Any
 
 from jaxopt_train.bench._timing import BurstTiming, Trace
 
 GIB = 2**30
+REPORT_FILES = ("train_bench.md", "train_bench.json", "train_bench.png")  # what --out holds
+
+
+def output_dir_problem(folder: str) -> str | None:
+    """Why files cannot be written in `folder`, or None; creates it (and its parents) if missing.
+
+    Checked when the flags are read, so a bad path costs nothing rather than the whole run."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        return f"{folder!r} exists and is not a folder"
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        return f"cannot write in {folder!r}: {err.strerror or err}"
+    return None
+
+
+def output_file_problem(path: str, *, overwrite: bool = True) -> str | None:
+    """Why a report cannot be written to `path`, or None; creates its missing folders."""
+    if os.path.isdir(path):
+        return f"{path!r} is a folder"
+    if os.path.exists(path) and not overwrite:
+        return f"{path!r} already exists (pass --overwrite to replace it)"
+    problem = output_dir_problem(os.path.dirname(os.path.abspath(path)))
+    if problem is None and os.path.exists(path) and not os.access(path, os.W_OK):
+        return f"{path!r} is not writable"
+    return problem
 
 
 def row_figures(*, name: str, timing: BurstTiming, trace: Trace, compile_s: float,
@@ -162,7 +191,7 @@ def render(result) -> str:
     unit = result["unit"]
     flags = result["xla_flags"]
     lines = [f"device: {result['device_kind']} x {result['num_devices']} ({result['platform']}), "
-             f"jax {result['jax']}; model {result['model']}, global batch {result['global_batch']}, "
+             f"jax {result['jax']}; model {model_label(result)}, global batch {result['global_batch']}, "
              f"{result['microbatches']} micro-batch(es), {result['items_per_step']:,} {unit}/step",
              f"MFU denominator: {result['mfu_denominator'] or 'n/a (unknown device; pass --peak-tflops)'}",
              f"XLA flags (preset {flags['preset']}{', ' + flags['note'] if flags['note'] else ''}): "
@@ -174,7 +203,8 @@ def render(result) -> str:
              "dispatch: host time of a burst's fastest dispatch call, per step (the other calls also "
              "wait for the device's queue; all in-call time is host_in_calls_ms_per_step in the JSON)"]
     opt = next(r for r in result["rows"] if r["name"] == "optimised")
-    lines.append(f"optimised: remat={opt['config']['remat']}, grad_sync={opt['config']['grad_sync']}, "
+    grad_sync = result.get("grad_sync_collective", opt["config"]["grad_sync"])
+    lines.append(f"optimised: remat={opt['config']['remat']}, grad_sync={grad_sync}, "
                  f"attention={opt['attention_resolved']}, steps_per_dispatch={opt['steps_per_dispatch']}, "
                  f"optimizer state {opt['config']['opt_state']}, gradients in the "
                  f"{opt['config']['grad_dtype']} dtype, {_zero_note(opt)}"
@@ -202,6 +232,18 @@ def render(result) -> str:
         lines += ["", "steps_per_dispatch (optimised config):",
                   dispatch_table(result["dispatch"])]
     return "\n".join(lines)
+
+
+def model_label(result) -> str:
+    """The preset and the shape that actually ran, e.g. "gpt-124m (quick: layers=1, seq_len=32)"."""
+    args = result.get("args", {})
+    if "gpt" in result:
+        shape = f"layers={result['gpt']['n_layers']}, seq_len={result['gpt']['seq_len']}"
+    elif "vision" in result:
+        shape = f"image_size={result['vision']['image_size']}"
+    else:
+        return result["model"]
+    return f"{result['model']} ({'quick: ' if args.get('quick') else ''}{shape})"
 
 
 def clock_notes(rows) -> list[str]:

@@ -1,0 +1,74 @@
+"""`bench train`'s checks of its flags, run before anything is measured: a value that cannot
+work (a shape below 1, a flag for another kind of model, an output path that cannot be
+written, a kernel or collective this machine lacks) exits 2 naming the flag, instead of a
+traceback after the first rows have run."""
+
+from __future__ import annotations
+
+import os
+
+
+def check_shape_flags(parser, args) -> None:
+    """Shape overrides must be >= 1 and apply to the model: GPT's to GPT, vision's to vision."""
+    given = {name for name in ("seq_len", "layers", "image_size") if name not in args.defaulted}
+    for name in sorted(given):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    gpt = args.model.startswith("gpt")
+    gpt_only = sorted(given - {"image_size"}) + [
+        name for name in ("attention", "remat") if getattr(args, name) != "auto"]
+    if not gpt and gpt_only:
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in gpt_only)
+        parser.error(f"{flags} applies to GPT models, not --model {args.model} (a vision model: "
+                     "its input side is --image-size)")
+    if gpt and "image_size" in given:
+        parser.error(f"--image-size applies to vision models, not --model {args.model} (GPT "
+                     "shapes are --seq-len and --layers)")
+
+
+def check_grad_sync(parser, args) -> None:
+    """Under ZeRO-1 the gradients are reduce-scattered per leaf: no all-reduce method to pick."""
+    if args.zero and args.grad_sync not in ("auto", "psum"):
+        parser.error(f"--grad-sync {args.grad_sync} does nothing with --zero {args.zero}: its "
+                     "per-leaf layout reduces the gradients with a reduce-scatter and gathers "
+                     "the params with an all-gather per leaf, not with an all-reduce method "
+                     "(use --zero 0 to compare all-reduce methods)")
+
+
+def check_outputs(parser, args) -> None:
+    """Creates the output folders and checks they take files now, not after the run."""
+    from jaxopt_train.bench.train_report import REPORT_FILES, output_dir_problem, output_file_problem  # noqa: PLC0415
+
+    if args.json:
+        problem = output_file_problem(args.json, overwrite=args.overwrite)
+        if problem:
+            parser.error(f"--json {args.json!r}: expected a writable file path; {problem}")
+    if args.out:
+        problem = output_dir_problem(args.out)
+        if problem:
+            parser.error(f"--out {args.out!r}: expected a writable folder; {problem}")
+        existing = [name for name in REPORT_FILES if os.path.exists(os.path.join(args.out, name))]
+        if existing and not args.overwrite:
+            parser.error(f"--out {args.out!r} already holds {', '.join(existing)}: pass "
+                         "--overwrite to replace them, or choose another --out folder")
+
+
+def check_backends(parser, args, devices) -> None:
+    """Refuses, before the first row, a kernel or collective this machine lacks (exit 2)."""
+    from jaxopt_train.train.config import matmul_dot_general  # noqa: PLC0415
+
+    for matmul in args.matmuls:
+        try:
+            matmul_dot_general(matmul)
+        except ValueError as err:
+            parser.error(f"--compare-matmul {matmul}: {err} (or leave it out of --compare-matmul)")
+    if args.grad_sync == "peer":
+        from jaxopt_train.collectives.peer import check_platform  # noqa: PLC0415
+
+        try:
+            check_platform()
+        except (ValueError, NotImplementedError) as err:
+            parser.error(f"--grad-sync peer: {err}")
+        if len(devices) != 2:
+            parser.error(f"--grad-sync peer exchanges between exactly 2 devices; this run "
+                            f"has {len(devices)} (pass --devices 2, or another --grad-sync)")
