@@ -15,6 +15,7 @@ from collections import Counter
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -328,3 +329,22 @@ def test_restoring_a_pre_per_leaf_checkpoint_names_the_mismatch(tmp_path, zero, 
 ])
 def test_zero3_accepts_compute_dtype_gradients(make):
     make()
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+@pytest.mark.parametrize("make, needle", [
+    (lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)), "clip_by_global_norm"),
+    (lambda: optax.lamb(0.1), "lamb"),
+])
+def test_zero_refuses_an_optimizer_that_is_not_elementwise(zero, make, needle):
+    # Before: zero=1 silently trained differently from zero=0 (0.08 for clip + sgd, 0.015 for lamb).
+    with pytest.raises(ValueError, match=rf"zero={zero} updates each device's shard.*must be "
+                                         rf"elementwise.*{needle}.*Use zero=0, or the default optimizer"):
+        Trainer(_MLP(nnx.Rngs(0), hidden=32), _mse, optimizer=make(), zero=zero,
+                devices=jax.devices()[:4])
+
+
+def test_zero_accepts_an_elementwise_user_optimizer_with_a_per_leaf_mask():
+    mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731
+    Trainer(_MLP(nnx.Rngs(0), hidden=32), _mse, zero=1, devices=jax.devices()[:4],
+            optimizer=optax.adamw(0.1, weight_decay=0.5, mask=mask))

@@ -7,9 +7,10 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxopt_train.zero import (gather_leaves, leaf_spec, leaf_specs, make_layout, make_zero_step,
-                               opt_state_leaf_specs, place_leaves, reduce_scatter_leaves, shard_dim,
-                               spec_dim, zero_shardings)
+from jaxopt_train.train.state import default_optimizer
+from jaxopt_train.zero import (elementwise_mismatch, gather_leaves, leaf_spec, leaf_specs,
+                               make_layout, make_zero_step, opt_state_leaf_specs, place_leaves,
+                               reduce_scatter_leaves, shard_dim, spec_dim, zero_shardings)
 
 N = 8
 STEPS = 2
@@ -193,6 +194,59 @@ def test_opt_state_leaf_specs_refuses_what_it_cannot_split():
 
 
 # Bad input: a clear error, never a silently wrong result ----------------------
+
+
+def _flat_mask_problem():
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(8, 4)), jnp.float32),
+              "b": jnp.asarray(rng.normal(size=(4,)), jnp.float32)}
+    batch = (jnp.asarray(rng.normal(size=(16, 8)), jnp.float32),
+             jnp.asarray(rng.normal(size=(16, 4)), jnp.float32))
+    return params, batch
+
+
+def _flat_mask_loss(params, batch):
+    x, y = batch
+    return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_flat_stages_refuse_a_masked_optimizer_rather_than_drop_the_mask(mesh, stage):
+    params, _ = _flat_mask_problem()
+    masked = default_optimizer(lr=0.1, total_steps=10, weight_decay=0.5, clip_norm=0.0)  # ndim>=2 mask
+    with pytest.raises(ValueError, match=rf"stage={stage} runs the optimizer on each device's 1-D "
+                                         r"slice.*AdamW's weight-decay mask.*Use stage=0"):
+        make_zero_step(_flat_mask_loss, masked, params, mesh, stage=stage, method="psum")
+
+
+def test_flat_stage_0_keeps_the_weight_decay_mask(mesh):
+    params, batch = _flat_mask_problem()
+    masked = default_optimizer(lr=0.1, total_steps=10, weight_decay=0.5, clip_norm=0.0)
+    zero = make_zero_step(_flat_mask_loss, masked, params, mesh, stage=0, method="psum")
+    state, ref, ref_state = zero.init(params), params, masked.init(params)
+    for _ in range(2):
+        state, _ = zero.step(state, batch)
+        with jax.numpy_dtype_promotion("standard"):
+            grads = jax.grad(_flat_mask_loss)(ref, batch)
+            updates, ref_state = masked.update(grads, ref_state, ref)
+        ref = optax.apply_updates(ref, updates)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), state.params, ref)
+
+
+_MASK = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731
+
+
+@pytest.mark.parametrize("name, optimizer, flat_ok, leaf_ok", [
+    ("adam", optax.adam(1e-2), True, True),
+    ("sgd", optax.sgd(0.1), True, True),
+    ("masked adamw", optax.adamw(0.1, weight_decay=0.5, mask=_MASK), False, True),
+    ("clip + sgd", optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)), False, False),
+    ("lamb", optax.lamb(0.1), False, False),
+])
+def test_elementwise_mismatch_tells_shard_safe_optimizers(name, optimizer, flat_ok, leaf_ok):
+    params = {"w": jnp.zeros((16, 3)), "b": jnp.zeros((16,)), "c": jnp.zeros((3,))}
+    assert (elementwise_mismatch(optimizer, params, N) is None) == flat_ok, name
+    assert (elementwise_mismatch(optimizer, params, N, leaf_specs(params, N)) is None) == leaf_ok, name
 
 
 def _bad_params():

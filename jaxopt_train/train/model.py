@@ -39,6 +39,32 @@ def _cast_like(tree, reference):
     return jax.tree.map(one, tree, reference)
 
 
+LOSS_SIGNATURE = ("loss_fn(model, batch) -> scalar loss, or loss_fn(model, batch, train) "
+                  "with a parameter named `train`")
+
+
+def check_loss_fn(loss_fn: Callable) -> None:
+    """Raises TypeError unless `loss_fn` is callable as `loss_fn(model, batch[, train=...])`.
+
+    The signature is checked with `inspect.signature` (callables without one
+    are accepted here and tried at the first step), so TypeErrors raised
+    inside the loss itself are never mistaken for a wrong signature.
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn={loss_fn!r} is not callable; expected {LOSS_SIGNATURE}")
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return
+    train = {"train": True} if "train" in signature.parameters else {}
+    try:
+        signature.bind(None, None, **train)
+    except TypeError as err:
+        call = "loss_fn(model, batch, train=...)" if train else "loss_fn(model, batch)"
+        raise TypeError(f"loss_fn{signature} cannot be called as {call} ({err}); expected "
+                        f"{LOSS_SIGNATURE}") from None
+
+
 def _wants_train_flag(loss_fn: Callable) -> bool:
     try:
         parameters = inspect.signature(loss_fn).parameters
@@ -49,7 +75,15 @@ def _wants_train_flag(loss_fn: Callable) -> bool:
 
 def _call_loss(loss_fn: Callable, model, batch, train: bool) -> jax.Array:
     out = loss_fn(model, batch, train=train) if _wants_train_flag(loss_fn) else loss_fn(model, batch)
-    loss = jnp.asarray(out)
+    if isinstance(out, (tuple, list)):
+        raise ValueError(f"loss_fn must return the scalar loss alone; it returned a "
+                         f"{type(out).__name__} of {len(out)} items (a (loss, aux) pair?): return "
+                         "only the loss (aux outputs are not supported)")
+    try:
+        loss = jnp.asarray(out)
+    except TypeError as err:
+        raise ValueError(f"loss_fn must return a floating scalar; got a {type(out).__name__}"
+                         ) from err
     if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
         raise ValueError(f"loss_fn must return a floating scalar; got shape={loss.shape} "
                          f"dtype={loss.dtype}")
@@ -68,6 +102,7 @@ def nnx_model_fns(model, loss_fn: Callable, policy: Policy) -> ModelFns:
 
     if not isinstance(model, nnx.Module):
         raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}")
+    check_loss_fn(loss_fn)
     graphdef, params, rng_state, model_state = nnx.split(model, nnx.Param, nnx.RngState, ...)
     params = policy.cast_to_param(params)
 
@@ -106,6 +141,7 @@ def linen_model_fns(module, loss_fn: Callable, policy: Policy, init_args: tuple,
     if not isinstance(init_args, tuple):
         raise TypeError(f"init_args={type(init_args).__name__} must be a tuple of example inputs "
                         "for module.init")
+    check_loss_fn(loss_fn)
     variables = dict(module.init(rng, *init_args))
     params = policy.cast_to_param(variables.pop("params"))
     model_state = variables

@@ -40,8 +40,9 @@ from jaxopt_train.train.state import TrainState, default_optimizer, init_train_s
 from jaxopt_train.train.step import (AXIS, build_eval_step, build_train_step,
                                      init_sharded_error_feedback, jit_steps, make_data_mesh,
                                      memory_summary, place_batch, replicate)
-from jaxopt_train.train.zero_step import (check_zero, init_zero_state, make_zero_step_body,
-                                          replicated_params, zero_specs, zero_state_specs)
+from jaxopt_train.train.zero_step import (check_elementwise_optimizer, check_zero, init_zero_state,
+                                          make_zero_step_body, replicated_params, zero_specs,
+                                          zero_state_specs)
 
 GRAD_SYNCS = config_lib.GRAD_SYNCS
 GRAD_COMPRESSIONS = (None, *config_lib.GRAD_COMPRESSIONS)
@@ -99,7 +100,9 @@ class Trainer:
         optimizer then updates shards, so it must be elementwise apart from
         per-leaf masks; global-norm clipping is done by the step over the
         whole gradient (`clip_norm`, default optimizer only: a user
-        optimizer must not clip by global norm itself).
+        optimizer must not clip by global norm itself). A user optimizer
+        whose shard updates differ from its whole-tree update (global-norm
+        clipping, trust ratios as in optax.lamb) raises ValueError here.
       grad_dtype: "param" (gradients in the params' dtype, e.g. f32 master
         weights) or "compute" (gradients in the policy's compute dtype, e.g.
         bf16, widened after the cross-device reduction: half the gradient
@@ -195,6 +198,8 @@ class Trainer:
     def _setup_zero(self, fns: ModelFns, optimizer, grad_sync: str, clip_norm: float,
                     grad_cast: Callable | None) -> None:
         param_specs, opt_specs = zero_specs(optimizer, fns.params, self.num_devices)
+        check_elementwise_optimizer(optimizer, fns.params, param_specs, zero=self.zero,
+                                    num_devices=self.num_devices)
         self.state = init_zero_state(self.state, optimizer, param_specs, opt_specs, self.mesh,
                                      zero=self.zero)
         one_step = make_zero_step_body(fns.loss, optimizer, param_specs, zero=self.zero,
@@ -216,21 +221,15 @@ class Trainer:
 
     def _stage(self, batch) -> Any:
         """Host batch -> device batches [k, B, ...] sharded over the data axis."""
-        batch = jax.tree.map(np.asarray, batch)
-        leaves = jax.tree.leaves(batch)
-        if not leaves:
-            raise ValueError("batch has no array leaves")
+        batch = _host_batch(batch)
         k = self.steps_per_dispatch
-        if k == 1 and leaves[0].ndim >= 1:
+        if k == 1:
             batch = jax.tree.map(lambda x: x[None], batch)
         elif any(x.ndim < 2 or x.shape[0] != k for x in jax.tree.leaves(batch)):
             shapes = [x.shape for x in jax.tree.leaves(batch)]
             raise ValueError(f"with steps_per_dispatch={k} every batch leaf needs a leading axis "
                              f"of size {k} (then the batch axis); got shapes {shapes}")
-        sizes = {x.shape[1] for x in jax.tree.leaves(batch)}
-        if len(sizes) != 1:
-            raise ValueError(f"batch leaves disagree on the batch size: {sorted(sizes)}")
-        check_divisible(sizes.pop(), self.microbatches, self.num_devices)
+        check_divisible(_batch_size(batch, axis=1), self.microbatches, self.num_devices)
         return place_batch(batch, self.mesh, P(None, AXIS))
 
     def compile(self, batch) -> None:
@@ -270,21 +269,63 @@ class Trainer:
         return metrics
 
     def evaluate(self, batch) -> float:
-        """Mean loss of the current params on a host global batch [B, ...] (eval mode)."""
-        batch = jax.tree.map(np.asarray, batch)
-        return float(self._eval_step(self.params, self.state.model_state,
+        """Mean loss of the current params on a host global batch [B, ...] (eval mode).
+
+        B must be divisible by the number of devices.
+        """
+        batch = _host_batch(batch)
+        check_divisible(_batch_size(batch, axis=0), 1, self.num_devices)
+        return float(self._eval_step(self._current_params(), self.state.model_state,
                                      place_batch(batch, self.mesh, P(AXIS))))
 
     # ------------------------------------------------------------------ results
 
-    @property
-    def params(self):
-        """The parameter tree (at zero=3 gathered from the per-leaf shards into a replicated copy)."""
+    def _current_params(self):
+        # The state's own arrays (replicated): the next step donates and deletes them.
         if self.zero == 3:
             return replicated_params(self.state.params, self.mesh)
         return self.state.params
 
     @property
+    def params(self):
+        """A copy of the current parameter tree (at zero=3 gathered from the per-leaf shards).
+
+        A copy, so it survives later `step()` calls (which donate, and so
+        delete, the train state's own arrays): keep it as a snapshot.
+        """
+        return _copy_arrays(self._current_params())
+
+    @property
     def model(self):
-        """The user's model with the current weights (an nnx.Module, or Linen variables)."""
-        return self.fns.merge(self.params, self.state.model_state)
+        """The user's model with a copy of the current weights (an nnx.Module, or Linen variables).
+
+        Like `params`, a snapshot that later `step()` calls leave intact.
+        """
+        return self.fns.merge(self.params, _copy_arrays(self.state.model_state))
+
+
+def _copy_arrays(tree):
+    """`tree` with every jax.Array copied (same sharding), so donating the originals spares it."""
+    return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, tree)
+
+
+def _host_batch(batch):
+    """`batch` as numpy leaves; raises ValueError if it has none or a leaf has no batch axis."""
+    batch = jax.tree.map(np.asarray, batch)
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    if not leaves:
+        raise ValueError("batch has no array leaves")
+    for path, x in leaves:
+        if x.ndim == 0:
+            name = jax.tree_util.keystr(path, simple=True, separator="/")
+            raise ValueError(f"every batch leaf needs a batch axis; leaf {name!r} has shape () "
+                             "(give per-example values a batch axis, e.g. np.full(batch_size, value))")
+    return batch
+
+
+def _batch_size(batch, axis: int) -> int:
+    """The size of dimension `axis` of every leaf; raises ValueError if the leaves disagree."""
+    sizes = {x.shape[axis] for x in jax.tree.leaves(batch)}
+    if len(sizes) != 1:
+        raise ValueError(f"batch leaves disagree on the batch size: {sorted(sizes)}")
+    return sizes.pop()

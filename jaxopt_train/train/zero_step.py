@@ -45,8 +45,8 @@ from jax.sharding import PartitionSpec as P
 from jaxopt_train.accumulation import accumulate_gradients
 from jaxopt_train.precision import all_finite, select_tree
 from jaxopt_train.train.state import TrainState
-from jaxopt_train.zero import (gather_leaves, leaf_specs, opt_state_leaf_specs, place_leaves,
-                               reduce_scatter_leaves, spec_dim)
+from jaxopt_train.zero import (elementwise_mismatch, gather_leaves, leaf_specs,
+                               opt_state_leaf_specs, place_leaves, reduce_scatter_leaves, spec_dim)
 
 AXIS = "data"
 ZERO_STAGES = (0, 1, 3)
@@ -122,6 +122,26 @@ def zero_specs(optimizer: optax.GradientTransformation, params, num_devices: int
     param_specs = leaf_specs(params, num_devices, AXIS)
     abstract = jax.eval_shape(optimizer.init, params)
     return param_specs, opt_state_leaf_specs(optimizer, abstract, params, param_specs)
+
+
+def check_elementwise_optimizer(optimizer: optax.GradientTransformation, params, param_specs, *,
+                                zero: int, num_devices: int) -> None:
+    """Raises ValueError unless updating each device's shards alone equals the replicated update.
+
+    Per-leaf masks (AdamW's weight-decay mask on matrices) pass: shards keep
+    their leaf's rank and the tree's structure. Global-norm clipping and
+    per-leaf trust ratios (optax.lamb, optax.lars) fail: a device sees only
+    its shards' norms. See `jaxopt_train.zero.elementwise_mismatch`.
+    """
+    mismatch = elementwise_mismatch(optimizer, params, num_devices, param_specs, AXIS)
+    if mismatch:
+        raise ValueError(
+            f"zero={zero} updates each device's shard of the parameters with the optimizer on its "
+            "own, so the optimizer must be elementwise (per-parameter math, e.g. optax.adamw, "
+            f"optax.sgd); this one is not ({mismatch}). Global-norm clipping "
+            "(optax.clip_by_global_norm) and trust-ratio optimizers (optax.lamb, optax.lars) see "
+            "only a shard's norm. Use zero=0, or the default optimizer (optimizer=None) whose "
+            "clip_norm= the ZeRO step applies with the whole gradient's norm")
 
 
 def init_zero_state(state: TrainState, optimizer, param_specs, opt_specs, mesh, *,

@@ -1,0 +1,90 @@
+"""Trainer inputs and results: snapshots that survive later steps, clear errors for bad batches and losses."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxopt_train.train import Trainer
+
+pytestmark = pytest.mark.usefixtures("jax_compile_cache")
+
+
+class _MLP(nnx.Module):
+    def __init__(self, rngs):  # hidden 16: sharded over 8 devices at zero=3
+        self.l1, self.l2 = nnx.Linear(5, 16, rngs=rngs), nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(jax.nn.relu(self.l1(x)))
+
+
+def _mse(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def _batch(size=16):
+    rng = np.random.default_rng(0)
+    return {"x": rng.normal(size=(size, 5)).astype(np.float32),
+            "y": rng.normal(size=(size, 3)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_model_and_params_survive_later_steps(zero):
+    trainer, batch = Trainer(_MLP(nnx.Rngs(0)), _mse, zero=zero, lr=0.1), _batch()
+    trainer.step(batch)
+    model, params = trainer.model, trainer.params
+    expected = np.asarray(model(batch["x"]))
+    saved = jax.tree.map(np.asarray, params)
+    trainer.step(batch)  # donates the train state
+    np.testing.assert_array_equal(np.asarray(model(batch["x"])), expected)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, params), saved)
+    moved = jax.tree.map(lambda a, b: np.max(np.abs(np.asarray(a) - b)), trainer.params, saved)
+    assert max(jax.tree.leaves(moved)) > 0, "the snapshot must not follow later steps"
+
+
+@pytest.mark.parametrize("extra", [{"z": np.float32(2.0)}, {"a": np.float32(2.0)}])
+def test_scalar_batch_leaf_is_named(extra):
+    trainer = Trainer(_MLP(nnx.Rngs(0)), _mse)
+    name = next(iter(extra))
+    with pytest.raises(ValueError, match=f"every batch leaf needs a batch axis; leaf '{name}' has shape"):
+        trainer.step({**extra, **_batch()})  # dicts flatten by sorted key: 'a' first, 'z' last
+
+
+def test_evaluate_checks_the_batch_divides_over_the_devices():
+    trainer = Trainer(_MLP(nnx.Rngs(0)), _mse)
+    with pytest.raises(ValueError, match=r"global_batch=12 .*not divisible by num_devices=8"):
+        trainer.evaluate(_batch(12))
+    with pytest.raises(ValueError, match="every batch leaf needs a batch axis; leaf 'w'"):
+        trainer.evaluate({**_batch(), "w": np.float32(1.0)})
+
+
+@pytest.mark.parametrize("loss_fn, needle", [
+    ("mse", r"loss_fn='mse' is not callable; expected loss_fn\(model, batch\)"),
+    (lambda batch: 0.0, r"loss_fn\(batch\) cannot be called as loss_fn\(model, batch\)"),
+    (lambda model, batch, scale: 0.0, r"cannot be called as loss_fn\(model, batch\).*expected loss_fn"),
+])
+def test_loss_fn_signature_is_checked_at_construction(loss_fn, needle):
+    with pytest.raises(TypeError, match=needle):
+        Trainer(_MLP(nnx.Rngs(0)), loss_fn)
+
+
+def test_loss_fn_with_a_train_parameter_is_accepted():
+    trainer = Trainer(_MLP(nnx.Rngs(0)), lambda model, batch, train: _mse(model, batch))
+    assert np.isfinite(trainer.evaluate(_batch()))
+
+
+def test_loss_returning_loss_and_aux_is_named():
+    trainer = Trainer(_MLP(nnx.Rngs(0)), lambda model, batch: (_mse(model, batch), {"acc": 1.0}))
+    with pytest.raises(ValueError, match=r"scalar loss alone; it returned a tuple of 2 items \(a \(loss, aux\)"):
+        trainer.step(_batch())
+
+
+def test_type_error_inside_the_loss_is_not_reported_as_a_signature_error():
+    def loss_fn(model, batch):
+        raise TypeError("inside the loss")
+
+    trainer = Trainer(_MLP(nnx.Rngs(0)), loss_fn)
+    with pytest.raises(TypeError, match="^inside the loss") as info:
+        trainer.step(_batch())
+    assert "expected loss_fn" not in str(info.value)
