@@ -266,3 +266,84 @@ def test_fits_rejects_args_with_a_lowered_step():
     lowered = jax.jit(lambda x: x * 2).lower(_SPEC)
     with pytest.raises(ValueError, match="got args/kwargs with a Lowered"):
         fits(lowered, (jax.ShapeDtypeStruct((1024,), jnp.float32),), "1GiB")
+
+
+class _CountingDevice(_StatsDevice):
+    """Each memory_stats() call holds 100 more bytes and raises the peak by 1000."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def memory_stats(self):
+        self.calls += 1
+        return {"bytes_in_use": 100 * self.calls, "peak_bytes_in_use": 1000 * self.calls}
+
+
+def test_track_memory_same_instance_nested():
+    tracker = track_memory(_CountingDevice())
+    with tracker as outer:  # stats call 1
+        with tracker as inner:  # calls 2 and 3
+            pass
+    # outer: call 1 -> call 4
+    assert outer.available and inner.available
+    assert len(outer.devices) == len(inner.devices) == 1
+    assert inner.devices[0].delta == 100 and inner.devices[0].peak_increase == 1000
+    assert outer.devices[0].delta == 300 and outer.devices[0].peak_increase == 3000
+
+
+def test_track_memory_missing_stats_are_none_not_zero():
+    device = _StatsDevice([{"bytes_in_use": 1}, {"bytes_in_use": 5}])  # no peak statistics
+    with track_memory(device) as report:
+        pass
+    (mem,) = report.devices
+    assert mem.peak_bytes_in_use is None and mem.peak_increase is None and mem.delta == 4
+    assert report.peak_bytes is None and "peak n/a GiB (n/a)" in str(report)
+    device = _StatsDevice([{"peak_bytes_in_use": 1}, {"peak_bytes_in_use": 5}])  # no bytes_in_use
+    with track_memory(device) as report:
+        pass
+    assert report.devices[0].delta is None and "delta n/a GiB" in str(report)
+
+
+def test_track_memory_waits_for_pending_computations(monkeypatch):
+    class _Pending:
+        done = False
+
+        def block_until_ready(self):
+            _Pending.done = True
+            return self
+
+    class _AsyncDevice(_StatsDevice):
+        def memory_stats(self):  # the output buffer shows only once the computation ran
+            return {"bytes_in_use": 64 if _Pending.done else 0, "peak_bytes_in_use": 64}
+
+    monkeypatch.setattr(jax, "live_arrays", lambda: [_Pending()])
+    with track_memory(_AsyncDevice([])) as report:
+        pass
+    assert report.devices[0].delta == 64
+
+
+def test_track_memory_rejects_empty_device_list():
+    with pytest.raises(ValueError, match=r"got an empty devices=\[\]"):
+        track_memory([])
+
+
+def test_track_memory_decorator_keeps_result_exceptions_and_metadata(capsys):
+    @track_memory(_CountingDevice())
+    def step(a):
+        """Doubles."""
+        if a < 0:
+            raise KeyError("negative")
+        return a * 2
+
+    assert step(3) == 6 and step.__name__ == "step" and step.__doc__ == "Doubles."
+    with pytest.raises(KeyError, match="negative"):
+        step(-1)
+    assert capsys.readouterr().out.count("cuda:0: peak") == 2
+
+
+def test_memory_env_accepts_numpy_fraction():
+    assert memory_env(fraction=np.float32(0.5)) == {"XLA_CLIENT_MEM_FRACTION": "0.5000"}
+    with pytest.raises(ValueError, match=r"in \(0, 1\], got fraction=nan"):
+        memory_env(fraction=float("nan"))
+    with pytest.raises(ValueError, match="a byte count must be >= 0"):
+        memory_env(bytes=-1, total_bytes="80GiB")

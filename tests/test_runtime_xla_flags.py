@@ -46,11 +46,15 @@ def test_a_wrong_flag_would_abort_xla():
     assert result.returncode != 0 and "Unknown flag" in result.stderr
 
 
-def test_merge_keeps_user_flags_and_overrides_duplicates(monkeypatch):
+def test_merge_keeps_user_flags_over_the_preset(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d --xla_gpu_enable_latency_hiding_scheduler=false")
     report = xla_flags("gpu-throughput", extra={"xla_gpu_enable_triton_gemm": "false"}, apply=False)
     assert list(report.in_force)[:2] == ["xla_dump_to", "xla_gpu_enable_latency_hiding_scheduler"]
-    assert report.in_force["xla_gpu_enable_latency_hiding_scheduler"] == "true"
+    # The user's own value wins over the preset's default, and the report says so.
+    assert report.in_force["xla_gpu_enable_latency_hiding_scheduler"] == "false"
+    assert report.kept == {"xla_gpu_enable_latency_hiding_scheduler": ("false", "true")}
+    assert "kept XLA_FLAGS' --xla_gpu_enable_latency_hiding_scheduler=false over the preset's true" \
+        in str(report)
     assert report.in_force["xla_gpu_enable_triton_gemm"] == "false"
     assert report.added["xla_gpu_all_reduce_combine_threshold_bytes"] == str(256 * 2**20)
     assert os.environ["XLA_FLAGS"].startswith("--xla_dump_to")  # apply=False left it alone
@@ -121,3 +125,50 @@ def test_flags_in_force_reports_env(monkeypatch):
     report = flags_in_force()
     assert report["--xla_gpu_enable_latency_hiding_scheduler"] == "true"
     assert report["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" and report["XLA_CLIENT_MEM_FRACTION"] == "0.5"
+
+
+def test_explicit_arguments_replace_env_flags_and_say_so(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION --xla_gpu_autotune_level=4")
+    report = xla_flags("gpu-latency", command_buffer="off", extra={"xla_gpu_autotune_level": 0},
+                       apply=False)
+    assert report.in_force["xla_gpu_enable_command_buffer"] == ""
+    assert report.in_force["xla_gpu_autotune_level"] == "0"
+    assert report.in_force["xla_gpu_graph_min_graph_size"] == "1"  # no conflict: preset's
+    assert report.replaced == {"xla_gpu_enable_command_buffer": ("FUSION", ""),
+                               "xla_gpu_autotune_level": ("4", "0")}
+    assert report.kept == {} and "from the arguments replaced XLA_FLAGS' 4" in str(report)
+
+
+@pytest.mark.parametrize("text, error, match", [
+    ("--xla_dump_to='/tmp/x", ValueError, r"cannot read the flags given \(No closing quotation\).*quote"),
+    ("--=1", ValueError, "must look like --name=value, got token='--=1'"),
+    (5, TypeError, "XLA flags must be a string .*got int: 5"),
+])
+def test_parse_rejects_malformed_flags_clearly(text, error, match):
+    with pytest.raises(error, match=match):
+        parse_xla_flags(text)
+
+
+def test_malformed_env_flags_leave_env_alone(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", '--xla_dump_to="/tmp/x')
+    with pytest.raises(ValueError, match="cannot read the XLA_FLAGS environment variable"):
+        xla_flags("gpu-throughput", apply=False)
+    assert os.environ["XLA_FLAGS"] == '--xla_dump_to="/tmp/x'
+
+
+def test_values_with_spaces_round_trip(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    report = xla_flags("none", extra={"xla_dump_to": "/tmp/my dir"}, apply=False)
+    assert format_xla_flags(report.in_force) == '--xla_dump_to="/tmp/my dir"'
+    assert parse_xla_flags(format_xla_flags(report.in_force)) == {"xla_dump_to": "/tmp/my dir"}
+
+
+@pytest.mark.parametrize("preset, command_buffer, match", [
+    (["gpu-throughput"], None, r"unknown XLA flag preset preset=\['gpu-throughput'\]; expected one of"),
+    ("none", 5, "command_buffer must be None, 'off' or a non-empty list .*got mode=5"),
+    ("none", [1], r"command_buffer must be None.*got mode=\[1\]"),
+])
+def test_bad_preset_or_command_buffer_types_are_value_errors(monkeypatch, preset, command_buffer, match):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    with pytest.raises(ValueError, match=match):
+        xla_flags(preset, command_buffer=command_buffer, apply=False)

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import numbers
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -95,7 +96,7 @@ def memory_env(*, fraction: float | None = None, bytes: int | str | None = None,
             raise ValueError(f"bytes={limit} is {fraction:.3f} of the device's {total} bytes; "
                              "it must be > 0 and no more than the device holds")
         asked = f"bytes={limit} ({fraction:.2e} of the device's {total} bytes)"
-    elif isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+    elif isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) or not 0 < fraction <= 1:
         raise ValueError(f"fraction must be a number in (0, 1], got {fraction=}")
     else:
         asked = f"{fraction=}"
@@ -190,12 +191,12 @@ class MemoryReport:
     def __str__(self) -> str:
         if not self.available:
             return f"memory: unavailable ({self.reason})"
-        gib = 2**30
-        lines = []
-        for d in self.devices:
-            lines.append(f"{d.device}: peak {d.peak_bytes_in_use / gib:.3f} GiB "
-                         f"(+{d.peak_increase / gib:.3f}), delta {d.delta / gib:+.3f} GiB")
-        return "\n".join(lines)
+        def gib(value: int | None, sign: str = "") -> str:
+            return "n/a" if value is None else f"{value / 2**30:{sign}.3f}"
+
+        return "\n".join(f"{d.device}: peak {gib(d.peak_bytes_in_use)} GiB "
+                         f"({gib(d.peak_increase, '+')}), delta {gib(d.delta, '+')} GiB"
+                         for d in self.devices)
 
 
 def _is_device(obj: Any) -> bool:
@@ -219,6 +220,8 @@ def _device_list(devices: Any) -> list[Any] | None:
     bad = [d for d in found if not _is_device(d)]
     if bad:
         raise TypeError(f"{expected}; got non-device entries {bad} in {devices=}")
+    if not found:  # nothing to watch: the report would say "unavailable" for no reason
+        raise ValueError(f"{expected}; got an empty {devices=}")
     return found
 
 
@@ -229,13 +232,39 @@ def _stats(device) -> dict[str, int] | None:
         return None
 
 
+def _wait_for_pending_work(jax: Any) -> None:
+    """Blocks until dispatched computations finish, so their buffers show in the stats.
+
+    `jax.effects_barrier` alone only waits for side effects (callbacks, prints), not for
+    a pure computation still running asynchronously.
+    """
+    for array in jax.live_arrays():
+        with contextlib.suppress(Exception):  # deleted or donated meanwhile
+            array.block_until_ready()
+    with contextlib.suppress(Exception):
+        jax.effects_barrier()
+
+
+def _device_memory(device: Any, before: dict[str, int], after: dict[str, int]) -> DeviceMemory:
+    # A backend may leave a statistic out: report None, not a made-up 0.
+    peak_before, peak_after = before.get("peak_bytes_in_use"), after.get("peak_bytes_in_use")
+    return DeviceMemory(
+        device=str(device),
+        bytes_in_use_before=before.get("bytes_in_use"),
+        bytes_in_use_after=after.get("bytes_in_use"),
+        peak_bytes_in_use=peak_after,
+        peak_increase=None if peak_before is None or peak_after is None else peak_after - peak_before,
+        bytes_limit=after.get("bytes_limit"),
+    )
+
+
 class track_memory(contextlib.ContextDecorator):  # noqa: N801 - used like a function
     """Reports peak and delta device memory of a block, as a context manager or decorator.
 
     The allocator's high-water mark is process-wide and cannot be reset, so a block's
     own peak is exact only when it raises that mark (`peak_increase > 0`); otherwise the
     block peaked somewhere at or below the earlier mark. Work is asynchronous: the
-    exit waits for pending computations (`jax.effects_barrier`) before reading.
+    exit waits for pending computations (every live array, then side effects) before reading.
 
     Example:
       >>> with track_memory() as report:
@@ -250,6 +279,7 @@ class track_memory(contextlib.ContextDecorator):  # noqa: N801 - used like a fun
 
     Raises:
       TypeError: if `devices` is not a device or a list of devices.
+      ValueError: if `devices` is an empty list.
     """
 
     def __new__(cls, devices: Any = None, **kwargs: Any):
@@ -263,40 +293,33 @@ class track_memory(contextlib.ContextDecorator):  # noqa: N801 - used like a fun
         self._devices = _device_list(devices)
         self._print = print_report
         self.report = MemoryReport()
+        # One entry per open `with`: the same instance may be entered again inside itself.
+        self._open: list[tuple[MemoryReport, list[tuple[Any, dict[str, int] | None]]]] = []
 
     def __enter__(self) -> MemoryReport:
         import jax
 
         devices = list(self._devices) if self._devices is not None else jax.local_devices()
         self.report = MemoryReport()
-        self._before = [(d, _stats(d)) for d in devices]
+        self._open.append((self.report, [(d, _stats(d)) for d in devices]))
         return self.report
 
     def __exit__(self, *exc) -> bool:
         import jax
 
-        with contextlib.suppress(Exception):
-            jax.effects_barrier()
-        if all(stats is None for _, stats in self._before):
-            kinds = sorted({getattr(d, "platform", "?") for d, _ in self._before})
-            self.report.reason = f"devices of platform {kinds} give no memory_stats()"
-        for device, before in self._before:
+        report, before_stats = self._open.pop()
+        _wait_for_pending_work(jax)
+        if all(stats is None for _, stats in before_stats):
+            kinds = sorted({getattr(d, "platform", "?") for d, _ in before_stats})
+            report.reason = f"devices of platform {kinds} give no memory_stats()"
+        for device, before in before_stats:
             after = _stats(device)
             if before is None or after is None:
                 continue
-            peak_before = before.get("peak_bytes_in_use", 0)
-            peak_after = after.get("peak_bytes_in_use", 0)
-            self.report.devices.append(DeviceMemory(
-                device=str(device),
-                bytes_in_use_before=before.get("bytes_in_use"),
-                bytes_in_use_after=after.get("bytes_in_use"),
-                peak_bytes_in_use=peak_after,
-                peak_increase=peak_after - peak_before,
-                bytes_limit=after.get("bytes_limit"),
-            ))
-        self.report.available = bool(self.report.devices)
+            report.devices.append(_device_memory(device, before, after))
+        report.available = bool(report.devices)
         if self._print:
-            print(self.report)
+            print(report)
         return False
 
     def __call__(self, fn: Callable) -> Callable:

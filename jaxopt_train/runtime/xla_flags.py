@@ -58,20 +58,42 @@ def parse_xla_flags(text: str | None = None) -> dict[str, str]:
     """`{name: value}` of an XLA_FLAGS string (default: the environment's), later wins.
 
     Bare `--flag` (no value) is recorded as "true", as XLA reads it.
+
+    Raises:
+      TypeError: if `text` is not a string.
+      ValueError: for an entry that is not `--name[=value]`, or an unclosed quote.
     """
+    source = "the XLA_FLAGS environment variable" if text is None else "the flags given"
     text = os.environ.get("XLA_FLAGS", "") if text is None else text
+    if not isinstance(text, str):
+        raise TypeError(f"XLA flags must be a string such as '--xla_foo=1 --xla_bar'; "
+                        f"got {type(text).__name__}: {text!r}")
+    try:
+        tokens = shlex.split(text)
+    except ValueError as err:  # shlex's own message names neither the text nor the fix
+        raise ValueError(f"cannot read {source} ({err}): {text=}; "
+                         "quote a value with spaces whole, e.g. --xla_dump_to=\"/tmp/my dir\"") from None
     flags: dict[str, str] = {}
-    for token in shlex.split(text):
-        if not token.startswith("--"):
-            raise ValueError(f"XLA_FLAGS entries must look like --name=value, got {token=} in {text=}")
+    for token in tokens:
         name, sep, value = token[2:].partition("=")
+        if not token.startswith("--") or not name:
+            raise ValueError(f"XLA_FLAGS entries must look like --name=value, got {token=} in {source}: "
+                             f"{text=}")
         flags[name] = value if sep else "true"
     return flags
 
 
 def format_xla_flags(flags: dict[str, str]) -> str:
-    """The XLA_FLAGS string for `{name: value}`."""
-    return " ".join(f"--{name}={value}" for name, value in flags.items())
+    """The XLA_FLAGS string for `{name: value}`; a value with spaces is double-quoted, as XLA reads it."""
+    def entry(name: str, value: str) -> str:
+        if not any(c.isspace() for c in value):
+            return f"--{name}={value}"
+        if '"' in value:
+            raise ValueError(f"XLA cannot read a flag value holding both spaces and double quotes; "
+                             f"got --{name}={value!r}")
+        return f'--{name}="{value}"'
+
+    return " ".join(entry(name, value) for name, value in flags.items())
 
 
 def command_buffer_flags(mode: str | list[str] | tuple[str, ...] | None) -> dict[str, str]:
@@ -86,7 +108,8 @@ def command_buffer_flags(mode: str | list[str] | tuple[str, ...] | None) -> dict
         return {}
     if mode == "off":
         return {_COMMAND_BUFFER_FLAG: ""}
-    if isinstance(mode, str) or not all(kind in COMMAND_BUFFER_TYPES for kind in mode) or not mode:
+    if (not isinstance(mode, (list, tuple)) or not mode
+            or not all(isinstance(kind, str) and kind in COMMAND_BUFFER_TYPES for kind in mode)):
         raise ValueError(f"command_buffer must be None, 'off' or a non-empty list drawn from "
                          f"{COMMAND_BUFFER_TYPES}; got {mode=}")
     return {_COMMAND_BUFFER_FLAG: ",".join(mode)}
@@ -97,19 +120,27 @@ class XlaFlagsReport:
     """What `xla_flags` changed and what XLA_FLAGS now holds."""
 
     preset: str
-    added: dict[str, str]
+    added: dict[str, str]  # what the call asked for: preset, then command_buffer, then extra
     in_force: dict[str, str]
     backend_started: bool
+    # Flags already in XLA_FLAGS that the preset would have changed: {name: (kept, preset's)}.
+    kept: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    # Flags in XLA_FLAGS that `extra` / `command_buffer` replaced: {name: (old, new)}.
+    replaced: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         shown = format_xla_flags(self.in_force) or "(none)"
         note = " [backend already running: these apply to new processes only]" if self.backend_started else ""
+        for name, (mine, preset) in self.kept.items():
+            note += f"; kept XLA_FLAGS' --{name}={mine} over the preset's {preset}"
+        for name, (old, new) in self.replaced.items():
+            note += f"; --{name}={new} from the arguments replaced XLA_FLAGS' {old}"
         return f"XLA flags (preset {self.preset}): {shown}{note}"
 
 
 def preset_flags(preset: str) -> dict[str, str]:
     """The flags of a named preset (a copy)."""
-    if preset not in PRESETS:
+    if not isinstance(preset, str) or preset not in PRESETS:
         raise ValueError(f"unknown XLA flag preset {preset=}; expected one of {sorted(PRESETS)}")
     return dict(PRESETS[preset])
 
@@ -141,9 +172,11 @@ def xla_flags(preset: str = "gpu-throughput", *, extra: dict[str, str] | str | N
               command_buffer: str | list[str] | None = None, apply: bool = True) -> XlaFlagsReport:
     """Adds a flag preset to XLA_FLAGS. Call before any JAX computation.
 
-    Flags already in XLA_FLAGS keep their position; a flag the preset also names takes
-    the preset's value (then `command_buffer`'s, then `extra`'s). GPU flags are
-    harmless on CPU: XLA parses them and the CPU compiler ignores them.
+    Flags already in XLA_FLAGS keep their position and their value: a preset is a
+    default, so a flag you set yourself wins over it (the report's `kept` lists them).
+    `command_buffer` and `extra` are explicit requests, so they win over both (the
+    report's `replaced` lists what they changed in XLA_FLAGS). GPU flags are harmless
+    on CPU: XLA parses them and the CPU compiler ignores them.
 
     Args:
       preset: one of `PRESETS` ("gpu-throughput", "gpu-latency", "gpu-deterministic", "none").
@@ -160,22 +193,28 @@ def xla_flags(preset: str = "gpu-throughput", *, extra: dict[str, str] | str | N
       TypeError: for `extra` names or values of the wrong type, or a non-bool `apply`.
       ValueError: for an unknown preset or malformed flags.
     """
-    added = preset_flags(preset)
-    added.update(command_buffer_flags(command_buffer))
+    defaults = preset_flags(preset)
+    explicit = command_buffer_flags(command_buffer)
     if isinstance(extra, str):
-        added.update(parse_xla_flags(extra))
+        explicit.update(parse_xla_flags(extra))
     elif extra is not None:
-        added.update(_extra_flags(extra))
+        explicit.update(_extra_flags(extra))
     if not isinstance(apply, bool):
         raise TypeError(f"apply must be True or False, got {apply=}")
     if apply:
         require_backend_not_started(f"xla_flags(preset={preset!r})")
     in_force = parse_xla_flags()
-    in_force.update(added)
+    kept = {name: (in_force[name], value) for name, value in defaults.items()
+            if name in in_force and in_force[name] != value and name not in explicit}
+    replaced = {name: (in_force[name], value) for name, value in explicit.items()
+                if name in in_force and in_force[name] != value}
+    in_force.update({name: value for name, value in defaults.items() if name not in in_force})
+    in_force.update(explicit)
+    text = format_xla_flags(in_force)  # before touching the environment: it may raise
     if apply:
-        os.environ["XLA_FLAGS"] = format_xla_flags(in_force)
-    return XlaFlagsReport(preset=preset, added=added, in_force=in_force,
-                          backend_started=backend_started())
+        os.environ["XLA_FLAGS"] = text
+    return XlaFlagsReport(preset=preset, added={**defaults, **explicit}, in_force=in_force,
+                          backend_started=backend_started(), kept=kept, replaced=replaced)
 
 
 def flags_in_force() -> dict[str, str]:
