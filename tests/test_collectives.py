@@ -145,6 +145,37 @@ def test_rings_and_hierarchical_on_2d_meshes(shape):
         np.testing.assert_allclose(out[key], ref, atol=scale * float(jnp.max(out["abs"])), rtol=0, err_msg=key)
 
 
+def test_tuple_axis_names_match_lax_in_either_order():
+    """A tuple of axes is summed / scattered / gathered as lax does, also against mesh order:
+    lax.ppermute numbers devices of a tuple in mesh order but lax.axis_index in tuple order."""
+    mesh = _mesh((2, 4), ("a", "b"))
+    both = ("a", "b")
+
+    def body(x, y):
+        out = {}
+        for axes in (("b", "a"), ("a", "b"), ("b",)):
+            key = "".join(axes)
+            out[f"ar_{key}"] = ring_all_reduce(y, axes, num_chunks=2)
+            out[f"ar_{key}_ref"] = lax.psum(y, axes)
+            out[f"rs_{key}"] = ring_reduce_scatter(x, axes, wire_dtype=jnp.float32)
+            out[f"rs_{key}_ref"] = lax.psum_scatter(x, axes, scatter_dimension=0, tiled=True)
+            out[f"ag_{key}"] = ring_all_gather(x, axes)
+            out[f"ag_{key}_ref"] = lax.all_gather(x, axes, axis=0, tiled=True)
+        out["ar_bidir_ba"] = ring_all_reduce(y, ("b", "a"), bidirectional=True)
+        out["ar_bidir_ba_ref"] = out["ar_ba_ref"]
+        out["hier_ba"] = hierarchical_all_reduce(y, ("b",), ("a",))
+        out["hier_ba_ref"] = lax.psum(y, both)
+        return out
+
+    fn = _smap(body, mesh, (P(both), P(both)), P(both))
+    x = _inputs(mesh, both, 8, 3, jnp.bfloat16, integer_valued=True)
+    y = _inputs(mesh, both, 5, 3, jnp.bfloat16, integer_valued=True, seed=1)  # 15 a device: padded
+    out = fn(x, y)
+    for key in [k for k in out if not k.endswith("_ref")]:
+        assert out[key].shape == out[f"{key}_ref"].shape and out[key].dtype == jnp.bfloat16, key
+        np.testing.assert_array_equal(_f32(out[key]), _f32(out[f"{key}_ref"]), err_msg=key)
+
+
 def test_rings_under_pmap():
     n = 8
 
@@ -187,6 +218,11 @@ X = jnp.zeros((8 * 4, 2), jnp.float32)
     (lambda x: all_reduce_tree(x, "data", bucket_mb=-1), "bucket_mb=-1 must be >= 0"),
     (lambda x: all_reduce_tree(x, "data", method="hierarchical", group_size=3), "group_size=3 must be a positive divisor"),
     (lambda x: grouped_all_reduce(x, "data", 5), "group_size=5"),
+    (lambda x: grouped_all_reduce(x, "data", True), "group_size=True"),
+    (lambda x: ring_all_reduce(x, ()), r"axis_name=\(\) must be one mesh axis name or a tuple"),
+    (lambda x: ring_all_reduce(x, ("data", "data")), "tuple of distinct names"),
+    (lambda x: ring_all_reduce(x, "data", ring_order=[0.5, 1, 2, 3, 4, 5, 6, 7]), "sequence of int axis indices"),
+    (lambda x: ring_all_reduce(x, "data", num_chunks=True), "num_chunks=True must be a positive int"),
 ])
 def test_bad_input_gives_clear_errors(fn, match):
     with pytest.raises(ValueError, match=match):
@@ -200,6 +236,18 @@ def test_bad_types_and_axis_pairs():
         _trace(lambda x: ring_all_reduce(x > 0, "data"), X)
     with pytest.raises(ValueError, match="must be two different mesh axes"):
         _trace(lambda x: hierarchical_all_reduce(x, "data", "data"), X)
+    with pytest.raises(ValueError, match="summed twice"):
+        _trace(lambda x: hierarchical_all_reduce(x, ("a", "b"), "a"), X, (2, 4), ("a", "b"))
+    # hierarchical / grouped summed bools as a logical OR, and a list failed with AttributeError
+    for fn in (lambda x: hierarchical_all_reduce(x > 0, "b", "a"), lambda x: grouped_all_reduce(x > 0, "b", 2)):
+        with pytest.raises(TypeError, match="floating or integer array; got dtype=bool"):
+            _trace(fn, X, (2, 4), ("a", "b"))
+    with pytest.raises(TypeError, match="needs a jax or numpy array; got list"):
+        _trace(lambda x: ring_all_reduce([x], "data"), X)
+    with pytest.raises(ValueError, match="ring_order= orders the devices of one axis"):
+        _trace(lambda x: ring_all_reduce(x, ("a", "b"), ring_order=range(8)), X, (2, 4), ("a", "b"))
+    with pytest.raises(ValueError, match="a ring runs over one mesh axis"):
+        _trace(lambda x: grouped_all_reduce(x, ("a", "b"), 2), X, (2, 4), ("a", "b"))
     with pytest.raises(ValueError, match="runs over one axis"):
         _trace(lambda x: all_reduce_tree(x, ("a", "b"), method="ring"), X, (2, 4), ("a", "b"))
     with pytest.raises(ValueError, match="error_state= is only used with compression"):
@@ -221,6 +269,8 @@ def test_bad_types_and_axis_pairs():
      r"ring_order= applies to the ring methods .* with method='psum'"),
     (lambda x: all_reduce_tree(x, "data", method="ring", group_size=4), ValueError,
      "group_size= applies to method='hierarchical' only; got group_size=4 with method='ring'"),
+    (lambda x: all_reduce_tree(x, "data", num_chunks=4), ValueError,
+     r"num_chunks= applies to the ring methods .* got num_chunks=4 with method='psum'"),
 ])
 def test_wrong_types_and_ignored_options_are_refused(fn, exc, match):
     """Each names the argument, what it must be and what was given (no raw AttributeError / silence)."""

@@ -283,6 +283,18 @@ def test_shard_batch_errors():
         process_batch_slice(12, mesh)
 
 
+def test_shard_batch_names_the_leaves_at_fault():
+    mesh = jax.make_mesh((8,), ("data",))
+    with pytest.raises(ValueError, match=r"same leading batch size; got \['a'\]: 8, \['b'\]: 16"):
+        shard_batch({"a": np.zeros(8), "b": np.zeros((16, 2))}, mesh)
+    with pytest.raises(ValueError, match=r"leading batch axis; \['step'\] are scalars"):
+        shard_batch({"x": np.zeros(8), "step": np.float32(1)}, mesh)
+    with pytest.raises(ValueError, match="a pytree of scalars: pass np.asarray"):
+        shard_batch({"x": list(range(8))}, mesh)
+    with pytest.raises(ValueError, match="batch has 0 rows"):
+        shard_batch({"x": np.zeros((0, 3))}, mesh)
+
+
 _TWO_PROCESS_SCRIPT = textwrap.dedent(
     """
     import sys, jax

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+import numpy as np
 from jax import lax
 
 AxisName = Hashable
@@ -27,6 +28,18 @@ def axis_size(axis_name: AxisName) -> int:
         ) from err
 
 
+def axis_names(axis_name: AxisName) -> tuple[AxisName, ...]:
+    """The axis names `axis_name` spans: `(axis_name,)` for one axis, the names of a tuple / list.
+
+    Raises:
+      ValueError: for an empty tuple or a name repeated in it (`lax.psum` would sum twice).
+    """
+    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"{axis_name=} must be one mesh axis name or a tuple of distinct names")
+    return names
+
+
 def check_ring_order(ring_order: Sequence[int] | None, size: int) -> tuple[int, ...]:
     """Validates an explicit ring: a permutation of the axis indices `0..size-1`.
 
@@ -34,6 +47,10 @@ def check_ring_order(ring_order: Sequence[int] | None, size: int) -> tuple[int, 
     """
     if ring_order is None:
         return tuple(range(size))
+    if isinstance(ring_order, (str, bytes)) or not all(
+            isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ring_order):
+        raise ValueError(f"{ring_order=} must be a sequence of int axis indices, a permutation of "
+                         f"0..{size - 1}")
     order = tuple(int(i) for i in ring_order)
     if sorted(order) != list(range(size)):
         raise ValueError(

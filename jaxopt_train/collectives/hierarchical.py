@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jaxopt_train.collectives._axis import AxisName, axis_size, check_ring_order
-from jaxopt_train.collectives.ring import _Ring, all_reduce_rings, single_ring
+from jaxopt_train.collectives._axis import AxisName, axis_names, axis_size, check_ring_order
+from jaxopt_train.collectives.ring import _Ring, all_reduce_rings, axis_rings, single_ring
 
 
 def hierarchical_all_reduce(x, inner_axis: AxisName, outer_axis: AxisName, *, wire_dtype=None,
@@ -23,14 +23,16 @@ def hierarchical_all_reduce(x, inner_axis: AxisName, outer_axis: AxisName, *, wi
 
     Args:
       x: this device's array, any shape (padded internally).
-      inner_axis: the fast axis (devices of one host).
-      outer_axis: the slow axis (hosts).
+      inner_axis: the fast axis (devices of one host), or a tuple of axes.
+      outer_axis: the slow axis (hosts), or a tuple of axes; none shared with `inner_axis`.
       wire_dtype: dtype of partial sums in flight (default `x.dtype`).
       num_chunks: independent pipelined rings per shard.
     """
-    if inner_axis == outer_axis:
-        raise ValueError(f"{inner_axis=} and {outer_axis=} must be two different mesh axes")
-    rings = [single_ring(inner_axis), single_ring(outer_axis)]
+    if set(axis_names(inner_axis)) & set(axis_names(outer_axis)):
+        raise ValueError(f"{inner_axis=} and {outer_axis=} must be two different mesh axes "
+                         "(a shared axis would be summed twice)")
+    # Each ring list is major axis first; the innermost (fastest) ring runs first.
+    rings = axis_rings(inner_axis)[::-1] + axis_rings(outer_axis)[::-1]
     return all_reduce_rings(x, rings, wire_dtype=wire_dtype, num_chunks=num_chunks)
 
 
@@ -42,9 +44,10 @@ def group_rings(axis_name: AxisName, group_size: int,
     is how `jax.make_mesh` lays out devices of one process, so a 1-D "data"
     axis can be reduced hierarchically without a 2-D mesh.
     """
+    axis_name = single_ring(axis_name).axis_name  # one axis (a 1-tuple names it), bound here
     n = axis_size(axis_name)
     order = check_ring_order(ring_order, n)
-    if not isinstance(group_size, int) or group_size < 1 or n % group_size:
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1 or n % group_size:
         raise ValueError(f"{group_size=} must be a positive divisor of the size {n} of axis {axis_name!r}")
     groups = tuple(order[g: g + group_size] for g in range(0, n, group_size))
     across = tuple(tuple(group[i] for group in groups) for i in range(group_size))

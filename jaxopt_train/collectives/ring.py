@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxopt_train.collectives._axis import AxisName, axis_size, check_ring_order
+from jaxopt_train.collectives._axis import AxisName, axis_names, axis_size, check_ring_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +79,26 @@ class _Ring:
 
 
 def single_ring(axis_name: AxisName, ring_order: Sequence[int] | None = None) -> _Ring:
-    """The one ring over all of `axis_name`, in `ring_order` (default: axis index order)."""
-    return _Ring(axis_name, (check_ring_order(ring_order, axis_size(axis_name)),))
+    """The one ring over all of `axis_name` (one axis), in `ring_order` (default: axis index order).
+
+    A 1-tuple names its one axis. Longer tuples are refused: `lax.ppermute`
+    over several axes numbers devices in mesh order while `lax.axis_index`
+    numbers them in the tuple's order, so one ring over them would mix the two.
+    """
+    names = axis_names(axis_name)
+    if len(names) != 1:
+        raise ValueError(f"a ring runs over one mesh axis; got {axis_name=} (reduce a tuple of axes "
+                         "with ring_all_reduce / ring_reduce_scatter, which run one ring per axis)")
+    return _Ring(names[0], (check_ring_order(ring_order, axis_size(names[0])),))
+
+
+def axis_rings(axis_name: AxisName, ring_order: Sequence[int] | None = None) -> list[_Ring]:
+    """One ring per axis of `axis_name` (a name or a tuple, major axis first), as `lax.psum` reads it."""
+    names = axis_names(axis_name)
+    if len(names) > 1 and ring_order is not None:
+        raise ValueError(f"ring_order= orders the devices of one axis; got {ring_order=} with {axis_name=} "
+                         "(a tuple of axes is reduced one ring per axis, each in index order)")
+    return [single_ring(names[0], ring_order)] if len(names) == 1 else [single_ring(a) for a in names]
 
 
 def accumulation_dtype(dtype) -> np.dtype:
@@ -174,7 +192,13 @@ def all_gather_chunks(shard, ring: _Ring, *, wire_dtype, out_dtype):
     return all_gather_pieces([shard[0]], ring, wire_dtype=wire_dtype, out_dtype=out_dtype, piece_major=False)
 
 
+def _check_array(x, what: str):
+    if not (hasattr(x, "dtype") and hasattr(x, "shape")):
+        raise TypeError(f"{what} needs a jax or numpy array; got {type(x).__name__}")
+
+
 def _check_floating_or_int(x, what: str):
+    _check_array(x, what)
     if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
         raise TypeError(f"{what} needs a floating or integer array; got dtype={x.dtype}")
 
@@ -203,7 +227,7 @@ def _wire_dtype(x, wire_dtype) -> np.dtype:
 
 
 def _check_num_chunks(num_chunks: int) -> int:
-    if not isinstance(num_chunks, int) or num_chunks < 1:
+    if not isinstance(num_chunks, int) or isinstance(num_chunks, bool) or num_chunks < 1:
         raise ValueError(f"{num_chunks=} must be a positive int (pieces per shard for pipelining)")
     return num_chunks
 
@@ -217,8 +241,11 @@ def ring_reduce_scatter(x, axis_name: AxisName, *, ring_order: Sequence[int] | N
 
     Args:
       x: this device's array; `x.shape[0]` must be divisible by the axis size.
-      axis_name: mapped axis (from `jax.shard_map` or `jax.pmap`).
-      ring_order: axis indices in the order data travels; default `0..n-1`.
+      axis_name: mapped axis (from `jax.shard_map` or `jax.pmap`), or a tuple
+        of them: one ring per axis, major axis first, as `lax.psum_scatter`
+        numbers the devices.
+      ring_order: axis indices in the order data travels; default `0..n-1`
+        (one axis only).
       wire_dtype: dtype of partial sums in flight (default `x.dtype`); sums are
         accumulated in f32 for inputs narrower than 32 bits. Same rules as
         `ring_all_reduce`'s.
@@ -227,8 +254,8 @@ def ring_reduce_scatter(x, axis_name: AxisName, *, ring_order: Sequence[int] | N
     Returns:
       Array of shape `(x.shape[0] // n, *x.shape[1:])` and dtype `x.dtype`.
     """
-    n = axis_size(axis_name)
-    ring = single_ring(axis_name, ring_order)
+    rings = axis_rings(axis_name, ring_order)
+    n = math.prod(ring.size for ring in rings)
     _check_floating_or_int(x, "ring_reduce_scatter")
     if x.ndim == 0:
         raise ValueError(f"ring_reduce_scatter needs an array with a dimension 0 to scatter; got {x.shape=}")
@@ -238,16 +265,26 @@ def ring_reduce_scatter(x, axis_name: AxisName, *, ring_order: Sequence[int] | N
             "pad dimension 0 or use ring_all_reduce"
         )
     count = _check_num_chunks(num_chunks)
+    wire = _wire_dtype(x, wire_dtype)
+    # Between the axes of a tuple the partial sums stay in the accumulation dtype.
+    partial = x
+    for ring in rings[:-1]:
+        partial = _reduce_scatter_one(partial, ring, wire=wire, count=count, out_dtype=accumulation_dtype(x.dtype))
+    return _reduce_scatter_one(partial, rings[-1], wire=wire, count=count, out_dtype=x.dtype)
+
+
+def _reduce_scatter_one(x, ring: _Ring, *, wire, count: int, out_dtype):
+    """`ring_reduce_scatter` over one ring, its result in `out_dtype`."""
+    n = ring.size
     rows = x.reshape(n, -1)
     per_row = rows.shape[1]
     rows = jnp.pad(rows, ((0, 0), (0, -per_row % count)))
     width = rows.shape[1] // count
     pieces = [rows[:, k * width:(k + 1) * width] for k in range(count)]
-    wire = _wire_dtype(x, wire_dtype)
     shards = reduce_scatter_pieces(pieces, ring, wire_dtype=wire, accum_dtype=accumulation_dtype(x.dtype),
                                    label_to_chunk=ring.cycles[0])
     shard = shards[0] if count == 1 else jnp.concatenate(shards)
-    return shard[:per_row].astype(x.dtype).reshape((x.shape[0] // n,) + x.shape[1:])
+    return shard[:per_row].astype(out_dtype).reshape((x.shape[0] // n,) + x.shape[1:])
 
 
 def ring_all_gather(x, axis_name: AxisName, *, ring_order: Sequence[int] | None = None, num_chunks: int = 1):
@@ -258,18 +295,28 @@ def ring_all_gather(x, axis_name: AxisName, *, ring_order: Sequence[int] | None 
 
     Args:
       x: this device's array, rank >= 1.
-      axis_name: mapped axis (from `jax.shard_map` or `jax.pmap`).
-      ring_order: axis indices in the order data travels; default `0..n-1`.
+      axis_name: mapped axis (from `jax.shard_map` or `jax.pmap`), or a tuple
+        of them (one ring per axis, major axis first, as in `lax.all_gather`).
+      ring_order: axis indices in the order data travels; default `0..n-1`
+        (one axis only).
       num_chunks: independent pipelined rings.
 
     Returns:
       Array of shape `(n * x.shape[0], *x.shape[1:])`.
     """
-    n = axis_size(axis_name)
-    ring = single_ring(axis_name, ring_order)
+    rings = axis_rings(axis_name, ring_order)
+    _check_array(x, "ring_all_gather")
     if x.ndim == 0:
         raise ValueError(f"ring_all_gather needs an array with a dimension 0 to concatenate; got {x.shape=}")
     count = _check_num_chunks(num_chunks)
+    for ring in reversed(rings):  # the minor axis first: its blocks end up innermost
+        x = _all_gather_one(x, ring, count)
+    return x
+
+
+def _all_gather_one(x, ring: _Ring, count: int):
+    """`ring_all_gather` over one ring."""
+    n = ring.size
     flat = x.reshape(-1)
     shards = list(jnp.pad(flat, (0, -flat.size % count)).reshape(count, -1))
     gathered = all_gather_pieces(shards, ring, wire_dtype=x.dtype, out_dtype=x.dtype,
@@ -334,6 +381,7 @@ def all_reduce_rings(x, rings: Sequence[_Ring], *, wire_dtype=None, num_chunks: 
     exchange, which uses both link directions, so `bidirectional` changes
     nothing there).
     """
+    _check_floating_or_int(x, "the ring all-reduce")
     active = [r for r in rings if r.size > 1]
     if len(active) == 1 and active[0].size == 2:
         return exchange_all_reduce(x, active[0], wire_dtype=wire_dtype, num_chunks=num_chunks)
@@ -377,7 +425,9 @@ def ring_all_reduce(x, axis_name: AxisName, *, bidirectional: bool = False, wire
 
     Args:
       x: this device's array (floating or integer).
-      axis_name: mapped axis (from `jax.shard_map` or `jax.pmap`).
+      axis_name: mapped axis (from `jax.shard_map` or `jax.pmap`), or a tuple
+        of them, as `lax.psum` takes (one ring per axis, nested as in
+        `hierarchical_all_reduce`).
       bidirectional: run two rings in opposite directions over the two halves
         of the data, using both directions of each link. On 2 devices the
         single exchange already uses both directions: same schedule.
@@ -388,12 +438,13 @@ def ring_all_reduce(x, axis_name: AxisName, *, bidirectional: bool = False, wire
         wire dtype too (both add the same two values), and the f32 sum is not
         rounded to the wire again. Floating data takes any floating wire; integer data
         only an integer wire at least as wide (anything else is a TypeError).
-      ring_order: axis indices in the order data travels; default `0..n-1`.
+      ring_order: axis indices in the order data travels; default `0..n-1`
+        (one axis only).
       num_chunks: independent pipelined rings per shard (per direction).
 
     Returns:
       The sum, with `x`'s shape and dtype.
     """
-    ring = single_ring(axis_name, ring_order)
+    rings = axis_rings(axis_name, ring_order)
     _check_floating_or_int(x, "ring_all_reduce")
-    return all_reduce_rings(x, [ring], wire_dtype=wire_dtype, num_chunks=num_chunks, bidirectional=bidirectional)
+    return all_reduce_rings(x, rings[::-1], wire_dtype=wire_dtype, num_chunks=num_chunks, bidirectional=bidirectional)

@@ -54,8 +54,11 @@ def _reducer(method: str, axis_name, *, ring_order, group_size, num_chunks):
     return lambda flat: all_reduce_rings(flat, rings, num_chunks=num_chunks, bidirectional=bidirectional)
 
 
-def _check_method_options(method: str, ring_order, group_size) -> None:
+def _check_method_options(method: str, ring_order, group_size, num_chunks) -> None:
     """Refuses options the chosen method would silently ignore."""
+    if num_chunks != 1 and method == "psum":
+        raise ValueError(f"num_chunks= applies to the ring methods ('ring', 'ring_bidir', 'hierarchical'); "
+                         f"got {num_chunks=} with {method=} (drop num_chunks or pick a ring method)")
     if ring_order is not None and method in ("psum", "peer"):
         raise ValueError(f"ring_order= applies to the ring methods ('ring', 'ring_bidir', 'hierarchical'); "
                          f"got {ring_order=} with {method=} (drop ring_order or pick a ring method)")
@@ -125,7 +128,8 @@ def all_reduce_tree(tree: Any, axis_name: AxisName, *, method: str = "psum", buc
         with "psum" and "peer", which would ignore it).
       group_size: devices per group for "hierarchical" on one axis (refused
         with the other methods).
-      num_chunks: pipelined rings per shard for the ring methods.
+      num_chunks: pipelined rings per shard for the ring methods (refused
+        with "psum" and "peer", which would ignore it).
 
     Returns:
       The summed tree (leaves keep shape and dtype), or
@@ -133,7 +137,7 @@ def all_reduce_tree(tree: Any, axis_name: AxisName, *, method: str = "psum", buc
     """
     if method not in METHODS:
         raise ValueError(f"{method=} must be one of {METHODS}")
-    _check_method_options(method, ring_order, group_size)
+    _check_method_options(method, ring_order, group_size, num_chunks)
     compression_lib.check_codec(compression)
     if error_state is not None and compression is None:
         raise ValueError("error_state= is only used with compression='bf16' or 'int8'; got compression=None")

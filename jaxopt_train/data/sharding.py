@@ -87,13 +87,20 @@ def shard_batch(batch: Any, mesh: Mesh, axis: str = "data") -> Any:
         size is not divisible by the number of devices along ``axis``.
     """
     devices = _check_axis(mesh, axis)
-    leaves = jax.tree.leaves(batch)
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
         raise ValueError("batch has no arrays")
-    local_rows = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
-    if len(local_rows) != 1 or None in local_rows:
-        raise ValueError(f"every batch leaf needs the same leading batch size, got {local_rows}")
-    (local,) = local_rows
+    rows = {jax.tree_util.keystr(path) or "batch": np.shape(leaf) for path, leaf in leaves}
+    scalars = [name for name, shape in rows.items() if not shape]
+    if scalars:
+        raise ValueError(f"every batch leaf needs a leading batch axis; {', '.join(scalars)} are scalars "
+                         "(a Python list of numbers is a pytree of scalars: pass np.asarray(list))")
+    if len({shape[0] for shape in rows.values()}) != 1:
+        sizes = ", ".join(f"{name}: {shape[0]}" for name, shape in rows.items())
+        raise ValueError(f"every batch leaf needs the same leading batch size; got {sizes}")
+    local = next(iter(rows.values()))[0]
+    if local == 0:
+        raise ValueError(f"batch has 0 rows; shard_batch needs at least one row per device of mesh axis {axis!r}")
     # This process holds `held` of the `devices` shards along the axis.
     start, stop = _local_row_range(mesh, axis, devices)
     held = stop - start
