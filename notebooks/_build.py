@@ -550,7 +550,8 @@ plt.show()
     md("""
 Use the winner in training with `Trainer(..., grad_sync="ring")` or
 `jaxopt-train train --grad-sync ring`; `jaxopt-train bench collectives` runs the full sweep
-(more sizes, bucket sizes, compression) and writes JSON.
+(sizes up to 1 GiB, f32 and bf16, ring chunks, the bf16-wire variants, and with `--gpt` a
+data-parallel GPT step per grad-sync method) and writes JSON with `--json`.
 """),
 ])
 
@@ -669,8 +670,9 @@ for name, g, r in zip(("dA", "dB", "dbias"), grads, reference_grads):
 TFLOP/s of the kernel next to XLA's `jnp.dot` on the same bf16 operands, both jitted,
 timed over bursts of back-to-back calls (median). In interpret mode the kernel is a
 correctness tool: expect it to be far slower than XLA. On an H100/H200 `jaxopt-train bench
-matmul` runs the full sweep (on an H200 the Mosaic GPU kernel measured 0.99-1.00x XLA at
-8192^3, and 1.12-1.18x XLA's dot + bias + GELU with its fused epilogue: `BENCHMARKS.md`).
+matmul` runs the full sweep (on an H200 the Mosaic GPU kernel measured 0.96-1.00x XLA at
+8192^3, and 1.10-1.18x XLA's dot + bias + GELU at 16384x8192x2048 with its fused epilogue,
+depending on the session: `BENCHMARKS.md`).
 """),
     code('''
 def burst_seconds(fn, *args, calls, repeats=3):
@@ -714,7 +716,8 @@ plt.show()
 
 `kernels.autotune(shapes, backend=...)` runs each candidate tiling once against the
 reference, times the ones that pass, and caches the fastest per device kind, jax version,
-shape bucket (each dim rounded up to a power of two) and operand layout in
+operand layout and shape, under the exact shape and its bucket (each dim rounded up to a
+power of two; a lookup tries the exact shape first) in
 `$JAXOPT_TRAIN_CACHE_DIR/matmul_autotune.json`; `matmul` reads that cache before its
 shipped defaults. On Mosaic GPU and Triton, `transposed="a"` / `"b"` tunes the A^T @ B and
 A @ B^T kernels that a dense layer's backward runs; each layout keeps its own entries.
