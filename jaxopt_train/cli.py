@@ -23,27 +23,38 @@ _COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def _usage() -> str:
-    lines = ["usage: jaxopt-train COMMAND [ARGS ...]", "", "commands:"]
+    lines = ["usage: jaxopt-train COMMAND [ARGS ...]", "       jaxopt-train --help | --version", "", "commands:"]
     lines += [f"  {name:<8} {help_}" for name, (_, help_) in _COMMANDS.items()]
     lines += ["", "Run `jaxopt-train COMMAND --help` for a command's options."]
     return "\n".join(lines)
 
 
+def _usage_error(message: str) -> int:
+    print(f"jaxopt-train: error: {message}", file=sys.stderr)
+    print(_usage(), file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        if not argv:
-            # No arguments: the main job, as the README promises.
-            argv = ["train"]
-        else:
-            print(_usage())
-            return 0
+    if not argv:
+        # A bare `jaxopt-train` used to start a 200-step training run; training is
+        # `jaxopt-train train`, so a missing command is a usage error like any other.
+        return _usage_error(f"a command is required; expected one of {list(_COMMANDS)}")
     command, rest = argv[0], argv[1:]
+    if command in ("-h", "--help"):
+        print(_usage())
+        return 0
+    if command in ("-V", "--version"):
+        from jaxopt_train import __version__  # noqa: PLC0415
+
+        print(f"jaxopt-train {__version__}")
+        return 0
+    if command.startswith("-"):
+        return _usage_error(f"unknown option {command!r} before the command; options other than "
+                            f"--help/--version go after it (`jaxopt-train COMMAND --help` lists them)")
     if command not in _COMMANDS:
-        print(f"jaxopt-train: unknown command {command!r}; expected one of {sorted(_COMMANDS)}",
-              file=sys.stderr)
-        print(_usage(), file=sys.stderr)
-        return 2
+        return _usage_error(f"unknown command {command!r}; expected one of {list(_COMMANDS)}")
     module = importlib.import_module(_COMMANDS[command][0])
     return int(module.main(rest) or 0)
 

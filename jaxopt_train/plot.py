@@ -9,11 +9,11 @@ throughput); panels no run has are skipped, with a line saying so.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
-
-from jaxopt_train.runtime.sinks import read_jsonl
+import sys
 
 # panel -> (y-axis label, metric-name pattern, scale applied to values)
 PANELS: dict[str, tuple[str, str, float]] = {
@@ -48,37 +48,87 @@ def _memory_scale_to_gib(name: str) -> float:
 
 
 def load_run(run_dir: str) -> list[dict[str, float]]:
-    """The records of `run_dir/metrics.jsonl` (ValueError if missing or empty)."""
+    """The records of `run_dir/metrics.jsonl`; ValueError if there are none to read.
+
+    A line that is not a JSON object (the torn last line of a killed run, or that
+    line with the resumed run's first record appended to it) is skipped with a
+    warning on stderr, as `runtime.sinks.read_jsonl` skips it silently.
+    """
+    if not os.path.exists(run_dir):
+        raise ValueError(f"run directory {run_dir!r} does not exist")
+    if not os.path.isdir(run_dir):
+        raise ValueError(f"{run_dir!r} is not a directory; expected a run directory holding metrics.jsonl")
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
-        raise ValueError(f"no metrics.jsonl in run directory {run_dir!r}; expected {path}")
-    records = read_jsonl(path)
+        raise ValueError(f"no metrics.jsonl in run directory {run_dir!r}; expected {path} "
+                         f"(written by `jaxopt-train train --run-dir`)")
+    try:
+        with open(path, "rb") as file:
+            lines = file.read().split(b"\n")
+    except OSError as err:
+        raise ValueError(f"cannot read {path}: {err.strerror or err}") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        record = _parse_record(line)
+        if record is None:
+            print(f"jaxopt-train plot: warning: skipped line {number} of {path}, which is not a JSON "
+                  f"object (a run killed while writing it?): {line[:60]!r}", file=sys.stderr)
+        elif record:
+            records.append(record)
     if not records:
-        raise ValueError(f"{path} holds no records")
+        raise ValueError(f"{path} holds no records (expected one JSON object per line, as JsonlSink writes)")
     return records
+
+
+def _parse_record(line: bytes) -> dict | None:
+    """The record on `line`: {} for a blank line, None for one that is not a JSON object."""
+    if not line.strip():
+        return {}
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) and record else None
 
 
 def _series(records: list[dict[str, float]], name: str) -> tuple[list[float], list[float]]:
     steps, values = [], []
     for record in records:
         value = record.get(name)
-        if isinstance(value, (int, float)) and math.isfinite(value) and "step" in record:
-            steps.append(record["step"])
+        step = record.get("step")
+        if _is_number(value) and math.isfinite(value) and _is_number(step):
+            steps.append(step)
             values.append(float(value))
     return steps, values
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _run_names(run_dirs: list[str]) -> list[str]:
+    """Legend names: each directory's base name, or the path as given where two share one."""
+    names = [os.path.basename(os.path.normpath(d)) or d for d in run_dirs]
+    return [name if names.count(name) == 1 else os.path.normpath(d) for name, d in zip(names, run_dirs)]
+
+
 def plot_runs(run_dirs: list[str], out_dir: str) -> list[str]:
-    """Writes one PNG per panel with data; returns their paths."""
+    """Writes one PNG per panel with data; returns their paths.
+
+    Raises ValueError for a run directory without records and for an `out_dir`
+    that cannot be written, before drawing anything.
+    """
+    if not run_dirs:
+        raise ValueError("plot_runs needs at least one run directory")
+    if len(set(map(os.path.realpath, run_dirs))) != len(run_dirs):
+        raise ValueError(f"a run directory is given twice: {run_dirs}")
+    runs = dict(zip(_run_names(run_dirs), map(load_run, run_dirs)))
+    _make_out_dir(out_dir)
     import matplotlib
 
     matplotlib.use("Agg")  # files only; set here so importing this module changes nothing
     import matplotlib.pyplot as plt
 
-    if not run_dirs:
-        raise ValueError("plot_runs needs at least one run directory")
-    runs = {os.path.basename(os.path.normpath(d)) or d: load_run(d) for d in run_dirs}
-    os.makedirs(out_dir, exist_ok=True)
     written = []
     for panel, (ylabel, pattern, _) in PANELS.items():
         regex = re.compile(pattern)
@@ -108,6 +158,17 @@ def plot_runs(run_dirs: list[str], out_dir: str) -> list[str]:
     return written
 
 
+def _make_out_dir(out_dir: str) -> None:
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"--out {out_dir!r} is a file; expected a directory for the PNGs")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"cannot create --out directory {out_dir!r}: {err.strerror or err}") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"--out directory {out_dir!r} is not writable; pass a writable --out DIR")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxopt-train plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="directories holding metrics.jsonl")
@@ -116,11 +177,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         written = plot_runs(args.run_dirs, args.out or args.run_dirs[0])
     except ValueError as err:
-        print(f"jaxopt-train plot: {err}")
-        return 1
+        print(f"jaxopt-train plot: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # e.g. the disk filled or permissions changed while saving
+        print(f"jaxopt-train plot: error: cannot write a PNG: {err}", file=sys.stderr)
+        return 2
     for path in written:
         print(path)
-    return 0 if written else 1
+    if not written:
+        print(f"jaxopt-train plot: error: no run has any metric to plot (panels: {', '.join(PANELS)})",
+              file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

@@ -45,6 +45,36 @@ def test_exchange_equals_psum_of_local_lookup_gradients(dtype):
     np.testing.assert_allclose(np.asarray(got), np.asarray(full), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("id_dtype", [jnp.int32, jnp.uint8, jnp.int16])
+@pytest.mark.parametrize("vocab", [1, 7, 300])
+def test_exchange_equals_dense_reference_over_the_whole_id_range(vocab, id_dtype):
+    # Every id in [0, vocab), both ends included, against jax.grad of the dense lookup.
+    mesh, d = _mesh(), 3
+    hi = min(vocab, int(jnp.iinfo(id_dtype).max) + 1)
+    ids = jax.random.randint(jax.random.key(3), (8 * 2, 4), 0, hi, jnp.int32)
+    ids = ids.at[0, 0].set(0).at[-1, -1].set(hi - 1).astype(id_dtype)
+    cot = jax.random.normal(jax.random.key(4), (8 * 2, 4, d), jnp.float32)
+    f = _smap(lambda i, c: embedding_grad_exchange(i, c, "data", vocab), mesh, (P("data"), P("data")), P())
+    got = f(jax.device_put(ids, NamedSharding(mesh, P("data"))), jax.device_put(cot, NamedSharding(mesh, P("data"))))
+    want = jax.jit(jax.grad(lambda t: jnp.sum(t[ids] * cot)))(jnp.zeros((vocab, d), jnp.float32))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad_id", [37, 38, 1000, -1, -37, -1000])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_exchange_flags_out_of_range_ids_with_nan(bad_id, dtype):
+    # Out-of-range ids are refused as GPT.embed and gpt_loss refuse them (NaN under
+    # tracing), not dropped nor wrapped round to a real row as jax.grad of t[ids]
+    # may do; one bad id on one device poisons the result on every device.
+    mesh, vocab, d = _mesh(), 37, 4
+    ids = jax.random.randint(jax.random.key(5), (8, 3), 0, vocab, jnp.int32).at[5, 1].set(bad_id)
+    cot = jnp.ones((8, 3, d), dtype)
+    f = _smap(lambda i, c: embedding_grad_exchange(i, c, "data", vocab), mesh, (P("data"), P("data")), P("data"))
+    got = np.asarray(f(jax.device_put(ids, NamedSharding(mesh, P("data"))),
+                       jax.device_put(cot, NamedSharding(mesh, P("data")))), np.float32)
+    assert got.shape == (8 * vocab, d) and np.isnan(got).all()
+
+
 def test_exchange_default_dtype_is_the_cotangent_dtype():
     mesh = _mesh(2)
     f = _smap(lambda i, c: embedding_grad_exchange(i, c, "data", 4), mesh, (P("data"), P("data")), P())
@@ -56,11 +86,15 @@ def test_exchange_default_dtype_is_the_cotangent_dtype():
     ((jnp.zeros((2, 3), jnp.float32), jnp.zeros((2, 3, 4)), 5), TypeError, "ids must be integers"),
     ((jnp.zeros((2, 3), jnp.int32), jnp.zeros((2, 4, 4)), 5), ValueError, "ids.shape"),
     ((jnp.zeros((2, 3), jnp.int32), jnp.zeros((2, 3, 4)), 0), ValueError, "positive int"),
+    ((jnp.zeros((2, 3), jnp.int32), jnp.zeros((2, 3, 4)), 5, jnp.int32), TypeError,
+     "out_dtype must be a floating dtype .*got out_dtype="),
 ])
 def test_exchange_bad_input(args, error, match):
     mesh = _mesh(2)
+    out_dtype = args[3] if len(args) > 3 else None
     with pytest.raises(error, match=match):
-        _smap(lambda i, c: embedding_grad_exchange(i, c, "data", args[2]), mesh, (P(), P()), P())(*args[:2])
+        _smap(lambda i, c: embedding_grad_exchange(i, c, "data", args[2], out_dtype=out_dtype), mesh,
+              (P(), P()), P())(*args[:2])
 
 
 def test_exchange_outside_a_mapped_axis_says_how_to_bind_it():

@@ -286,3 +286,20 @@ def test_compression_on_2_devices_is_one_exchange_with_local_error_feedback(code
     else:
         bound = 2.0**-8 * np.abs(v.astype(np.float64)).sum(0) * (1 + 1e-5) + 1e-6
     assert np.all(np.abs(got[0] - true) <= bound) and np.abs(got[0] - true).max() > 0
+
+
+@pytest.mark.parametrize("method", ["ring", "ring_bidir", "hierarchical"])
+@pytest.mark.parametrize("codec", ["bf16", "int8"])
+def test_num_chunks_with_compression_is_refused_not_ignored(mesh, method, codec):
+    # The compressed exchange sends each float bucket whole; num_chunks used to be dropped silently.
+    fn = _smap(lambda g: all_reduce_tree({"w": g}, "data", method=method, compression=codec, num_chunks=4,
+                                         group_size=4 if method == "hierarchical" else None),
+               mesh, P("data"), P("data"))
+    with pytest.raises(ValueError, match=f"got num_chunks=4 with compression='{codec}' "
+                                         r"\(drop num_chunks or compression\)"):
+        fn(jnp.ones((N, 16), jnp.float32))
+    # Without compression the same call is accepted and exact.
+    ok = _smap(lambda g: all_reduce_tree({"w": g}, "data", method=method, num_chunks=4,
+                                         group_size=4 if method == "hierarchical" else None),
+               mesh, P("data"), P("data"))
+    np.testing.assert_array_equal(np.asarray(ok(jnp.ones((N, 16), jnp.float32))["w"]), np.full((N, 16), N))

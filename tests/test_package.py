@@ -26,10 +26,45 @@ def test_import_starts_no_backend():
     assert "ok" in out.stdout
 
 
-def test_cli_unknown_command_exits_2():
+@pytest.mark.parametrize("argv, message", [
+    (["nonsense"], "unknown command 'nonsense'; expected one of ['train', 'bench', 'doctor', 'plot', 'autotune']"),
+    ([], "a command is required; expected one of ['train'"),
+    (["--verbose", "train"], "unknown option '--verbose' before the command"),
+    (["-x"], "unknown option '-x'"),
+])
+def test_cli_usage_errors_exit_2_with_usage_on_stderr(argv, message, capsys):
     from jaxopt_train.cli import main
-    assert main(["nonsense"]) == 2
-    assert main(["--help"]) == 0
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"jaxopt-train: error: {message}" in captured.err
+    assert "usage: jaxopt-train COMMAND" in captured.err and "plot" in captured.err
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_cli_help_lists_commands_on_stdout(flag, capsys):
+    from jaxopt_train.cli import main
+    assert main([flag]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("usage: jaxopt-train COMMAND") and captured.err == ""
+    for command in ("train", "bench", "doctor", "plot", "autotune"):
+        assert f"\n  {command} " in captured.out
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_cli_version(flag, capsys):
+    from jaxopt_train.cli import main
+    assert main([flag]) == 0
+    assert capsys.readouterr().out == f"jaxopt-train {jaxopt_train.__version__}\n"
+
+
+def test_python_m_without_a_command_exits_2_and_trains_nothing(tmp_path):
+    # It used to start a 200-step training run; now a usage error, from the real entry point.
+    out = subprocess.run([sys.executable, "-m", "jaxopt_train"], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert "a command is required" in out.stderr and "Traceback" not in out.stderr and out.stdout == ""
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_cli_dispatches_autotune(capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -91,12 +92,125 @@ def test_memory_units_follow_the_metric_name(tmp_path):
                                       "memory_in_use": [7.0, 7.0]}  # no unit: drawn as logged
 
 
-def test_bad_run_dir(tmp_path, capsys):
-    assert plot.main([str(tmp_path / "nope")]) == 1
-    assert "no metrics.jsonl" in capsys.readouterr().out
+def _plot_error(argv, capsys):
+    """plot.main's exit status and stderr, asserting it printed no traceback."""
+    code = plot.main(argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return code, err
+
+
+def test_missing_run_dir_exits_2(tmp_path, capsys):
+    code, err = _plot_error([str(tmp_path / "nope")], capsys)
+    assert code == 2 and f"run directory '{tmp_path / 'nope'}' does not exist" in err
+
+
+def test_run_dir_without_metrics_exits_2(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    code, err = _plot_error([str(tmp_path / "run")], capsys)
+    assert code == 2 and "no metrics.jsonl in run directory" in err and "metrics.jsonl" in err
+    (tmp_path / "file").write_text("x")
+    code, err = _plot_error([str(tmp_path / "file")], capsys)
+    assert code == 2 and "is not a directory" in err
+
+
+@pytest.mark.parametrize("content", [b"", b"\n\n", b'{"step": 0, "lo', b"[1, 2]\n", b"\xff\xfe\n"])
+def test_empty_or_unreadable_metrics_exits_2(tmp_path, capsys, content):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_bytes(content)
+    code, err = _plot_error([str(tmp_path / "run")], capsys)
+    assert code == 2 and "holds no records" in err
+
+
+def test_metrics_path_is_a_directory_exits_2(tmp_path, capsys):
+    (tmp_path / "run" / "metrics.jsonl").mkdir(parents=True)
+    code, err = _plot_error([str(tmp_path / "run")], capsys)
+    assert code == 2 and "no metrics.jsonl" in err
+
+
+def test_torn_lines_are_skipped_with_a_warning(tmp_path, capsys):
+    _write_run(tmp_path / "run", 1.0)
+    path = tmp_path / "run" / "metrics.jsonl"
+    lines = path.read_bytes().splitlines(keepends=True)
+    # A run killed mid-line, then resumed: the torn line gets the next record appended.
+    path.write_bytes(b"".join(lines[:3]) + lines[3][:20] + b"".join(lines[4:]) + b'{"step": 50, "loss": 0.')
+    assert plot.load_run(str(tmp_path / "run"))[-1]["step"] == 45
+    err = capsys.readouterr().err
+    assert "warning: skipped line 4 of" in err and "warning: skipped line 10 of" in err
+    code, err = _plot_error([str(tmp_path / "run"), "--out", str(tmp_path / "out")], capsys)
+    assert code == 0 and (tmp_path / "out" / "loss.png").is_file() and "skipped line 10" in err
+
+
+def test_out_that_is_a_file_or_cannot_be_created_exits_2(tmp_path, capsys):
+    _write_run(tmp_path / "run", 1.0)
+    (tmp_path / "file").write_text("x")
+    code, err = _plot_error([str(tmp_path / "run"), "--out", str(tmp_path / "file")], capsys)
+    assert code == 2 and f"--out '{tmp_path / 'file'}' is a file" in err
+    code, err = _plot_error([str(tmp_path / "run"), "--out", str(tmp_path / "file" / "sub")], capsys)
+    assert code == 2 and "cannot create --out directory" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "run"]
+
+
+@pytest.mark.skipif(getattr(os, "geteuid", lambda: 1)() == 0, reason="root writes anywhere")
+def test_unwritable_out_exits_2(tmp_path, capsys):
+    _write_run(tmp_path / "run", 1.0)
+    (tmp_path / "ro").mkdir(mode=0o500)
+    try:
+        code, err = _plot_error([str(tmp_path / "run"), "--out", str(tmp_path / "ro")], capsys)
+    finally:
+        (tmp_path / "ro").chmod(0o700)
+    assert code == 2 and "is not writable" in err
+
+
+def test_write_failure_while_saving_exits_2(tmp_path, capsys, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    def fail(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    _write_run(tmp_path / "run", 1.0)
+    monkeypatch.setattr(plt.Figure, "savefig", fail)
+    code, err = _plot_error([str(tmp_path / "run"), "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and "cannot write a PNG" in err and "Permission denied" in err
+
+
+def test_no_run_dirs_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as err:
         plot.main([])
-    assert err.value.code == 2
+    assert err.value.code == 2 and "RUN_DIR" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="at least one run directory"):
+        plot.plot_runs([], "out")
+
+
+def test_nothing_to_plot_exits_2(tmp_path, capsys):
+    sink = JsonlSink(tmp_path / "run" / "metrics.jsonl")
+    sink.write(0, {"grad_norm": 1.0})
+    sink.close()
+    code, err = _plot_error([str(tmp_path / "run")], capsys)
+    assert code == 2 and "no run has any metric to plot" in err
+
+
+def test_runs_with_the_same_base_name_are_all_drawn(tmp_path, capsys):
+    import matplotlib.pyplot as plt
+
+    _write_run(tmp_path / "a" / "run", 1.0)
+    _write_run(tmp_path / "b" / "run", 2.0)
+    labels = []
+    original_savefig = plt.Figure.savefig
+
+    def spy(fig, path, **kwargs):
+        if str(path).endswith("loss.png"):
+            labels.extend(line.get_label() for line in fig.axes[0].get_lines())
+        return original_savefig(fig, path, **kwargs)
+
+    plt.Figure.savefig = spy
+    try:
+        plot.plot_runs([str(tmp_path / "a" / "run"), str(tmp_path / "b" / "run")], str(tmp_path / "out"))
+    finally:
+        plt.Figure.savefig = original_savefig
+    assert labels == [f"{tmp_path / 'a' / 'run'}: loss", f"{tmp_path / 'b' / 'run'}: loss"]
+    code, err = _plot_error([str(tmp_path / "a" / "run"), str(tmp_path / "a" / "run" / ".")], capsys)
+    assert code == 2 and "given twice" in err
 
 
 def test_import_does_not_touch_matplotlib_backend():

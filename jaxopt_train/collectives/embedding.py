@@ -17,6 +17,13 @@ the end. On 2 H200s over NVLink that cut the step's exposed reduction from 0.26 
 0.19 ms (gpt-124m, 2 layers), but the gather and scatter-add cost more compute
 than that, so the step was 0.5-1% slower (BENCHMARKS.md): this is for links
 that are slow relative to HBM (PCIe), not NVLink.
+
+An id outside [0, num_embeddings) makes the whole returned gradient NaN, as the
+rest of the library treats such ids (`GPT.embed` gives a NaN row, `gpt_loss` a
+NaN loss or, for concrete ids, a ValueError), so the trainer's finite check
+reports it. Plain `jax.grad` of `table[ids]` gives a bad batch a plausible
+gradient instead (on jax 0.10 an id >= num_embeddings is dropped and a
+negative id wraps round to a real row); for in-range ids the two agree.
 """
 
 from __future__ import annotations
@@ -42,7 +49,8 @@ def embedding_grad_exchange(ids: jax.Array, cotangent: jax.Array, axis_name: Axi
 
     Returns:
       [num_embeddings, d] array, identical on every device of the axis: the sum
-      over devices of each device's lookup gradient.
+      over devices of each device's lookup gradient. All NaN if any device's
+      ids leave [0, num_embeddings) (see the module docstring).
     """
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"ids must be integers; got {ids.dtype}")
@@ -51,9 +59,18 @@ def embedding_grad_exchange(ids: jax.Array, cotangent: jax.Array, axis_name: Axi
                          f"got {cotangent.shape}")
     if not isinstance(num_embeddings, (int, np.integer)) or num_embeddings < 1:
         raise ValueError(f"num_embeddings must be a positive int; got {num_embeddings!r}")
+    if out_dtype is not None and not jnp.issubdtype(out_dtype, jnp.floating):
+        raise TypeError(f"out_dtype must be a floating dtype (an out-of-range id is flagged with NaN); "
+                        f"got {out_dtype=}")
     axis_size(axis_name)  # a clear error when the axis is not bound here
     d = cotangent.shape[-1]
+    if jnp.dtype(ids.dtype).itemsize < 4:  # so that num_embeddings itself fits in the comparison
+        ids = ids.astype(jnp.int32)
     all_ids = lax.all_gather(ids.reshape(-1), axis_name, tiled=True)
     all_rows = lax.all_gather(cotangent.reshape(-1, d), axis_name, tiled=True)
-    grad = jnp.zeros((int(num_embeddings), d), jnp.float32).at[all_ids].add(all_rows.astype(jnp.float32))
+    in_range = (all_ids >= 0) & (all_ids < num_embeddings)
+    # Every device gathered the same ids, so every device makes the same choice.
+    grad = jnp.zeros((int(num_embeddings), d), jnp.float32).at[jnp.where(in_range, all_ids, 0)].add(
+        all_rows.astype(jnp.float32))
+    grad = jnp.where(jnp.all(in_range), grad, jnp.nan)
     return grad.astype(cotangent.dtype if out_dtype is None else out_dtype)

@@ -54,11 +54,17 @@ def _reducer(method: str, axis_name, *, ring_order, group_size, num_chunks):
     return lambda flat: all_reduce_rings(flat, rings, num_chunks=num_chunks, bidirectional=bidirectional)
 
 
-def _check_method_options(method: str, ring_order, group_size, num_chunks) -> None:
+def _check_method_options(method: str, ring_order, group_size, num_chunks, compression) -> None:
     """Refuses options the chosen method would silently ignore."""
     if num_chunks != 1 and method == "psum":
         raise ValueError(f"num_chunks= applies to the ring methods ('ring', 'ring_bidir', 'hierarchical'); "
                          f"got {num_chunks=} with {method=} (drop num_chunks or pick a ring method)")
+    # The compressed exchange sends each float bucket whole; chunking only the
+    # integer buckets would leave num_chunks meaning nothing for the gradients.
+    if num_chunks != 1 and compression is not None:
+        raise ValueError(f"num_chunks= pipelines the uncompressed ring methods; the compressed exchange sends "
+                         f"each bucket whole; got {num_chunks=} with {compression=} "
+                         f"(drop num_chunks or compression)")
     if ring_order is not None and method in ("psum", "peer"):
         raise ValueError(f"ring_order= applies to the ring methods ('ring', 'ring_bidir', 'hierarchical'); "
                          f"got {ring_order=} with {method=} (drop ring_order or pick a ring method)")
@@ -129,7 +135,7 @@ def all_reduce_tree(tree: Any, axis_name: AxisName, *, method: str = "psum", buc
       group_size: devices per group for "hierarchical" on one axis (refused
         with the other methods).
       num_chunks: pipelined rings per shard for the ring methods (refused
-        with "psum" and "peer", which would ignore it).
+        with "psum" and "peer", and with `compression`, which would ignore it).
 
     Returns:
       The summed tree (leaves keep shape and dtype), or
@@ -137,8 +143,8 @@ def all_reduce_tree(tree: Any, axis_name: AxisName, *, method: str = "psum", buc
     """
     if method not in METHODS:
         raise ValueError(f"{method=} must be one of {METHODS}")
-    _check_method_options(method, ring_order, group_size, num_chunks)
     compression_lib.check_codec(compression)
+    _check_method_options(method, ring_order, group_size, num_chunks, compression)
     if error_state is not None and compression is None:
         raise ValueError("error_state= is only used with compression='bf16' or 'int8'; got compression=None")
     if method in ("ring", "ring_bidir", "peer") and isinstance(axis_name, tuple):
