@@ -9,11 +9,12 @@ throughput); panels no run has are skipped, with a line saying so.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
 import sys
+
+from jaxopt_train.runtime.sinks import read_jsonl
 
 # panel -> (y-axis label, metric-name pattern, scale applied to values)
 PANELS: dict[str, tuple[str, str, float]] = {
@@ -52,7 +53,7 @@ def load_run(run_dir: str) -> list[dict[str, float]]:
 
     A line that is not a JSON object (the torn last line of a killed run, or that
     line with the resumed run's first record appended to it) is skipped with a
-    warning on stderr, as `runtime.sinks.read_jsonl` skips it silently.
+    warning on stderr (`runtime.sinks.read_jsonl` reads the file).
     """
     if not os.path.exists(run_dir):
         raise ValueError(f"run directory {run_dir!r} does not exist")
@@ -62,33 +63,18 @@ def load_run(run_dir: str) -> list[dict[str, float]]:
     if not os.path.isfile(path):
         raise ValueError(f"no metrics.jsonl in run directory {run_dir!r}; expected {path} "
                          f"(written by `jaxopt-train train --run-dir`)")
+
+    def warn(number: int, line: bytes) -> None:
+        print(f"jaxopt-train plot: warning: skipped line {number} of {path}, which is not a JSON "
+              f"object (a run killed while writing it?): {line[:60]!r}", file=sys.stderr)
+
     try:
-        with open(path, "rb") as file:
-            lines = file.read().split(b"\n")
+        records = read_jsonl(path, on_skip=warn)
     except OSError as err:
         raise ValueError(f"cannot read {path}: {err.strerror or err}") from None
-    records = []
-    for number, line in enumerate(lines, 1):
-        record = _parse_record(line)
-        if record is None:
-            print(f"jaxopt-train plot: warning: skipped line {number} of {path}, which is not a JSON "
-                  f"object (a run killed while writing it?): {line[:60]!r}", file=sys.stderr)
-        elif record:
-            records.append(record)
     if not records:
         raise ValueError(f"{path} holds no records (expected one JSON object per line, as JsonlSink writes)")
     return records
-
-
-def _parse_record(line: bytes) -> dict | None:
-    """The record on `line`: {} for a blank line, None for one that is not a JSON object."""
-    if not line.strip():
-        return {}
-    try:
-        record = json.loads(line.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return record if isinstance(record, dict) and record else None
 
 
 def _series(records: list[dict[str, float]], name: str) -> tuple[list[float], list[float]]:

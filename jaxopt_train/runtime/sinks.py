@@ -11,7 +11,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 
@@ -62,18 +62,28 @@ class JsonlSink:
         self._file.close()
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict[str, float]]:
-    """The records of a JsonlSink file (a torn last line from a crash is skipped)."""
+def read_jsonl(path: str | os.PathLike,
+               on_skip: Callable[[int, bytes], None] | None = None) -> list[dict[str, float]]:
+    """The records of a JsonlSink file.
+
+    A line that is not a JSON object (the torn last line of a crashed run, or that line
+    with a resumed run's first record appended to it) is skipped; `on_skip(line_number,
+    line)` is told of each one (`jaxopt-train plot` warns).
+    """
     records = []
-    with open(path, encoding="utf-8") as file:
-        for line in file:
-            line = line.strip()
-            if not line:
+    with open(path, "rb") as file:  # bytes: a torn line may end inside a UTF-8 character
+        for number, line in enumerate(file, 1):
+            line = line.rstrip(b"\r\n")
+            if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+                record = json.loads(line.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                record = None
+            if isinstance(record, dict) and record:
+                records.append(record)
+            elif on_skip is not None:
+                on_skip(number, line)
     return records
 
 
