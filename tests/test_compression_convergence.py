@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from jaxopt_train.train import TrainConfig, train
-from jaxopt_train.train.metrics import read_jsonl
+from jaxopt_train.runtime import read_jsonl
 
 RUN = dict(model_overrides=dict(d_model=32, n_layers=1, n_heads=2), seq_len=32, batch_size=16,
            steps=120, warmup=10, lr=1e-2, log_every=20, eval_every=0, eval_batches=4,

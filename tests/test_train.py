@@ -27,7 +27,7 @@ from jaxopt_train.models import GPT, get_gpt_config
 from jaxopt_train.train import NonFiniteError, RunDirError, TrainConfig, Trainer, train
 from jaxopt_train.train import loop as loop_lib
 from jaxopt_train.train.checkpoint import existing_checkpoint_steps
-from jaxopt_train.train.metrics import read_jsonl
+from jaxopt_train.runtime import read_jsonl
 from jaxopt_train.train.model import gpt_loss_fn
 
 TINY_MODEL = dict(d_model=32, n_layers=1, n_heads=2)

@@ -126,7 +126,7 @@ def test_matmul_flag_reaches_the_gpt_config():
 
 def test_cli_trains_end_to_end_and_leaves_a_run_dir(tmp_path, capsys, jax_compile_cache):
     # jax_compile_cache: shared with tests/test_train.py, whose TINY_RUN this CLI run mirrors.
-    from jaxopt_train.train.metrics import read_jsonl
+    from jaxopt_train.runtime import read_jsonl
 
     run_dir = str(tmp_path / "run")
     argv = ["--model", "d_model=32", "--model", "n_layers=1", "--model", "n_heads=2",

@@ -29,8 +29,10 @@ from typing import Any, Callable
 DTYPES = {"f32": "float32", "bf16": "bfloat16"}
 # NVLink bandwidth per direction by device kind, used when NVML cannot say (datasheets).
 NVLINK_PEAK_GBS = {"H200": 450.0, "H100": 450.0, "GH200": 450.0, "B200": 900.0, "A100": 300.0, "V100": 150.0}
-# Per-direction GB/s of one NVLink, by NVLink version (NVML's nvmlDeviceGetNvLinkVersion).
-PER_LINK_GBS = {2: 25.0, 3: 25.0, 4: 25.0, 5: 50.0}
+# Per-direction GB/s of one NVLink, keyed by what nvmlDeviceGetNvLinkVersion returns: an
+# nvmlNvlinkVersion_t enum, not the version (1: 1.0, 2: 2.0, 3: 2.2, 4: 3.0, 5: 3.1, 6: 4.0,
+# 7: 5.0). An A100 returns 5 (NVLink 3.x, 25 GB/s), an H100/H200 6 (4.0, 25 GB/s).
+PER_LINK_GBS = {1: 20.0, 2: 25.0, 3: 25.0, 4: 25.0, 5: 25.0, 6: 25.0, 7: 50.0}
 
 
 def parse_size(text: str) -> int:
@@ -74,13 +76,14 @@ def nvlink_peak(device) -> tuple[float | None, str]:
                 except pynvml.NVMLError:
                     continue
             if links and version in PER_LINK_GBS:
-                return links * PER_LINK_GBS[version], f"NVML: {links} active NVLink v{version} links"
+                return links * PER_LINK_GBS[version], f"NVML: {links} active NVLink links (version enum {version})"
         finally:
             pynvml.nvmlShutdown()
     except Exception as err:  # noqa: BLE001 (fall back to the table)
         reason = f"NVML unavailable ({type(err).__name__})"
     else:
-        reason = "NVML reports no active NVLink"
+        reason = (f"NVML reports {links} active NVLink links of unknown version enum {version}" if links
+                  else "NVML reports no active NVLink")
     for kind, peak in NVLINK_PEAK_GBS.items():
         if kind in device.device_kind:
             return peak, f"datasheet table ({kind}); {reason}"
@@ -163,10 +166,34 @@ def variants(n: int, dtype: str, chunks: list[int]) -> dict[str, Callable]:
     return out
 
 
+def sweep_input(mesh, count: int, dtype, seed: int = 0):
+    """`count` random small integers in `dtype`, sharded over "data", generated on the devices.
+
+    Not constant (ones would hide a misplaced chunk), and every partial sum of n
+    of them is exact in bf16 and f32, so each variant must equal psum bit for bit.
+    """
+    import jax  # noqa: PLC0415
+    from jax.sharding import NamedSharding  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    bound = max(1, 128 // mesh.size)  # |partial sums| <= 128 < 256, bf16's exact integers
+
+    def make(key):
+        return jax.random.randint(key, (count,), -bound, bound + 1).astype(dtype)
+    return jax.jit(make, out_shardings=NamedSharding(mesh, P("data")))(jax.random.key(seed))
+
+
+def _max_abs_diff(a, b) -> float:
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    diff = jax.jit(lambda u, v: jnp.max(jnp.abs(u.astype(jnp.float32) - v.astype(jnp.float32))))
+    return float(diff(a, b))
+
+
 def bench_collectives(args, record: Callable[[dict], None]) -> list[dict]:
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
-    from jax.sharding import NamedSharding  # noqa: PLC0415
     from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
     devices = jax.devices()
@@ -180,13 +207,14 @@ def bench_collectives(args, record: Callable[[dict], None]) -> list[dict]:
             fns = {k: v for k, v in fns.items() if k == "psum" or k.split("/")[0] in args.methods}
         for size in args.sizes:
             elems = size // np_dtype.itemsize
-            x = jax.device_put(jnp.ones((n * elems,), np_dtype), NamedSharding(mesh, P("data")))
-            base = None
+            x = sweep_input(mesh, n * elems, np_dtype)
+            base = want = None
             for name, body in fns.items():
                 fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
                                            check_vma=False))
                 try:
                     seconds = time_burst(fn, (x,), warmup=args.warmup, iters=args.iters, bursts=args.bursts)
+                    out = fn(x)
                 except Exception as err:  # noqa: BLE001 (one failing variant must not lose the sweep)
                     print(f"  {name} {dtype} {fmt_size(size)} failed: {type(err).__name__}: {err}", file=sys.stderr)
                     continue
@@ -194,14 +222,17 @@ def bench_collectives(args, record: Callable[[dict], None]) -> list[dict]:
                 row = {"kind": "allreduce", "dtype": dtype, "size_bytes": size, "variant": name, "devices": n,
                        "time_s": seconds, "algbw_gbs": algbw, "busbw_gbs": algbw * 2 * (n - 1) / n}
                 if name == "psum":
-                    base = row
+                    base, want = row, out
+                # Exact inputs: any difference from psum is a wrong result, not rounding.
+                row["max_abs_diff_vs_psum"] = None if want is None else _max_abs_diff(out, want)
+                del out
                 row["ratio_to_psum"] = row["busbw_gbs"] / base["busbw_gbs"] if base else None
                 if "wire_bf16" in name or dtype == "bf16":  # in f32-equivalent bytes against psum's f32
                     row["f32_equiv_busbw_gbs"] = row["busbw_gbs"] * 4 / np_dtype.itemsize
                 row["share_of_nvlink_peak"] = row["busbw_gbs"] / args.peak if args.peak else None
                 rows.append(row)
                 record(row)
-            del x
+            del x, want
     return rows
 
 
@@ -212,8 +243,9 @@ def print_table(rows: list[dict], peak_note: str) -> None:
     for r in rows:
         ratio = f"{r['ratio_to_psum']:.3f}" if r.get("ratio_to_psum") else "-"
         share = f"{100 * r['share_of_nvlink_peak']:.0f}" if r.get("share_of_nvlink_peak") else "-"
+        wrong = "  WRONG RESULT" if r.get("max_abs_diff_vs_psum") else ""
         print(f"{r['dtype']:<5} {fmt_size(r['size_bytes']):>6} {r['variant']:<22} {r['time_s'] * 1e6:>10.1f} "
-              f"{r['algbw_gbs']:>8.2f} {r['busbw_gbs']:>8.2f} {ratio:>7} {share:>6}")
+              f"{r['algbw_gbs']:>8.2f} {r['busbw_gbs']:>8.2f} {ratio:>7} {share:>6}{wrong}")
 
 
 def _csv(kind, example: str):
@@ -385,6 +417,11 @@ def main(argv: list[str] | None = None) -> int:
     collectives_gpt.print_gpt(gpt_rows)
     if not rows:
         print("bench collectives: every all-reduce variant failed (see the errors above)", file=sys.stderr)
+        return 1
+    wrong = sorted({f"{r['variant']} {r['dtype']}" for r in rows if r.get("max_abs_diff_vs_psum")})
+    if wrong:
+        print(f"bench collectives: {wrong} differ from lax.psum on exact inputs: their timings are of "
+              "a wrong all-reduce (see max_abs_diff_vs_psum)", file=sys.stderr)
         return 1
     return 1 if gpt_failed else 0
 

@@ -3,6 +3,7 @@
 The JSONL file is opened in append mode, so a resumed run continues the same
 file and an earlier run's lines are never lost. Each line is one JSON object
 with "step", "time" (unix seconds) and the metrics of that log interval.
+`jaxopt_train.runtime.read_jsonl` reads it back (skipping the torn last line of a crash).
 """
 
 from __future__ import annotations
@@ -37,12 +38,6 @@ class JsonlWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
-
-
-def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """All records of a metrics file, in order."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _jsonable(value: Any) -> Any:
