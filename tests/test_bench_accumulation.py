@@ -38,6 +38,9 @@ def test_quick_mlp_run_times_every_variant_at_equal_tokens(tmp_path, capsys):
     (["--batch", "0"], "--batch=0 must be >= 1"),
     (["--microbatches", "0"], "--microbatches=0 must be >= 1"),
     (["--precision", "fp9"], "--precision: unknown precision policy 'fp9'"),
+    # each model reads only its own size flag; the other was accepted and ignored
+    (["--model", "gpt-tiny", "--width", "64"], "--width=64 applies to --model mlp only; got --model gpt-tiny"),
+    (["--seq-len", "64"], "--seq-len=64 applies to GPT models only; got --model mlp"),
 ])
 def test_bad_flags_are_refused_with_the_reason(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -1,6 +1,8 @@
 """Smoke test of `jaxopt-train bench collectives` on the 8 emulated CPU devices."""
 
 import json
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +38,7 @@ def test_quick_run_writes_json_with_psum_baseline(tmp_path, capsys):
     assert psum["ratio_to_psum"] == 1.0 and ring["ratio_to_psum"] == pytest.approx(
         ring["busbw_gbs"] / psum["busbw_gbs"])
     assert ring["busbw_gbs"] == pytest.approx(ring["algbw_gbs"] * 2 * 7 / 8)
+    assert psum["max_abs_diff_vs_psum"] == 0 and ring["max_abs_diff_vs_psum"] == 0  # exact inputs
     assert data["gpt_step"] == []  # --gpt not given
     assert data["meta"]["devices"] == 8 and data["meta"]["peak_gbs_per_direction"] is None
     assert "x psum" in capsys.readouterr().out
@@ -79,7 +82,7 @@ def test_bad_lists_are_argparse_errors(argv, message, capsys):
 @pytest.mark.parametrize("grad_dtype, expected, extra, methods", [
     pytest.param("param", "float32", ["--gpt-embedding-exchange", "--gpt-zero1"],
                  ["psum", "ring", "psum+embx", "ring+embx", "zero1"], id="param-all-methods"),
-    pytest.param("compute", "bfloat16", ["--gpt-methods", "ring"], ["ring"], id="compute-ring"),
+    pytest.param("compute", "bfloat16", ["--gpt-methods", "ring"], ["psum", "ring"], id="compute-ring"),
 ])
 def test_gpt_step_reports_every_method_with_the_gradient_dtype(tmp_path, grad_dtype, expected,
                                                                 extra, methods):
@@ -91,7 +94,10 @@ def test_gpt_step_reports_every_method_with_the_gradient_dtype(tmp_path, grad_dt
     assert rc == 0
     rows = json.loads(out.read_text())["gpt_step"]
     assert [r["method"] for r in rows] == methods
+    # psum is the baseline of every row, timed in the same run even when not asked for
+    assert rows[0]["step_vs_psum"] == 1.0
     for row in rows:
+        assert row["step_vs_psum"] == pytest.approx(rows[0]["step_s"] / row["step_s"])
         assert row["grad_dtype"] == expected
         assert row["step_s"] > 0 and row["compute_only_s"] > 0 and row["comm_only_s"] > 0
         assert row["throughput_vs_one_device"] == pytest.approx(8 * row["one_device_step_s"] / row["step_s"])
@@ -211,3 +217,73 @@ def test_sizes_not_whole_elements_are_refused(monkeypatch, capsys, argv, message
     with pytest.raises(SystemExit) as exc:
         bench.main(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_nvlink_peak_reads_nvml_version_as_the_enum_it_is(monkeypatch):
+    """nvmlDeviceGetNvLinkVersion returns nvmlNvlinkVersion_t: 5 is NVLink 3.1 (an A100's
+    25 GB/s links), not NVLink 5; 6 is NVLink 4.0 (H100/H200)."""
+    nvml = types.SimpleNamespace(NVMLError=RuntimeError, NVML_NVLINK_MAX_LINKS=18, nvmlInit=lambda: None,
+                                 nvmlShutdown=lambda: None, nvmlDeviceGetHandleByIndex=lambda i: i)
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    device = types.SimpleNamespace(platform="gpu", local_hardware_id=0, device_kind="NVIDIA A100-SXM4-80GB")
+    for kind, links, enum, want in [("NVIDIA A100-SXM4-80GB", 12, 5, 300.0), ("NVIDIA H200", 18, 6, 450.0),
+                                    ("NVIDIA B200", 18, 7, 900.0)]:
+        device.device_kind = kind
+        nvml.nvmlDeviceGetNvLinkState = lambda _h, link, links=links: link < links
+        nvml.nvmlDeviceGetNvLinkVersion = lambda _h, _link, enum=enum: enum
+        peak, source = bench.nvlink_peak(device)
+        assert peak == want and source.startswith("NVML"), (kind, peak, source)
+
+
+def _quick(*argv):
+    return ["--quick", "--sizes", "4K", "--dtypes", "f32", "--chunks", "1", *argv]
+
+
+@pytest.mark.parametrize("target", ["folder", "nodir/coll.json"])
+def test_json_path_is_checked_before_the_sweep(monkeypatch, tmp_path, capsys, target):
+    monkeypatch.setattr(bench, "bench_collectives", _no_sweep)
+    if target == "folder":
+        with pytest.raises(SystemExit) as exc:
+            bench.main(_quick("--json", str(tmp_path)))
+        assert exc.value.code == 2 and "argument --json" in capsys.readouterr().err
+    else:  # a missing folder is created up front, as `bench accumulation` does
+        monkeypatch.setattr(bench, "bench_collectives", lambda args, record: [])
+        bench.main(_quick("--json", str(tmp_path / target)))
+        assert (tmp_path / "nodir").is_dir()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--methods", "peer"], "['peer'] cannot run here (8 cpu devices"),
+    (["--methods", "ring,peer_wire_bf16"], "['peer_wire_bf16'] cannot run here"),
+    (["--dtypes", "bf16", "--methods", "ring_wire_bf16"], "ring_wire_bf16 needs f32 in --dtypes"),
+    (["--gpt", "--gpt-methods", "psum,peer"], "argument --gpt-methods: 'peer' cannot run here"),
+])
+def test_methods_this_run_cannot_time_are_refused_up_front(monkeypatch, capsys, argv, message):
+    monkeypatch.setattr(bench, "bench_collectives", _no_sweep)
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--sizes", "4K", *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", [["--gpt-zero1"], ["--gpt-trace", "t"], ["--gpt-methods", "ring"],
+                                  ["--bucket-mb", "4"], ["--gpt-grad-dtype", "compute"], ["--gpt-batch", "2"]])
+def test_gpt_flags_without_gpt_are_refused(monkeypatch, capsys, flag):
+    monkeypatch.setattr(bench, "bench_collectives", _no_sweep)
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--sizes", "4K", *flag])
+    assert exc.value.code == 2 and f"{flag[0]} only apply to the GPT step" in capsys.readouterr().err
+
+
+def test_inputs_are_varied_and_a_wrong_variant_is_reported(monkeypatch, tmp_path, capsys):
+    """Constant inputs hid wrong results; now every variant is checked against psum."""
+    x = bench.sweep_input(jax.sharding.Mesh(jax.devices(), ("data",)), 8 * 64, jnp.bfloat16)
+    assert len(np.unique(np.asarray(x, np.float32))) > 2
+    real = bench.variants
+    monkeypatch.setattr(bench, "variants", lambda n, dtype, chunks: {
+        **real(n, dtype, chunks), "ring/c1": lambda v: v * n})  # right for ones, wrong otherwise
+    out = tmp_path / "coll.json"
+    assert bench.main(_quick("--methods", "ring", "--json", str(out))) == 1
+    psum, ring = json.loads(out.read_text())["allreduce"]
+    assert psum["max_abs_diff_vs_psum"] == 0 and ring["max_abs_diff_vs_psum"] > 0
+    captured = capsys.readouterr()
+    assert "WRONG RESULT" in captured.out and "differ from lax.psum" in captured.err

@@ -158,9 +158,15 @@ def _parse(argv):
         value = getattr(args, name)
         if value is not None and value < 1:  # checked before the defaults: 0 is not "unset"
             parser.error(f"--{name.replace('_', '-')}={value} must be >= 1")
+    # Each model reads only its own size flag: the other would be silently ignored.
+    if gpt and args.width is not None:
+        parser.error(f"--width={args.width} applies to --model mlp only; got --model {args.model} (drop --width)")
+    if not gpt and args.seq_len is not None:
+        parser.error(f"--seq-len={args.seq_len} applies to GPT models only; got --model mlp (drop --seq-len)")
     if args.batch is None:
         args.batch = (8 if args.quick else 32) if gpt else (128 if args.quick else 512)
-    args.width = args.width or (256 if args.quick else 1024)
+    if not gpt:
+        args.width = args.width or (256 if args.quick else 1024)
     args.precision = args.precision or ("bf16" if gpt else "fp32")
     from jaxopt_train.precision import get_policy  # noqa: PLC0415
 

@@ -10,7 +10,10 @@ hidden-communication fraction 1 - (step - compute_only) / comm_only, and the
 throughput against one device at equal per-device batch.
 
 Timing: warm-up calls, then bursts of back-to-back calls with one
-`block_until_ready` at the end; the median over bursts is reported.
+`block_until_ready` at the end; the median over bursts is reported. The
+inputs are random small integers, exact in every dtype and partial sum, so
+each variant's result must equal psum's: a variant that differs is reported
+(`max_abs_diff_vs_psum`) and the command exits 1.
 
     python -m jaxopt_train.bench.collectives --quick
     python -m jaxopt_train.bench.collectives --sizes 1M,16M,256M,1G --dtypes f32,bf16 --json out.json
@@ -283,16 +286,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bursts", type=int, default=None, help="timed bursts (default 5; --quick: 3)")
     p.add_argument("--peak", type=float, default=None, help="link peak GB/s per direction (default: NVML/table)")
     p.add_argument("--gpt", action="store_true", help="also time a data-parallel GPT step per grad-sync method")
-    p.add_argument("--gpt-config", default="gpt-tiny")
+    p.add_argument("--gpt-config", default=None, help="GPT preset (default gpt-tiny)")
     p.add_argument("--gpt-overrides", default=None,
                    help="GPTConfig overrides FIELD=VALUE,..., values read as JSON else as strings, "
                         "e.g. n_layers=4,dtype=bfloat16,use_bias=false (--quick default: n_layers=1)")
     p.add_argument("--gpt-batch", type=int, default=None, help="sequences per device (default 4; --quick: 2)")
     p.add_argument("--gpt-iters", type=int, default=None, help="calls per timed burst of the step "
                                                                    "(default 5; --quick: 2)")
-    p.add_argument("--gpt-methods", type=_csv(str, "psum,ring"), default=["psum", "ring"])
-    p.add_argument("--gpt-grad-dtype", choices=("param", "compute"), default="param",
-                   help="gradients in the params' dtype or the model's compute dtype")
+    p.add_argument("--gpt-methods", type=_csv(str, "psum,ring"), default=None,
+                   help="grad-sync methods to time besides psum, the baseline (default psum,ring)")
+    p.add_argument("--gpt-grad-dtype", choices=("param", "compute"), default=None,
+                   help="gradients in the params' dtype (default) or the model's compute dtype")
     p.add_argument("--gpt-embedding-exchange", action="store_true",
                    help="also time each method with the embedding lookup's gradient exchanged as "
                         "gathered rows (collectives.embedding_grad_exchange) instead of a dense table")
@@ -302,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpt-trace", default=None, metavar="DIR",
                    help="also profile each DP step into DIR/<method> and report the reduction time "
                         "concurrent with compute, exposed, and the compute slowdown (GPU traces)")
-    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--bucket-mb", type=float, default=None, help="gradient bucket MiB of the GPT step (default 25)")
     p.add_argument("--quick", action="store_true", help="tiny sizes and few calls (CPU smoke run)")
     p.add_argument("--json", default=None, help="write the raw figures here")
     return p
@@ -310,6 +314,58 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Unset counts: (default, --quick default); checked against the minimum before either applies.
 _COUNT_DEFAULTS = {"warmup": (3, 1), "iters": (10, 3), "bursts": (5, 3), "gpt_batch": (4, 2), "gpt_iters": (5, 2)}
+
+
+# Flags that only the --gpt step reads, with their defaults (None: filled elsewhere).
+_GPT_FLAGS = {"gpt_config": "gpt-tiny", "gpt_overrides": None, "gpt_batch": None, "gpt_iters": None,
+              "gpt_methods": ("psum", "ring"), "gpt_grad_dtype": "param", "gpt_embedding_exchange": None,
+              "gpt_zero1": None, "gpt_trace": None, "bucket_mb": 25.0}
+
+
+def _check_gpt_flags(parser: argparse.ArgumentParser, args) -> None:
+    """A GPT-step flag without --gpt would be silently ignored: refuse it."""
+    given = [f"--{k.replace('_', '-')}" for k in _GPT_FLAGS if getattr(args, k) not in (None, False)]
+    if given and not args.gpt:
+        parser.error(f"{', '.join(given)} only apply to the GPT step; add --gpt or drop them")
+
+
+# What each --methods name needs to be built by `variants` (those not listed: any run).
+_METHOD_NEEDS = {"hierarchical": "an even number of devices, at least 4",
+                 "peer": "2 Hopper GPUs in one process", "peer_wire_bf16": "2 Hopper GPUs in one process "
+                 "and f32 in --dtypes", "ring_wire_bf16": "f32 in --dtypes (it sends f32 data as bf16)"}
+
+
+def _check_methods_run(parser: argparse.ArgumentParser, args, n: int, platform_name: str) -> None:
+    """Refuses --methods / --gpt-methods that this run cannot time, before any timing."""
+    import contextlib  # noqa: PLC0415
+    import io  # noqa: PLC0415
+
+    with contextlib.redirect_stderr(io.StringIO()):  # variants' own "skipped" note
+        built = {k.split("/")[0] for d in args.dtypes for k in variants(n, d, args.chunks)}
+    missing = [m for m in args.methods or () if m not in built]
+    if missing:
+        parser.error(f"argument --methods: {missing} cannot run here ({n} {platform_name} devices, "
+                     f"--dtypes {','.join(args.dtypes)}); "
+                     + "; ".join(f"{m} needs {_METHOD_NEEDS.get(m, 'other devices')}" for m in missing))
+    if args.gpt and "peer" in args.gpt_methods:
+        from jaxopt_train.collectives.peer import check_platform  # noqa: PLC0415
+
+        try:
+            if n != 2:
+                raise ValueError(f"it exchanges between exactly 2 devices; this run has {n}")
+            check_platform()
+        except (ValueError, NotImplementedError) as err:
+            parser.error(f"argument --gpt-methods: 'peer' cannot run here: {err}")
+
+
+def _check_json(parser: argparse.ArgumentParser, path: str | None) -> None:
+    """Checked (and its folder created) before the sweep, not at its first row."""
+    if path:
+        from jaxopt_train.bench.train_report import output_file_problem  # noqa: PLC0415
+
+        problem = output_file_problem(path)
+        if problem:
+            parser.error(f"argument --json: expected a writable file path; {problem}")
 
 
 def _check_sizes(parser: argparse.ArgumentParser, sizes: list[int] | None, dtypes: list[str]) -> None:
@@ -331,6 +387,9 @@ def _apply_defaults(args) -> None:
             setattr(args, flag, quick if args.quick else normal)
     if args.gpt_overrides is None:
         args.gpt_overrides = "n_layers=1" if args.quick else ""
+    for flag, default in _GPT_FLAGS.items():
+        if getattr(args, flag) is None and default is not None:
+            setattr(args, flag, list(default) if isinstance(default, tuple) else default)
     if args.quick:
         args.sizes = args.sizes or [64 << 10, 1 << 20]
     args.sizes = args.sizes or [1 << s for s in range(20, 31, 2)]
@@ -362,7 +421,9 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and value < least:  # before the defaults: 0 is not "unset"
             print(f"--{flag.replace('_', '-')}={value} must be >= {least}", file=sys.stderr)
             return 2
+    _check_gpt_flags(parser, args)
     _check_sizes(parser, args.sizes, args.dtypes)
+    _check_json(parser, args.json)
     _apply_defaults(args)
     from jaxopt_train.bench import collectives_gpt  # noqa: PLC0415
 
@@ -377,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"bench collectives needs at least 2 devices, found {jax.device_count()} "
                          f"({jax.devices()[0].platform}); on CPU set "
                          "XLA_FLAGS=--xla_force_host_platform_device_count=8")
+    _check_methods_run(parser, args, jax.device_count(), device.platform)
     peak_note = "--peak given"
     if args.peak is None:
         args.peak, peak_note = nvlink_peak(device)

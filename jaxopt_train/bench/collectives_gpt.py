@@ -2,8 +2,9 @@
 
 For each grad-sync method it times the whole step, a compute-only step (no
 reduction) and the reduction alone, and reports the hidden-communication
-fraction 1 - (step - compute_only) / comm_only and the throughput against one
-device at equal per-device batch. `--gpt-zero1` adds per-leaf ZeRO-1 and
+fraction 1 - (step - compute_only) / comm_only, the speed against the psum
+step of the same run (psum is always timed, first) and the throughput against
+one device at equal per-device batch. `--gpt-zero1` adds per-leaf ZeRO-1 and
 `--gpt-embedding-exchange` the embedding gradient exchanged as rows;
 `--gpt-trace` profiles each step and reads the overlap from the trace.
 """
@@ -108,9 +109,11 @@ def bench_gpt(args, record: Callable[[dict], None]) -> list[dict]:
                      **timing)
     rows = []
     # (row name, all-reduce method, step body, params' specs, params as the step takes them)
-    runs = [(m, m, step_body(m), P(), replicated) for m in args.gpt_methods]
+    # psum first: every row's step_vs_psum needs the baseline from this same run.
+    methods = ["psum", *(m for m in dict.fromkeys(args.gpt_methods) if m != "psum")]
+    runs = [(m, m, step_body(m), P(), replicated) for m in methods]
     if args.gpt_embedding_exchange:
-        runs += [(m + "+embx", m, step_body(m, exchange=True), P(), replicated) for m in args.gpt_methods]
+        runs += [(m + "+embx", m, step_body(m, exchange=True), P(), replicated) for m in methods]
     if args.gpt_zero1:
         specs = leaf_specs(params, n)
         runs.append(("zero1", "psum", zero1_step_body(graphdef, specs, grad_dtype), specs,
@@ -121,15 +124,18 @@ def bench_gpt(args, record: Callable[[dict], None]) -> list[dict]:
             return lambda g: all_reduce_tree(g, "data", method=method, bucket_mb=args.bucket_mb)
         return lambda g: gather_leaves(reduce_scatter_leaves(g, specs, "data", method=method), specs)
 
+    psum_step = None
     for name, method, body, specs, state in runs:
         step_fn = smap(body, (specs, P("data")), (specs, P()))
         step = time_burst(step_fn, (state, sharded), **timing)
+        psum_step = step if name == "psum" else psum_step
         comm = time_burst(smap(comm_fn(method, specs), P(), P()), (narrow(replicated),), **timing)
         hidden = 1.0 - (step - compute_only) / comm if comm > 0 else None
         row = {"kind": "gpt_step", "config": args.gpt_config, "overrides": overrides,
                "grad_dtype": str(jnp.dtype(grad_dtype or cfg.param_dtype)),
                "devices": n, "per_device_batch": batch, "seq_len": seq, "method": name,
-               "step_s": step, "compute_only_s": compute_only, "comm_only_s": comm, "hidden_comm_fraction": hidden,
+               "step_s": step, "step_vs_psum": psum_step / step, "compute_only_s": compute_only,
+               "comm_only_s": comm, "hidden_comm_fraction": hidden,
                "one_device_step_s": one, "throughput_vs_one_device": n * one / step}
         if args.gpt_trace:
             # From the profile: how much reduction time ran alongside compute, how much was
@@ -243,11 +249,13 @@ def print_gpt(rows: list[dict]) -> None:
     r0 = rows[0]
     print(f"\ndata-parallel GPT step ({r0['config']} {r0['overrides']}, {r0['devices']} devices, "
           f"batch {r0['per_device_batch']}x{r0['seq_len']} per device, {r0['grad_dtype']} gradients)")
-    print(f"{'method':<13} {'step_ms':>8} {'compute_ms':>10} {'comm_ms':>8} {'hidden':>7} {'x 1 dev':>8}")
+    print(f"{'method':<13} {'step_ms':>8} {'x psum':>7} {'compute_ms':>10} {'comm_ms':>8} {'hidden':>7} "
+          f"{'x 1 dev':>8}")
     for r in rows:
         hidden = f"{r['hidden_comm_fraction']:.2f}" if r["hidden_comm_fraction"] is not None else "-"
-        print(f"{r['method']:<13} {r['step_s'] * 1e3:>8.2f} {r['compute_only_s'] * 1e3:>10.2f} "
-              f"{r['comm_only_s'] * 1e3:>8.2f} {hidden:>7} {r['throughput_vs_one_device']:>8.2f}")
+        print(f"{r['method']:<13} {r['step_s'] * 1e3:>8.2f} {r['step_vs_psum']:>7.3f} "
+              f"{r['compute_only_s'] * 1e3:>10.2f} {r['comm_only_s'] * 1e3:>8.2f} {hidden:>7} "
+              f"{r['throughput_vs_one_device']:>8.2f}")
     traced = [r for r in rows if r.get("trace")]
     if traced:
         print("\nfrom the profile (ms per step, mean over devices; slowdown = compute time next to the "

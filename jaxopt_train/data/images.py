@@ -7,7 +7,7 @@ import pathlib
 
 import numpy as np
 
-from jaxopt_train.data.sampling import batch_indices, check_positive_int
+from jaxopt_train.data.sampling import batch_indices, check_positive_int, check_seed
 from jaxopt_train.data.tokens import SPLITS
 
 
@@ -79,11 +79,25 @@ def _check_range(labels: np.ndarray, low: int, high: int, source: str, rule: str
                          f"(values {shown}; first at index {first}); {rule}")
 
 
+# Channel counts of real images (grey, grey+alpha, RGB, RGBA).
+_CHANNELS = (1, 2, 3, 4)
+
+
 def check_image_arrays(images: np.ndarray, labels: np.ndarray) -> None:
     """Raises ValueError unless images is (N, H, W, C) uint8/float and labels (N,) int."""
     if images.ndim != 4 or not (images.dtype == np.uint8 or np.issubdtype(images.dtype, np.floating)):
         raise ValueError(
             f"images must be (N, H, W, C) uint8 or float, got shape={images.shape} dtype={images.dtype}"
+        )
+    if 0 in images.shape[1:]:
+        raise ValueError(f"images must have H, W and C of at least 1, got shape={images.shape}")
+    _, height, _, channels = images.shape
+    if height in _CHANNELS and channels not in _CHANNELS:
+        # PyTorch's layout: read as NHWC it would be images `height` pixels tall with
+        # `channels` channels, and train on scrambled pixels or fail deep in the model.
+        raise ValueError(
+            f"images of shape={images.shape} look channels-first (N, C, H, W); they must be "
+            "(N, H, W, C): convert with images.transpose(0, 2, 3, 1)"
         )
     if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
         raise ValueError(f"labels must be (N,) integers, got shape={labels.shape} dtype={labels.dtype}")
@@ -111,6 +125,7 @@ class ImageDataset:
         seed: int = 0,
     ):
         check_image_arrays(images, labels)
+        check_seed(seed)
         if split not in SPLITS:
             raise ValueError(f"split={split!r}; legal values: {SPLITS}")
         if not 0.0 < val_fraction < 1.0:

@@ -19,6 +19,12 @@ def check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name}={value!r} must be a positive int")
 
 
+def check_seed(seed) -> None:
+    """Checked when a dataset is built: numpy refuses other seeds only at the first batch."""
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed={seed!r} must be a non-negative int")
+
+
 @functools.lru_cache(maxsize=4)
 def epoch_permutation(num_items: int, seed: int, epoch: int) -> np.ndarray:
     """The order of the items in ``epoch`` (cached: consecutive steps share it)."""

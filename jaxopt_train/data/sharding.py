@@ -15,6 +15,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxopt_train.data.sampling import check_positive_int
+
 
 def _check_axis(mesh: Mesh, axis: str) -> int:
     if not isinstance(mesh, Mesh):
@@ -51,8 +53,8 @@ def process_batch_slice(global_batch_size: int, mesh: Mesh | None = None, axis: 
     Returns:
       ``slice(start, stop)`` into the global batch (everything for one process).
     """
-    if not isinstance(global_batch_size, int) or global_batch_size < 1:
-        raise ValueError(f"global_batch_size={global_batch_size!r} must be a positive int")
+    check_positive_int("global_batch_size", global_batch_size)  # numpy ints too, as the datasets take
+    global_batch_size = int(global_batch_size)
     if mesh is None:
         count, index = jax.process_count(), jax.process_index()
         if global_batch_size % count:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxopt_train.data.sampling import check_positive_int
+from jaxopt_train.data.sampling import check_positive_int, check_seed
 
 
 def synthetic_lm_batch(
@@ -17,6 +17,7 @@ def synthetic_lm_batch(
     """Uniform random tokens as ``{"inputs", "targets"}`` int32 [B, T], targets shifted by one."""
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("vocab_size", vocab_size)):
         check_positive_int(name, value)
+    check_seed(seed)
     window = np.random.default_rng(seed).integers(0, vocab_size, (batch_size, seq_len + 1), dtype=np.int32)
     return {"inputs": window[:, :-1], "targets": window[:, 1:]}
 
@@ -35,6 +36,7 @@ def synthetic_image_batch(
         ("channels", channels), ("num_classes", num_classes),
     ):
         check_positive_int(name, value)
+    check_seed(seed)
     rng = np.random.default_rng(seed)
     images = rng.random((batch_size, image_size, image_size, channels), dtype=np.float32)
     labels = rng.integers(0, num_classes, (batch_size,), dtype=np.int32)

@@ -36,14 +36,23 @@ def stdlib_source_files(root: str | os.PathLike | None = None) -> list[pathlib.P
     return sorted(files)
 
 
+def _is_binary(file: pathlib.Path) -> bool:
+    """A NUL byte in the first 8 KiB (git's test): bytecode, images, archives, not text."""
+    with open(file, "rb") as f:
+        return b"\0" in f.read(8192)
+
+
 def _text_files(path: pathlib.Path) -> list[pathlib.Path]:
+    """The file itself, or a folder's text files, skipping hidden ones and ``__pycache__``."""
     if not path.exists():
         raise FileNotFoundError(f"text corpus path={str(path)!r} does not exist")
     if path.is_file():
         return [path]
     return sorted(
         p for p in path.rglob("*")
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        if p.is_file() and not any(part.startswith(".") or part == "__pycache__"
+                                   for part in p.relative_to(path).parts)
+        and not _is_binary(p)
     )
 
 
@@ -79,8 +88,10 @@ def load_text_corpus(
     """Loads a byte-level corpus as a read-only uint8 array (cached per process).
 
     Args:
-      path: A text file, or a folder whose non-hidden files are read in sorted
-        order and concatenated. None: the stdlib sources (see module doc).
+      path: A text file, or a folder whose non-hidden text files are read in
+        sorted order and concatenated (``__pycache__`` folders and binary files,
+        those with a NUL byte in their first 8 KiB, are skipped). None: the
+        stdlib sources (see module doc).
       max_bytes: Keep only the first ``max_bytes`` bytes.
 
     Raises:

@@ -7,7 +7,7 @@ import pathlib
 
 import numpy as np
 
-from jaxopt_train.data.sampling import batch_indices, check_positive_int
+from jaxopt_train.data.sampling import batch_indices, check_positive_int, check_seed
 
 TOKEN_FILE_DTYPES = ("uint16", "uint32")
 SPLITS = ("train", "val")
@@ -27,6 +27,11 @@ def load_token_file(path: str | os.PathLike, dtype: str | np.dtype = "uint16") -
     name = np.dtype(dtype).name if _is_dtype_like(dtype) else repr(dtype)
     if name not in TOKEN_FILE_DTYPES:
         raise ValueError(f"dtype={dtype!r} for a token file; legal values: {TOKEN_FILE_DTYPES}")
+    if np.dtype(dtype).byteorder == ">":
+        # The file is read little-endian (nanoGPT's layout): a big-endian request would
+        # otherwise be dropped and its ids silently read as other ids.
+        raise ValueError(f"dtype={dtype!r} is big-endian; token files are little-endian: "
+                         f"pass {name!r}, or convert the file")
     path = pathlib.Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"token file path={str(path)!r} does not exist")
@@ -96,6 +101,7 @@ class TokenDataset:
                 f"tokens must be a 1-D integer array, got shape={tokens.shape} dtype={tokens.dtype}"
             )
         check_positive_int("seq_len", seq_len)
+        check_seed(seed)
         if split not in SPLITS:
             raise ValueError(f"split={split!r}; legal values: {SPLITS}")
         if not 0.0 < val_fraction < 1.0:

@@ -1,0 +1,72 @@
+"""Inputs `jaxopt_train.data` used to take silently (or refuse only deep inside): now refused up front."""
+
+import compileall
+
+import numpy as np
+import pytest
+
+from jaxopt_train.data import (ImageDataset, TokenDataset, load_image_npz, load_text_corpus, load_token_file,
+                               process_batch_slice, synthetic_image_batch, synthetic_lm_batch)
+
+
+def test_big_endian_token_dtype_is_refused_not_read_as_little_endian(tmp_path):
+    path = tmp_path / "be.bin"
+    np.arange(10, dtype=">u2").tofile(path)
+    with pytest.raises(ValueError, match="is big-endian; token files are little-endian: pass 'uint16'"):
+        load_token_file(path, ">u2")
+    np.testing.assert_array_equal(load_token_file(path, "<u2"), np.arange(10).astype(">u2").view("<u2"))
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, None, True])
+def test_bad_seeds_are_refused_when_the_dataset_is_built(seed):
+    """numpy refused them only at the first batch, with no word of which argument."""
+    match = f"seed={seed!r} must be a non-negative int"
+    with pytest.raises(ValueError, match=match):
+        TokenDataset(np.arange(1000) % 256, 8, seed=seed)
+    with pytest.raises(ValueError, match=match):
+        ImageDataset(np.zeros((10, 4, 4, 3), np.uint8), np.zeros(10, np.int32), seed=seed)
+    with pytest.raises(ValueError, match=match):
+        synthetic_lm_batch(2, 4, 10, seed=seed)
+    with pytest.raises(ValueError, match=match):
+        synthetic_image_batch(2, seed=seed)
+
+
+def test_numpy_int_seeds_reproduce_python_int_seeds():
+    tokens = np.arange(1000) % 256
+    want = TokenDataset(tokens, 8, seed=3).batch(5, 4)["inputs"]
+    np.testing.assert_array_equal(TokenDataset(tokens, 8, seed=np.int64(3)).batch(5, 4)["inputs"], want)
+
+
+def test_channels_first_images_are_refused_with_the_fix(tmp_path):
+    path = tmp_path / "nchw.npz"
+    np.savez(path, images=np.zeros((10, 3, 32, 32), np.uint8), labels=np.zeros(10, np.int64))
+    with pytest.raises(ValueError, match=r"look channels-first \(N, C, H, W\).*transpose\(0, 2, 3, 1\)"):
+        load_image_npz(path)
+    with pytest.raises(ValueError, match="look channels-first"):
+        ImageDataset(np.zeros((10, 1, 28, 28), np.float32), np.zeros(10, np.int32))
+    # real NHWC shapes still load, including grey and RGBA
+    for shape in [(10, 28, 28, 1), (10, 32, 32, 3), (10, 4, 4, 4), (10, 64, 48, 3)]:
+        ImageDataset(np.zeros(shape, np.uint8), np.zeros(10, np.int32))
+
+
+def test_images_with_an_empty_dimension_are_refused():
+    with pytest.raises(ValueError, match="H, W and C of at least 1"):
+        ImageDataset(np.zeros((10, 0, 32, 3), np.uint8), np.zeros(10, np.int32))
+
+
+def test_process_batch_slice_takes_numpy_ints_like_the_datasets():
+    assert process_batch_slice(np.int64(8)) == slice(0, 8)
+    with pytest.raises(ValueError, match="global_batch_size=True must be a positive int"):
+        process_batch_slice(True)
+
+
+def test_text_folder_skips_bytecode_and_binary_files(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("print('hi')\n")
+    (tmp_path / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    assert compileall.compile_dir(str(tmp_path / "pkg"), quiet=1)
+    assert list((tmp_path / "pkg").rglob("*.pyc"))
+    corpus = load_text_corpus(tmp_path)
+    assert bytes(corpus) == b"print('hi')\n"
+    # a file named explicitly is read as given
+    assert load_text_corpus(tmp_path / "logo.png").size == 16
