@@ -429,3 +429,30 @@ def test_saved_preactivation_gradients_on_gpu(shape, backend):
     launches = {save: jax.jit(jax.value_and_grad(ours(save), argnums=(0, 1, 2))).lower(a, b, bias)
                 .as_text().count("call @_launch") for save in (False, True)}
     assert launches == {False: 4, True: 3}, launches  # forward, (recomputed Z), dA, dB
+
+
+@pytest.mark.parametrize("fields, transposed", [
+    ({"block_m": 64, "block_n": 16, "block_k": 16}, None),
+    ({"block_m": 64, "block_n": 32, "block_k": 32, "wg_split": "n"}, None),
+    ({"block_m": 64, "block_n": 8, "block_k": 16}, "b"),
+    ({"block_m": 64, "block_n": 64, "block_k": 64}, "a"),
+], ids=["16x16", "32x32_split_n", "n8_transposed_b", "transposed_a"])
+def test_mosaic_edge_tilings_that_pass_the_checks_compute_the_product(fields, transposed):
+    """The narrowest tilings `mosaic_gpu_tiling.check_tiling` accepts run and are exact
+    (f32 output, against jnp.dot at HIGHEST on the same bf16 inputs)."""
+    from jaxopt_train.kernels.mosaic_gpu import mosaic_matmul
+
+    _backend_or_skip("mosaic_gpu")
+    m, k, n = 200, 96, 72
+    ka, kb = jax.random.split(jax.random.key(7))
+    a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
+    b = jax.random.normal(kb, (k, n), jnp.float32).astype(jnp.bfloat16)
+    stored_a = a.T if transposed == "a" else a
+    stored_b = b.T if transposed == "b" else b
+    config = MatmulConfig(num_stages=2, **fields)
+    out = jax.jit(lambda x, y: mosaic_matmul(
+        x, y, None, activation=None, out_dtype=jnp.float32, config=config,
+        transpose_a=transposed == "a", transpose_b=transposed == "b"))(stored_a, stored_b)
+    want = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+    _close(out, want, 1e-4)

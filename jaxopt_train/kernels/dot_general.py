@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxopt_train.kernels.configs import BACKENDS, MatmulConfig, as_config
-from jaxopt_train.kernels.matmul import matmul, resolve_backend, writes_preactivation
+from jaxopt_train.kernels.matmul import (explicit_sharding, matmul, resolve_backend,
+                                         writes_preactivation)
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,16 @@ def _kernel_eligible(lhs, rhs, dimension_numbers, precision, preferred_element_t
             and not tuple(lhs_batch) and not tuple(rhs_batch)
             and jnp.dtype(lhs.dtype) in _KERNEL_DTYPES and lhs.dtype == rhs.dtype
             and precision in _DEFAULT_PRECISIONS and out_sharding is None
+            and explicit_sharding(lhs) is None and explicit_sharding(rhs) is None
             and (preferred_element_type is None
                  or jnp.dtype(preferred_element_type) in (*_KERNEL_DTYPES, jnp.dtype(jnp.float32))))
+
+
+def _dense_eligible(x, kernel, bias) -> bool:
+    """Whether `fused_dense`'s operands are in the kernels' domain."""
+    return (getattr(kernel, "ndim", 0) == 2 and x.ndim >= 2 and x.size > 0 and kernel.size > 0
+            and jnp.dtype(x.dtype) in _KERNEL_DTYPES and x.dtype == kernel.dtype
+            and all(explicit_sharding(v) is None for v in (x, kernel, bias) if v is not None))
 
 
 def make_dot_general(backend: str = "auto", config: MatmulConfig | dict | None = None) -> Callable:
@@ -85,9 +94,9 @@ def make_dot_general(backend: str = "auto", config: MatmulConfig | dict | None =
     def fused_dense(x, kernel, bias, activation):
         """`activation(x @ kernel + bias)` from one kernel launch that saves the
         pre-activation for the backward; None where the kernels do not apply (XLA
-        resolved, a dtype other than bf16/fp16, a kernel that is not 2-D, an empty operand)."""
-        if (resolved() == "xla" or getattr(kernel, "ndim", 0) != 2 or x.ndim < 2
-                or x.size == 0 or kernel.size == 0 or jnp.dtype(x.dtype) not in _KERNEL_DTYPES or x.dtype != kernel.dtype):
+        resolved, a dtype other than bf16/fp16, a kernel that is not 2-D, an empty operand,
+        an operand typed with explicit sharding)."""
+        if resolved() == "xla" or not _dense_eligible(x, kernel, bias):
             return None
         return matmul(x, kernel, bias=bias, activation=activation, backend=resolved(),
                       config=config, save_preactivation=True)

@@ -76,6 +76,24 @@ def _check_inputs(a, b, bias, activation, out_dtype, transpose_b=False):
     return compute, out_dtype
 
 
+def explicit_sharding(x) -> jax.sharding.PartitionSpec | None:
+    """`x`'s PartitionSpec when its type carries explicit sharding (a mesh with Explicit
+    axes, `jax.make_mesh`'s default), else None. `pallas_call` refuses such operands."""
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    return spec if spec is not None and any(p is not None for p in spec) else None
+
+
+def _check_unsharded(backend: str, **operands) -> None:
+    sharded = {name: spec for name, x in operands.items()
+               if x is not None and (spec := explicit_sharding(x)) is not None}
+    if sharded:
+        given = ", ".join(f"{name}: {spec}" for name, spec in sharded.items())
+        raise ValueError(f"matmul backend {backend!r} runs a Pallas kernel, which takes operands "
+                         f"without explicit sharding; got {given}: call matmul inside "
+                         f"jax.shard_map (on per-device shards), use a mesh with AxisType.Auto "
+                         f"axes, or backend='xla'")
+
+
 # ----------------------------------------------------------------------------- backends
 def _mosaic_gpu_available() -> tuple[bool, str]:
     devices = jax.devices()
@@ -176,10 +194,12 @@ def _round_up(x: int, multiple: int) -> int:
 
 
 def _blocked(a, b, bias, activation, out_dtype, config, interpret):
-    from jaxopt_train.kernels.pallas_blocked import blocked_matmul
+    from jaxopt_train.kernels.pallas_blocked import blocked_matmul, check_tpu_tiles
 
     (m, k), n = a.shape, b.shape[1]
-    if interpret is not False:
+    if interpret is False:
+        check_tpu_tiles(config, m, n, k)
+    else:
         # Interpreted grids cost per step: never tile past the (pow2-rounded) problem.
         config = MatmulConfig(**{**config.to_dict(),
                                  "block_m": min(config.block_m, _pow2_at_least(m, 8)),
@@ -427,6 +447,8 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
                          "without one the pre-activation is the output itself")
     config = as_config(config)
     backend = resolve_backend(backend)
+    if backend != "xla":
+        _check_unsharded(backend, a=a, b=b, bias=bias)
     batch_shape, k, n = a.shape[:-1], a.shape[-1], b.shape[0 if transpose_b else 1]
     a2 = a.reshape(int(np.prod(batch_shape)), k).astype(compute)
     out = _matmul_2d(a2, b.astype(compute), bias, activation, out_dtype, backend, config,

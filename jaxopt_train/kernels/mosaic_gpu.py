@@ -42,6 +42,7 @@ from jax import lax
 
 from jaxopt_train.kernels.configs import MatmulConfig
 from jaxopt_train.kernels.epilogue import apply_epilogue
+from jaxopt_train.kernels.mosaic_gpu_tiling import check_tiling
 
 _NUM_CONSUMERS = 2  # compute warpgroups per CTA, stacked along M (or N: wg_split)
 _PRODUCER_REGISTERS = 40  # the TMA-issuing warpgroup needs few registers
@@ -423,12 +424,8 @@ def mosaic_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
 
     m, k = a.shape[::-1] if transpose_a else a.shape
     n = b.shape[0] if transpose_b else b.shape[1]
-    bm, bn, bk = config.block_m, config.block_n, config.block_k
-    if bm % 64 or bn % 8 or bn > 256 or bk * jnp.dtype(a.dtype).itemsize % 32:
-        raise ValueError(f"mosaic_gpu needs block_m % 64 == 0, block_n % 8 == 0 and <= 256, "
-                         f"block_k * itemsize % 32 == 0; got {config}")
-    if (transpose_a or transpose_b) and config.warpgroup_lowering:
-        raise ValueError(f"transposed operands need warpgroup_lowering=False; got {config}")
+    bk = config.block_k
+    check_tiling(config, a.dtype, out_dtype, transpose_a=transpose_a, transpose_b=transpose_b)
     unit_m, unit_n = cluster_tile(config)
     mp, np_, kp = _round_up(m, unit_m), _round_up(n, unit_n), _round_up(k, bk)
     # Each operand as stored: (size, tile) of its major dim, then of its minor dim.

@@ -41,6 +41,22 @@ def _blocked_kernel(a_ref, b_ref, bias_ref, out_ref, acc_ref, *, activation, upc
         out_ref[...] = apply_epilogue(acc_ref[...], bias, activation).astype(out_ref.dtype)
 
 
+def check_tpu_tiles(config: MatmulConfig, m: int, n: int, k: int) -> None:
+    """Raises ValueError for tiles Mosaic TPU cannot lower on an (m, n, k) product.
+
+    A block's two minor dims must be multiples of (8, 128) or span the whole (padded)
+    array: block_n is the minor dim of the B, bias and output blocks and block_k that of
+    the A block, so each must be a multiple of 128 unless the product fits in one tile
+    along it (the caller pads to whole tiles, so such a block is the whole array dim).
+    """
+    for name, block, size in (("block_n", config.block_n, n), ("block_k", config.block_k, k)):
+        if block % 128 and size > block:
+            dim = name[-1].upper()
+            raise ValueError(f"pallas_tpu needs MatmulConfig.{name} to be a multiple of 128 "
+                             f"(Mosaic TPU's lane tiling) or >= {dim}; got {name}={block} for "
+                             f"{dim}={size}: use {name}=128 or more")
+
+
 def blocked_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *, activation: str | None,
                    out_dtype, config: MatmulConfig, interpret) -> jax.Array:
     """C = act(A @ B + bias) for tile-aligned 2-D A (M, K), B (K, N), bias (N,).

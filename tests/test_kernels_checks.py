@@ -1,0 +1,131 @@
+"""Checks made before lowering: Mosaic GPU and Mosaic TPU tilings, explicitly sharded operands.
+
+Each rule was read off lowering the kernels for cuda / tpu on CPU; the tests show the
+refused tilings fail at trace time with a message naming the field, and the accepted
+edge tilings lower.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxopt_train.kernels import MatmulConfig, configs, make_dot_general, matmul
+
+matmul_mod = importlib.import_module("jaxopt_train.kernels.matmul")
+S = jax.ShapeDtypeStruct
+
+
+def _trace_mosaic(config, transposed=None, out_dtype=jnp.bfloat16, m=512, n=512, k=512):
+    from jaxopt_train.kernels.mosaic_gpu import mosaic_matmul
+
+    a = S((k, m) if transposed == "a" else (m, k), jnp.bfloat16)
+    b = S((n, k) if transposed == "b" else (k, n), jnp.bfloat16)
+    fn = jax.jit(lambda a, b: mosaic_matmul(a, b, None, activation=None, out_dtype=out_dtype,
+                                            config=config, transpose_a=transposed == "a",
+                                            transpose_b=transposed == "b"))
+    return fn.trace(a, b)
+
+
+@pytest.mark.parametrize("fields, transposed, out_dtype, match", [
+    ({"block_m": 32}, None, jnp.bfloat16, r"block_m to be a multiple of 64 .*block_m=32"),
+    ({"block_k": 8}, None, jnp.bfloat16, r"multiple of 32 bytes .*block_k=8 x 2 B = 16 B"),
+    ({"block_n": 8}, None, jnp.bfloat16, r"block_n must span 128 bytes; got .*block_n=8"),
+    ({"block_n": 32, "block_k": 64}, None, jnp.float32, r"block_n must span 128 bytes"),
+    ({"block_n": 16, "block_k": 32}, None, jnp.bfloat16, r"block_n must span 64 bytes"),
+    ({"block_k": 32}, "a", jnp.bfloat16, r"transposed A .*block_k=32 x 2 B = 64 B"),
+    ({"epilogue_tile": 32}, None, jnp.bfloat16, r"epilogue_tile must be >= 64; got .*=32"),
+    ({"block_n": 8}, "b", jnp.bfloat16, r"rows of >= 32 bytes; .*block_n=8"),
+    ({"warpgroup_lowering": True}, "b", jnp.bfloat16, r"warpgroup_lowering=False only"),
+])
+def test_mosaic_gpu_refuses_a_tiling_it_cannot_lower_before_lowering(fields, transposed,
+                                                                     out_dtype, match):
+    """These passed the old checks and failed inside the Pallas lowering with a bare
+    AssertionError, "Swizzle 16 is not supported" or a slice-tiling error."""
+    config = MatmulConfig(**{"num_stages": 2, **fields})
+    with pytest.raises(ValueError, match=match):
+        _trace_mosaic(config, transposed, out_dtype)
+
+
+@pytest.mark.parametrize("fields, transposed, out_dtype", [
+    ({"block_m": 64, "block_n": 16, "block_k": 16}, None, jnp.bfloat16),
+    ({"block_m": 64, "block_n": 32, "block_k": 32, "wg_split": "n"}, None, jnp.bfloat16),
+    ({"block_m": 64, "block_n": 8, "block_k": 16}, "b", jnp.float32),
+    ({"block_m": 64, "block_n": 64, "block_k": 64}, "a", jnp.bfloat16),
+])
+def test_mosaic_gpu_edge_tilings_the_checks_accept_lower_for_cuda(fields, transposed, out_dtype):
+    config = MatmulConfig(num_stages=2, **fields)
+    text = _trace_mosaic(config, transposed, out_dtype).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in text.as_text()
+
+
+def _trace_tpu(monkeypatch, n, config):
+    monkeypatch.setattr(matmul_mod, "resolve_backend", lambda backend: backend)
+    monkeypatch.setattr(matmul_mod, "resolve_config",  # the shipped TPU tile, no autotune cache
+                        lambda backend, m, n, k, dtype, transposed=None: configs.default_config(
+                            backend, "TPU v5 lite", m, n, k))
+    fn = jax.jit(lambda a, b: matmul(a, b, backend="pallas_tpu", config=config))
+    return fn.trace(S((300, 520), jnp.bfloat16), S((520, n), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("config, n, match", [
+    ({"block_n": 64, "block_k": 128}, 200, r"block_n to be a multiple of 128 .*block_n=64 for N=200"),
+    ({"block_n": 128}, 200, r"block_k to be a multiple of 128 .*block_k=64 for K=520"),
+])
+def test_pallas_tpu_refuses_tiles_off_the_lane_tiling_before_lowering(monkeypatch, config, n,
+                                                                     match):
+    """A partial config keeps MatmulConfig's block_k=64, which Mosaic TPU refused at lowering
+    with a message about the padded internal arrays."""
+    with pytest.raises(ValueError, match=match):
+        _trace_tpu(monkeypatch, n, config)
+
+
+@pytest.mark.parametrize("config, n", [(None, 200), ({"block_n": 64, "block_k": 128}, 64)])
+def test_pallas_tpu_tiles_the_checks_accept_lower_for_tpu(monkeypatch, config, n):
+    text = _trace_tpu(monkeypatch, n, config).lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" in text
+
+
+def _explicit_mesh_operands():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (8, 5, 24), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(keys[1], (24, 40), jnp.float32).astype(jnp.bfloat16)
+    bias = jax.random.normal(keys[2], (40,), jnp.float32)
+    x = jax.device_put(x, NamedSharding(mesh, P("data")))
+    w = jax.device_put(w, NamedSharding(mesh, P()))
+    return mesh, x, w, bias
+
+
+def test_kernel_dot_general_leaves_explicitly_sharded_operands_to_xla():
+    """`pallas_call` refuses operands typed with explicit sharding (jax.make_mesh's default
+    axes); the drop-in used to raise there where `lax.dot_general` works."""
+    mesh, x, w, bias = _explicit_mesh_operands()
+    dot = make_dot_general("interpret")
+    dims = (((2,), (0,)), ((), ()))
+    with jax.set_mesh(mesh):
+        out = jax.jit(lambda x, w: dot(x, w, dims, preferred_element_type=jnp.float32))(x, w)
+        fused = dot.fused_dense(x, w, bias, "gelu")
+    want = jnp.dot(np.asarray(x, np.float32), np.asarray(w, np.float32),
+                   precision=lax.Precision.HIGHEST)
+    assert out.shape == (8, 5, 40) and out.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert fused is None
+
+
+def test_matmul_kernel_backends_refuse_explicitly_sharded_operands_clearly():
+    mesh, x, w, _ = _explicit_mesh_operands()
+    with jax.set_mesh(mesh):
+        with pytest.raises(ValueError, match=r"without explicit sharding; got a: P\('data'"):
+            jax.jit(lambda x, w: matmul(x, w, backend="interpret"))(x, w)
+        out = jax.jit(lambda x, w: matmul(x, w, backend="xla", out_dtype=jnp.float32))(x, w)
+    want = jnp.dot(np.asarray(x, np.float32), np.asarray(w, np.float32),
+                   precision=lax.Precision.HIGHEST)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
