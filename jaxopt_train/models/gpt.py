@@ -27,13 +27,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxopt_train.models.losses import check_ids_in_range
 from jaxopt_train.models.losses import gpt_loss as gpt_loss
@@ -53,6 +56,33 @@ _DTYPE_ALIASES = {
     "float16": jnp.float16,
 }
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+CUDNN_MAX_HEAD_DIM = 256
+# Every dense layer's output carries this name, so remat="dots" can save it even
+# when a custom dot_general (a Pallas or Triton kernel, not a `dot_general`
+# primitive) computes it: `dots_with_no_batch_dims_saveable` alone saved nothing
+# there, and "dots" silently became "full".
+DENSE_OUTPUT_NAME = "gpt_dense_output"
+
+
+def _positive_int(name: str, value: Any) -> int:
+    """`value` as a Python int >= 1; numpy integers count (e.g. a vocab from data), bools not."""
+    try:
+        number = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        number = None
+    if number is None or number < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+    return number
+
+
+def _positive_float(name: str, value: Any) -> float:
+    """`value` as a finite Python float > 0; numpy floats count, bools and strings not."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
+                                                                      np.floating)):
+        raise ValueError(f"{name}={value!r} must be a finite number > 0")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a finite number > 0")
+    return float(value)
 
 
 def canonical_dtype(value: Any, name: str) -> jnp.dtype:
@@ -84,9 +114,13 @@ class GPTConfig:
       dtype: Compute dtype of every layer (LayerNorm excepted, see module doc).
       param_dtype: Storage dtype of the parameters.
       attention: "auto" (JAX picks), "xla", or "cudnn" (GPU flash attention;
-        needs a GPU, bf16/f16 compute and head_dim % 8 == 0, <= 128).
-      remat: Per-block rematerialisation: "none", "dots" (save matmul outputs
-        without batch dims, recompute the rest) or "full" (save nothing).
+        needs a GPU, bf16/f16 compute and head_dim % 8 == 0, head_dim <= 256;
+        past 128 only on Hopper (sm90) or newer, as JAX checks when tracing).
+        An odd sequence length is padded by one position for cuDNN, whose
+        backward refuses odd lengths; causal masking makes the pad exact.
+      remat: Per-block rematerialisation: "none", "dots" (save the output of
+        every dense layer, whatever `dot_general` computes it, and other matmul
+        outputs without batch dims; recompute the rest) or "full" (save nothing).
       scan_layers: Stack the blocks and run them with `nnx.scan`.
       split_qkv: Compute q, k and v as three products from column blocks of the
         one fused qkv weight instead of one product sliced three ways. Same
@@ -142,9 +176,7 @@ class GPTConfig:
             self, "param_dtype", canonical_dtype(self.param_dtype, "param_dtype")
         )
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive int")
+            object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}"
@@ -166,10 +198,7 @@ class GPTConfig:
         if self.dot_general is not None and not callable(self.dot_general):
             raise ValueError(f"dot_general={self.dot_general!r} must be callable or None")
         for name in ("layer_norm_epsilon", "init_std"):  # NaN logits otherwise, with no message
-            value = getattr(self, name)
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not math.isfinite(value) or value <= 0):
-                raise ValueError(f"{name}={value!r} must be a finite number > 0")
+            object.__setattr__(self, name, _positive_float(name, getattr(self, name)))
         if self.attention == "cudnn":
             self._check_cudnn()
 
@@ -180,10 +209,13 @@ class GPTConfig:
                 "attention='cudnn' needs dtype bfloat16 or float16, got dtype=float32; "
                 "use attention='xla' or 'auto' for float32"
             )
-        if self.head_dim % 8 or self.head_dim > 128:
+        # 256 is cuDNN's limit on Hopper and newer; older GPUs stop at 128, which JAX
+        # itself reports when tracing (it needs the device, this config does not).
+        if self.head_dim % 8 or self.head_dim > CUDNN_MAX_HEAD_DIM:
             raise ValueError(
-                f"attention='cudnn' needs head_dim % 8 == 0 and head_dim <= 128, "
-                f"got head_dim={self.head_dim} (d_model={self.d_model}, n_heads={self.n_heads})"
+                f"attention='cudnn' needs head_dim % 8 == 0 and head_dim <= "
+                f"{CUDNN_MAX_HEAD_DIM} (<= 128 before Hopper), got head_dim={self.head_dim} "
+                f"(d_model={self.d_model}, n_heads={self.n_heads}); use attention='xla'"
             )
 
     @property
@@ -229,7 +261,11 @@ def get_gpt_config(name: str, **overrides: Any) -> GPTConfig:
 
 def _remat_policy(name: str):
     if name == "dots":
-        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        policies = jax.checkpoint_policies
+        return policies.save_from_both_policies(
+            policies.dots_with_no_batch_dims_saveable,
+            policies.save_only_these_names(DENSE_OUTPUT_NAME),
+        )
     return None  # "full": nothing saveable, everything recomputed in the backward pass.
 
 
@@ -259,6 +295,9 @@ class _Dense(nnx.Linear):
             rngs=rngs,
         )
 
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        return checkpoint_name(super().__call__(inputs), DENSE_OUTPUT_NAME)
+
     def column_blocks(self, inputs: jax.Array, parts: int) -> list[jax.Array]:
         """``self(inputs)`` split into ``parts`` equal column blocks, each from its own product.
 
@@ -277,7 +316,8 @@ class _Dense(nnx.Linear):
         for i in range(parts):
             cols = slice(i * width, (i + 1) * width)
             y = self.dot_general(inputs, kernel[:, cols], dims, precision=self.precision)
-            blocks.append(y if bias is None else y + bias[cols])
+            y = y if bias is None else y + bias[cols]
+            blocks.append(checkpoint_name(y, DENSE_OUTPUT_NAME))
         return blocks
 
 
@@ -310,16 +350,28 @@ class CausalSelfAttention(nnx.Module):
             qkv = self.qkv(x).reshape(batch, length, 3, cfg.n_heads, cfg.head_dim)
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         implementation = _attention_implementation(cfg.attention)
-        # jax's XLA attention promotes bf16 against a float32 constant, which
-        # strict dtype promotion (our tests, careful users) rejects. Its backward, a
-        # dot of an f32 cotangent with bf16, is checked when the step is lowered, which
-        # no block here can cover: compile a bf16 model with XLA attention under
-        # "standard" too (tests/test_train.py).
-        with jax.numpy_dtype_promotion("standard"):
-            y = jax.nn.dot_product_attention(
-                q, k, v, is_causal=True, implementation=implementation
-            )
-        return self.out(y.reshape(batch, length, cfg.d_model))
+        # cuDNN's backward refuses an odd length ("Unsupported sequence length Q 17,
+        # KV 17" on an H200). One zero position appended at the end changes nothing
+        # before it under the causal mask, and its output is dropped.
+        pad = length % 2 if implementation == "cudnn" else 0
+        y = causal_attention(*(_pad_time(a, pad) for a in (q, k, v)), implementation)
+        return self.out(y[:, :length].reshape(batch, length, cfg.d_model))
+
+
+def _pad_time(x: jax.Array, pad: int) -> jax.Array:
+    return x if not pad else jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                     implementation: str | None) -> jax.Array:
+    """Causal `jax.nn.dot_product_attention` of [batch, time, heads, head_dim] q, k, v."""
+    # jax's XLA attention promotes bf16 against a float32 constant, which
+    # strict dtype promotion (our tests, careful users) rejects. Its backward, a
+    # dot of an f32 cotangent with bf16, is checked when the step is lowered, which
+    # no block here can cover: compile a bf16 model with XLA attention under
+    # "standard" too (tests/test_train.py).
+    with jax.numpy_dtype_promotion("standard"):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
 
 class MLP(nnx.Module):
@@ -344,7 +396,7 @@ class MLP(nnx.Module):
             bias = None if self.fc.bias is None else self.fc.bias[...].astype(dtype)
             h = fused(x.astype(dtype), self.fc.kernel[...].astype(dtype), bias, "gelu")
             if h is not None:
-                return self.proj(h)
+                return self.proj(checkpoint_name(h, DENSE_OUTPUT_NAME))
         return self.proj(jax.nn.gelu(self.fc(x), approximate=True))
 
 
@@ -412,17 +464,6 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Maps int tokens [B, T] (T <= seq_len) to logits [B, T, vocab] in ``dtype``."""
-        cfg = self.config
-        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise ValueError(
-                f"tokens must be an integer array [batch, time], got shape={tokens.shape} "
-                f"dtype={tokens.dtype}"
-            )
-        if tokens.shape[1] > cfg.seq_len:
-            raise ValueError(
-                f"sequence length {tokens.shape[1]} exceeds config seq_len={cfg.seq_len}"
-            )
-        check_ids_in_range(tokens, cfg.vocab_size, "tokens")
         return self.logits_from_embeddings(self.embed(tokens))
 
     def embed(self, tokens: jax.Array) -> jax.Array:
@@ -431,11 +472,30 @@ class GPT(nnx.Module):
         `model(tokens) == model.logits_from_embeddings(model.embed(tokens))`; the split
         lets a data-parallel step differentiate w.r.t. these activations and exchange the
         lookup's gradient as rows (`collectives.embedding_grad_exchange`)."""
+        tokens = self._check_tokens(tokens)
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
         # A negative id would wrap round to a real row (jnp.take); moved out of range it
         # gives a NaN row instead, as ids >= vocab_size already do, so the loss shows it.
         tokens = jnp.where(tokens < 0, self.config.vocab_size, tokens)
         return self.wte(tokens) + self.wpe(positions)[None]
+
+    def _check_tokens(self, tokens) -> jax.Array:
+        cfg = self.config
+        if not hasattr(tokens, "ndim"):  # a nested list: say what it holds, not "no .ndim"
+            tokens = jnp.asarray(tokens)
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(
+                f"tokens must be an integer array [batch, time], got shape={tokens.shape} "
+                f"dtype={tokens.dtype}"
+            )
+        # Checked here, not only in __call__: past seq_len the position lookup gives
+        # NaN rows (jnp.take's fill mode), silently, to a caller of `embed`.
+        if tokens.shape[1] > cfg.seq_len:
+            raise ValueError(
+                f"sequence length {tokens.shape[1]} exceeds config seq_len={cfg.seq_len}"
+            )
+        check_ids_in_range(tokens, cfg.vocab_size, "tokens")
+        return tokens
 
     def logits_from_embeddings(self, x: jax.Array) -> jax.Array:
         """The blocks, final LayerNorm and head applied to embeddings [B, T, d_model]."""

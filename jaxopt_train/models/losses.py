@@ -62,6 +62,11 @@ def gpt_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
     Returns:
       A float32 scalar.
     """
+    logits, targets = jnp.asarray(logits), jnp.asarray(targets)  # lists: a message, not .shape
+    if not jnp.issubdtype(logits.dtype, jnp.floating) or logits.ndim < 1:
+        # Integer logits gave a finite loss that no gradient can follow (class scores are real).
+        raise ValueError(f"logits must be a floating array [..., vocab], got shape={logits.shape} "
+                         f"dtype={logits.dtype}")
     if logits.shape[:-1] != targets.shape:
         raise ValueError(
             f"targets shape {targets.shape} must equal logits shape without the vocab "
