@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxopt_train.bench import train, train_steps
+from jaxopt_train.bench import train, train_ablation, train_steps
 
 pytestmark = pytest.mark.usefixtures("jax_compile_cache")
 
@@ -79,10 +79,10 @@ def test_ablation_row_runs_with_the_flag():
     baseline = train_steps.RunConfig("baseline")
     optimised = train_steps.RunConfig("optimised", policy="bf16", accumulation="scan",
                                       grad_dtype="compute", compute_copy=True)
-    runs, skipped = train._ablation_runs(baseline, optimised, WORKLOAD, 1)
+    runs, skipped = train_ablation.ablation_runs(baseline, optimised, WORKLOAD, 1)
     row = next(r for r in runs if r.compute_copy)
     assert row.name.startswith("+bf16 weight copy") and row.grad_dtype == "compute"
-    runs, skipped = train._ablation_runs(baseline, train_steps.RunConfig("o", policy="bf16"),
+    runs, skipped = train_ablation.ablation_runs(baseline, train_steps.RunConfig("o", policy="bf16"),
                                          WORKLOAD, 1)
     assert not any(r.compute_copy for r in runs)
     assert any(s["name"].startswith("+bf16 weight copy") for s in skipped)

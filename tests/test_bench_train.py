@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxopt_train.bench import _timing, train, train_report, train_steps
+from jaxopt_train.bench import _timing, train, train_ablation, train_report, train_steps
 from jaxopt_train.models.flops import gpt_flops_per_token, resnet_flops_per_image
 
 
@@ -283,7 +283,7 @@ def test_ablations_switch_one_technique_each():
                                       grad_sync="ring", steps_per_dispatch=4, opt_state="bf16",
                                       grad_dtype="compute", zero=1, compute_copy=True,
                                       split_qkv=True)
-    runs, skipped = train._ablation_runs(baseline, optimised, workload, num_devices=2)
+    runs, skipped = train_ablation.ablation_runs(baseline, optimised, workload, num_devices=2)
     changed = {r.name: {k for k, v in r.describe().items() if k != "name" and v != getattr(baseline, k)}
                for r in runs}
     assert changed["+bf16"] == {"policy"}
@@ -299,7 +299,7 @@ def test_ablations_switch_one_technique_each():
     assert changed["+q, k, v from three products (+bf16+cudnn attention)"] == {
         "policy", "attention", "split_qkv"}
     assert [s["name"] for s in skipped] == ["+xla flags"]
-    _, skipped = train._ablation_runs(baseline, optimised, workload, num_devices=1)
+    _, skipped = train_ablation.ablation_runs(baseline, optimised, workload, num_devices=1)
     assert "+zero=1 (+scan accumulation)" in [s["name"] for s in skipped]
     with pytest.raises(ValueError, match="accumulation='scan'"):
         train_steps.RunConfig("bad", policy="bf16", grad_dtype="compute")

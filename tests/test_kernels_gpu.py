@@ -284,6 +284,33 @@ def test_triton_transposed_operands_read_as_stored(transposed, shape, align):
     _close(got, want, 1e-4)
 
 
+@pytest.mark.parametrize("transposed", [None, "a", "b"])
+def test_triton_offsets_past_int32(transposed):
+    """An operand or the output with >= 2^31 elements (the logits of 64 K tokens over a
+    50 K vocabulary, or such a table read as stored): int32 offsets would wrap and
+    read or write the wrong rows. Checks the rows and columns at the far ends."""
+    _backend_or_skip("triton")
+    from jaxopt_train.kernels.triton_kernel import triton_matmul
+
+    big, small, k = (1 << 31) // 1024 + 64, 64, 1024  # big * k and big * 1024 exceed 2^31
+    m, n = (small, big) if transposed == "b" else (big, small) if transposed == "a" else (big, 1024)
+    if transposed is None:
+        k = 64
+    ka, kb = jax.random.split(jax.random.key(3))
+    a = jax.random.normal(ka, (k, m) if transposed == "a" else (m, k), jnp.bfloat16)
+    b = jax.random.normal(kb, (n, k) if transposed == "b" else (k, n), jnp.bfloat16)
+    assert max(a.size, b.size, m * n) >= 1 << 31
+    config = MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=8)
+    got = jax.jit(lambda a, b: triton_matmul(a, b, None, activation=None, out_dtype=jnp.bfloat16,
+                                             config=config, transpose_a=transposed == "a",
+                                             transpose_b=transposed == "b"))(a, b)
+    a_mk = a.T if transposed == "a" else a
+    b_kn = b.T if transposed == "b" else b
+    for rows, cols in ((slice(-128, None), slice(-128, None)), (slice(0, 128), slice(0, 128))):
+        want = matmul_reference(a_mk[rows], b_kn[:, cols], out_dtype=jnp.float32)
+        _close(got[rows, cols], want, 2e-2)
+
+
 _SEVERAL_TILES = {
     "pingpong": dict(schedule="pingpong"),
     "pingpong_inflight": dict(schedule="pingpong", wgmma_in_flight=1),

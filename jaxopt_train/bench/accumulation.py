@@ -22,7 +22,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 VARIANTS = ("full", "scan", "multisteps")
 

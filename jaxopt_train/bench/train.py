@@ -10,7 +10,7 @@ Configs run one after the other on the same model and global batch:
   `--opt-state-dtype`), cuDNN attention on GPU,
   `lax.scan` accumulation with one all-reduce after it, donated state, the
   first remat policy ("none", "dots", "full") whose compiled step fits
-  `--memory-budget`, the fastest grad-sync method (under `--zero 0`; ZeRO-1
+  `--memory-budget` (then that policy on only as many blocks as the budget needs), the fastest grad-sync method (under `--zero 0`; ZeRO-1
   reduce-scatters the gradients per leaf), `--steps-per-dispatch` steps
   per compiled call, and the `--xla-preset` XLA flags; on more than one device
   its f32 master params and AdamW state are sharded per leaf over the devices
@@ -43,12 +43,13 @@ import time
 import warnings
 
 from jaxopt_train.bench import train_checks
+from jaxopt_train.bench.train_ablation import ablation_runs
+from jaxopt_train.bench.train_remat import REMAT_ORDER, choose_remat, memory_budget
 
 QUICK = dict(model="gpt-tiny", global_batch=8, microbatches=2, steps=4, warmup=1, warmup_s=0.0, bursts=2,
              seq_len=32, layers=1, image_size=16, steps_per_dispatch=2, trace_steps=3)
 DEFAULTS = dict(model="gpt-124m", global_batch=8, microbatches=1, steps=40, warmup=5, warmup_s=15.0, bursts=5,
                 seq_len=None, layers=None, image_size=None, steps_per_dispatch=4, trace_steps=10)
-REMAT_ORDER = ("none", "dots", "full")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -288,46 +289,6 @@ def _peak_memory(device, peak_before, in_use_before, compiled) -> tuple[int | No
     return max(estimates) + (in_use_before or 0), "xla-estimate"
 
 
-def _memory_budget(args, device) -> int | None:
-    from jaxopt_train.runtime import parse_bytes  # noqa: PLC0415
-
-    if args.memory_budget:
-        return parse_bytes(args.memory_budget)
-    try:
-        stats = device.memory_stats() or {}
-    except Exception:  # noqa: BLE001 - CPU and some plugins raise
-        stats = {}
-    return int(stats["bytes_limit"]) if "bytes_limit" in stats else None
-
-
-def choose_remat(bench, run, budget):
-    """First remat policy whose compiled step fits `budget`: (run, runner or None, trials, window)."""
-    from jaxopt_train.bench import _timing, train_steps  # noqa: PLC0415
-    from jaxopt_train.runtime import fits  # noqa: PLC0415
-
-    args, workload = bench.args, bench.workload
-    device = bench.devices[0]
-    window = (_timing.peak_bytes_in_use(device), _timing.bytes_in_use(device))
-    if not workload.is_gpt or args.remat != "auto" or budget is None:
-        chosen = args.remat if args.remat != "auto" and workload.is_gpt else "none"
-        reason = ("remat applies to GPT models only" if not workload.is_gpt else
-                  "fixed by --remat" if args.remat != "auto" else "no memory budget known")
-        return dataclasses.replace(run, remat=chosen), None, [{"remat": chosen, "reason": reason}], window
-    trials, mesh = [], train_steps.data_mesh(bench.devices)
-    for policy in REMAT_ORDER:
-        candidate = dataclasses.replace(run, remat=policy)
-        runner = train_steps.build_runner(workload, candidate, mesh)
-        report = fits(runner.compiled[0], budget=budget)
-        trials.append({"remat": policy, "needed_bytes": report.needed_bytes,
-                       "budget_bytes": budget, "fits": report.fits})
-        print(f"[bench train] remat={policy}: {report}", file=sys.stderr, flush=True)
-        if report.fits or policy == REMAT_ORDER[-1]:
-            return candidate, runner, trials, window
-        del runner
-        gc.collect()
-    raise AssertionError("unreachable")
-
-
 def choose_grad_sync(args, workload, run, devices):
     """The fastest `all_reduce_tree` method on gradients shaped like the params (psum on 1 device)."""
     if args.grad_sync != "auto":
@@ -356,53 +317,6 @@ def choose_grad_sync(args, workload, run, devices):
         _, timing = _timing.time_bursts(step, grads, bursts=3, calls_per_burst=3, steps_per_call=1)
         times[method] = timing.step_s * 1e3
     return min(times, key=times.get), times
-
-
-def _ablation_runs(baseline, optimised, workload, num_devices):
-    runs, skipped = [], []
-
-    def add(name, reason_to_skip=None, **changes):
-        if reason_to_skip:
-            skipped.append({"name": name, "reason": reason_to_skip})
-        else:
-            runs.append(dataclasses.replace(baseline, name=name, **changes))
-
-    add("+bf16", policy=optimised.policy)
-    add(f"+bf16+{optimised.attention} attention",
-        None if workload.is_gpt and optimised.attention != "xla" else
-        "same as +bf16: the fused kernel is unavailable (not a GPU, or not a GPT)",
-        policy=optimised.policy, attention=optimised.attention)
-    add("+scan accumulation", None if workload.microbatches > 1 else "no-op with --microbatches 1",
-        accumulation="scan")
-    add("+donate", donate=True)
-    add(f"+remat={optimised.remat}", None if optimised.remat != "none" else "chosen remat is none",
-        remat=optimised.remat)
-    add("+bf16 optimizer state", None if optimised.opt_state != "f32" else "--opt-state-dtype f32",
-        opt_state=optimised.opt_state)
-    add("+bf16 gradients (+scan accumulation)",
-        None if optimised.grad_dtype == "compute" else "--grad-dtype param",
-        policy=optimised.policy, grad_dtype="compute", accumulation="scan")
-    add("+bf16 weight copy in the state (+bf16 gradients, +scan accumulation)",
-        None if optimised.compute_copy else "--no-compute-copy (or --grad-dtype param)",
-        policy=optimised.policy, grad_dtype="compute", accumulation="scan", compute_copy=True)
-    # The copies it saves are the ones the fused attention kernel's operands need.
-    add(f"+q, k, v from three products (+bf16+{optimised.attention} attention)",
-        None if optimised.split_qkv else "--split-qkv not given",
-        policy=optimised.policy, attention=optimised.attention, split_qkv=True)
-    add(f"+grad_sync={optimised.grad_sync}",
-        None if num_devices > 1 and optimised.grad_sync != "psum" else
-        "psum chosen (or 1 device, or --zero 1: gradients reduce-scattered per leaf)",
-        grad_sync=optimised.grad_sync, accumulation="scan")
-    add(f"+steps_per_dispatch={optimised.steps_per_dispatch}"
-        + (" (+scan accumulation)" if workload.microbatches > 1 else ""),
-        None if optimised.steps_per_dispatch > 1 else "k = 1",
-        steps_per_dispatch=optimised.steps_per_dispatch, accumulation="scan")
-    add("+zero=1" + (" (+scan accumulation)" if workload.microbatches > 1 else ""),
-        None if num_devices > 1 and optimised.zero else "--zero 0 (or 1 device: nothing to shard)",
-        zero=1, accumulation="scan")
-    skipped.append({"name": "+xla flags", "reason": "XLA flags are process-wide; compare a run "
-                    "with --xla-preset none"})
-    return runs, skipped
 
 
 def run_bench(args, xla_report) -> dict:
@@ -449,14 +363,14 @@ def run_bench(args, xla_report) -> dict:
     bench = Bench(args, workload, devices, peak)
     grad_sync, sync_times = choose_grad_sync(args, workload, optimised, devices)
     optimised = dataclasses.replace(optimised, grad_sync=grad_sync)
-    budget = _memory_budget(args, devices[0])
+    budget = memory_budget(args, devices[0])
     optimised, runner, remat_trials, window = choose_remat(bench, optimised, budget)
     rows = [bench.measure(optimised, runner=runner, peak_window=window)]
     del runner
     rows.insert(0, bench.measure(baseline))
     skipped = []
     if args.ablate:
-        runs, skipped = _ablation_runs(baseline, optimised, workload, len(devices))
+        runs, skipped = ablation_runs(baseline, optimised, workload, len(devices))
         rows += [bench.measure(run) for run in runs]
     plain_failed = []
     if args.compare_plain:

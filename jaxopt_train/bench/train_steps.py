@@ -133,6 +133,7 @@ class RunConfig:
     accumulation: str = "host"
     donate: bool = False
     remat: str = "none"
+    remat_layers: int | None = None  # GPT: `remat` on the first k blocks only (None: all)
     grad_sync: str = "psum"
     steps_per_dispatch: int = 1
     opt_state: str = "f32"  # AdamW moments' storage dtype (jaxopt_train.train.optim)
@@ -207,6 +208,7 @@ def build_model(workload: Workload, run: RunConfig, axis_name: str | None, seed:
                              f"{run.policy!r} computes in float32")
         cfg = workload.gpt_config(dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
                                   attention=_attention_for(run.attention, policy), remat=run.remat,
+                                  remat_layers=run.remat_layers,
                                   split_qkv=run.split_qkv,
                                   fuse_mlp_activation=run.fuse_mlp_activation,
                                   dot_general=None if run.matmul == "xla" else matmul_dot_general(run.matmul))

@@ -16,7 +16,7 @@ def matmul_kernel(a_ptr, b_ptr, bias_ptr, z_ptr, c_ptr,
                   M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-                  WRITE_Z: tl.constexpr,
+                  WRITE_Z: tl.constexpr, WIDE_INDEX: tl.constexpr,
                   STRIDE_AM: tl.constexpr, STRIDE_AK: tl.constexpr,
                   STRIDE_BK: tl.constexpr, STRIDE_BN: tl.constexpr):
     """C[M, N] = act(A[M, K] @ B[K, N] + bias[N]); f32 accumulation, C row-major.
@@ -29,6 +29,7 @@ def matmul_kernel(a_ptr, b_ptr, bias_ptr, z_ptr, c_ptr,
     A and B are read through their element strides, so a transposed operand is
     read as stored: A stored (K, M) has strides (1, M), B stored (N, K) (1, K).
     ACTIVATION: 0 none, 1 gelu (tanh approximation), 2 relu, 3 silu.
+    WIDE_INDEX: offsets in int64 (the wrapper sets it when some array has >= 2^31 elements).
     """
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -43,6 +44,9 @@ def matmul_kernel(a_ptr, b_ptr, bias_ptr, z_ptr, c_ptr,
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if WIDE_INDEX:  # an operand or C has 2^31 elements or more: int32 offsets would wrap
+        rows = rows.to(tl.int64)
+        cols = cols.to(tl.int64)
     # Out-of-range rows/cols wrap around to valid memory (results discarded by
     # the masked store), which keeps the main loop free of M/N masks. Along an
     # operand's minor dim (M of A stored (K, M), N of B stored (K, N)) they wrap at

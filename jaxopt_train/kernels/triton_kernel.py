@@ -75,6 +75,9 @@ def triton_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
     # A 1-element placeholder keeps the kernel signature fixed when there is no bias.
     bias_arg = (jnp.zeros((1,), jnp.float32) if bias is None else bias.astype(jnp.float32))
     grid = (_cdiv(m, bm) * _cdiv(n, bn),)
+    # Element offsets are int32 in the kernel unless an array is too large for them
+    # (e.g. the logits of 64 K tokens over a 50 K vocabulary: M * N > 2^31).
+    wide_index = max(m * n, a.size, b.size) >= 2**31
     out = jax.ShapeDtypeStruct((m, n), out_dtype)
     # The kernel's pointers are (a, b, bias, z, c): inputs first, then outputs. Without Z
     # a 1-element placeholder input takes z's place, as for the bias.
@@ -92,7 +95,7 @@ def triton_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
         name="jaxopt_triton_matmul",
         M=m, N=n, K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
         HAS_BIAS=bias is not None, ACTIVATION=_ACTIVATION_CODES[activation],
-        WRITE_Z=save_preactivation,
+        WRITE_Z=save_preactivation, WIDE_INDEX=wide_index,
         STRIDE_AM=strides[0], STRIDE_AK=strides[1], STRIDE_BK=strides[2], STRIDE_BN=strides[3],
     )
     if save_preactivation:

@@ -303,13 +303,17 @@ class GPT(nnx.Module):
     def _run_blocks(self, x: jax.Array) -> jax.Array:
         cfg = self.config
         if not cfg.scan_layers:
-            for block in self.blocks:
-                x = _apply_block(block, x, cfg.remat, prevent_cse=True)
+            covered = cfg.n_layers if cfg.remat_layers is None else cfg.remat_layers
+            for i, block in enumerate(self.blocks):
+                x = _apply_block(block, x, cfg.remat if i < covered else "none", prevent_cse=True)
             return x
 
         # Inside scan the loop already stops XLA from CSE-ing the recomputation.
+        # (remat_layers is None, 0 or n_layers here: GPTConfig refuses the others.)
+        remat = "none" if cfg.remat_layers == 0 else cfg.remat
+
         def body(carry, block):
-            return _apply_block(block, carry, cfg.remat, prevent_cse=False), None
+            return _apply_block(block, carry, remat, prevent_cse=False), None
 
         x, _ = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(x, self.blocks)
         return x

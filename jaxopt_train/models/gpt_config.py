@@ -90,6 +90,11 @@ class GPTConfig:
       remat: Per-block rematerialisation: "none", "dots" (save the output of
         every dense layer, whatever `dot_general` computes it, and other matmul
         outputs without batch dims; recompute the rest) or "full" (save nothing).
+      remat_layers: How many blocks, from the first, run under `remat`; the
+        others keep every activation. None: all of them. Memory grows by about
+        one block's activations per block left out, so a budget that "none"
+        misses by a little needs only a few blocks recomputed (blocks unrolled:
+        a scan runs every block under one policy).
       scan_layers: Stack the blocks and run them with `nnx.scan`.
       split_qkv: Compute q, k and v as three products from column blocks of the
         one fused qkv weight instead of one product sliced three ways. Same
@@ -130,6 +135,7 @@ class GPTConfig:
     param_dtype: Any = jnp.float32
     attention: str = "auto"
     remat: str = "none"
+    remat_layers: int | None = None
     scan_layers: bool = False
     split_qkv: bool = False
     dot_general: Callable[..., jax.Array] | None = None
@@ -156,6 +162,7 @@ class GPTConfig:
             )
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat={self.remat!r}; legal values: {REMAT_POLICIES}")
+        self._check_remat_layers()
         for name in ("scan_layers", "split_qkv", "fuse_mlp_activation", "tie_embeddings",
                      "use_bias"):
             value = getattr(self, name)
@@ -186,6 +193,22 @@ class GPTConfig:
                 f"{CUDNN_MAX_HEAD_DIM} (<= 128 before Hopper), got head_dim={self.head_dim} "
                 f"(d_model={self.d_model}, n_heads={self.n_heads}); use attention='xla'"
             )
+
+    def _check_remat_layers(self) -> None:
+        layers = self.remat_layers
+        if layers is None:
+            return
+        if (isinstance(layers, (bool, np.bool_)) or not isinstance(layers, (int, np.integer))
+                or not 0 <= layers <= self.n_layers):
+            raise ValueError(f"remat_layers={layers!r} must be None (every block) or an int from 0 "
+                             f"to n_layers={self.n_layers}")
+        object.__setattr__(self, "remat_layers", int(layers))
+        if layers and self.remat == "none":
+            raise ValueError(f"remat_layers={layers} names blocks to rematerialise, but remat='none'; "
+                             "set remat='dots' or 'full'")
+        if self.scan_layers and 0 < layers < self.n_layers:
+            raise ValueError(f"remat_layers={layers} of n_layers={self.n_layers} needs "
+                             "scan_layers=False: a scan runs every block under one policy")
 
     @property
     def head_dim(self) -> int:

@@ -1,0 +1,83 @@
+"""The optimised row's remat choice (`bench/train_remat.py`) against AOT memory estimates."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import pytest
+
+from jaxopt_train.bench import train_remat, train_steps
+
+
+def test_partial_layers_from_the_two_estimates():
+    # 8 blocks; none needs 18, all-blocks remat 10: each block without remat adds 1.
+    assert train_remat.partial_remat_layers(18, 10, 16, 8) == [2, 3]
+    assert train_remat.partial_remat_layers(18, 10, 10, 8) == []  # k = 8: every block, nothing partial
+    assert train_remat.partial_remat_layers(18, 10, 17.5, 8) == [1, 2]
+    assert train_remat.partial_remat_layers(10, 10, 9, 8) == []  # remat saved nothing
+    assert train_remat.partial_remat_layers(18, 10, 11, 8) == [7]  # k + 1 = 8 is every block
+
+
+def test_label_names_partial_remat():
+    assert train_remat.remat_label("dots") == "dots"
+    assert train_remat.remat_label("dots", 12) == "dots (first 12 blocks)"
+
+
+class _FakeRunner:
+    def __init__(self, run):
+        self.compiled = [run]
+
+
+def _fake_memory(monkeypatch, layers, per_block, base, calls):
+    """build_runner/fits stand-ins: a block outside remat costs per_block (dots) or
+    2 * per_block (full) more than one inside. XLA:CPU's memory analysis does not
+    show remat's saving, so the search is tested on this model of it; the GPU run
+    in BENCHMARKS.md shows the real one."""
+    from jaxopt_train import runtime
+    from jaxopt_train.runtime.memory import FitReport
+
+    def fake_fits(run, budget):
+        covered = 0 if run.remat == "none" else layers if run.remat_layers is None else run.remat_layers
+        saving = {"none": 0, "dots": per_block, "full": 2 * per_block}[run.remat]
+        calls.append((run.remat, run.remat_layers))
+        return FitReport(0, 0, 0, base + layers * 2 * per_block - covered * saving, 0, budget)
+
+    monkeypatch.setattr(train_steps, "build_runner", lambda workload, run, mesh: _FakeRunner(run))
+    monkeypatch.setattr(runtime, "fits", fake_fits)
+
+
+def _bench(layers):
+    workload = train_steps.Workload("gpt-tiny", 4, 1, seq_len=64, n_layers=layers)
+    return types.SimpleNamespace(args=types.SimpleNamespace(remat="auto"), workload=workload,
+                                 devices=jax.devices()[:1])
+
+
+@pytest.mark.parametrize("budget,want", [
+    # 8 blocks: no remat needs 100 + 8 * 20 = 260; dots saves 10 a block, full 20
+    (260, ("none", None)),  # everything fits without remat
+    (259, ("dots", 1)),  # one block short: dots on one block
+    (235, ("dots", 3)),  # 2.5 blocks' worth short
+    (180, ("dots", None)),  # dots on every block, exactly
+    (179, ("full", 5)),  # dots everywhere misses: full on 5 blocks (81 / 20 saved a block)
+    (10, ("full", None)),  # nothing fits: the last policy, on every block
+])
+def test_remat_search_recomputes_only_what_the_budget_needs(monkeypatch, budget, want):
+    calls = []
+    _fake_memory(monkeypatch, layers=8, per_block=10, base=100, calls=calls)
+    run = train_steps.RunConfig("optimised", accumulation="scan", donate=True)
+    chosen, runner, trials, _ = train_remat.choose_remat(_bench(8), run, budget)
+    assert (chosen.remat, chosen.remat_layers) == want
+    assert runner.compiled[0] == chosen  # the runner handed back is the chosen one's
+    assert [(t["remat"], t["remat_layers"]) for t in trials] == calls
+    assert trials[-1]["fits"] or want == ("full", None)
+
+
+def test_remat_search_is_fixed_by_the_flag_or_without_a_budget():
+    run = train_steps.RunConfig("optimised")
+    bench = _bench(4)
+    chosen, runner, trials, _ = train_remat.choose_remat(bench, run, None)
+    assert chosen.remat == "none" and runner is None and trials[0]["reason"] == "no memory budget known"
+    bench.args.remat = "dots"
+    chosen, _, trials, _ = train_remat.choose_remat(bench, run, 1 << 30)
+    assert chosen.remat == "dots" and trials[0]["reason"] == "fixed by --remat"
