@@ -66,7 +66,7 @@ def test_remat_search_recomputes_only_what_the_budget_needs(monkeypatch, budget,
     calls = []
     _fake_memory(monkeypatch, layers=8, per_block=10, base=100, calls=calls)
     run = train_steps.RunConfig("optimised", accumulation="scan", donate=True)
-    chosen, runner, trials, _ = train_remat.choose_remat(_bench(8), run, budget)
+    chosen, runner, trials, _ = train_remat.choose_remat(_bench(8), run, budget, reserve=0)
     assert (chosen.remat, chosen.remat_layers) == want
     assert runner.compiled[0] == chosen  # the runner handed back is the chosen one's
     assert [(t["remat"], t["remat_layers"]) for t in trials] == calls
@@ -81,3 +81,17 @@ def test_remat_search_is_fixed_by_the_flag_or_without_a_budget():
     bench.args.remat = "dots"
     chosen, _, trials, _ = train_remat.choose_remat(bench, run, 1 << 30)
     assert chosen.remat == "dots" and trials[0]["reason"] == "fixed by --remat"
+
+
+def test_the_search_keeps_a_reserve_for_what_xla_does_not_count(monkeypatch):
+    """16 GiB keeps 512 MiB back (the allocator ran ~0.3 GiB over XLA's estimate on
+    gpt-1b); a step estimated at exactly the budget is then refused."""
+    assert train_remat.allocator_reserve(16 << 30) == 512 << 20
+    assert train_remat.allocator_reserve(1 << 30) == 32 << 20
+    calls = []
+    _fake_memory(monkeypatch, layers=8, per_block=10 << 20, base=100 << 20, calls=calls)
+    run = train_steps.RunConfig("optimised", accumulation="scan", donate=True)
+    budget = (260 << 20) + train_remat.allocator_reserve(260 << 20) - 1  # just short of "none"
+    chosen, _, trials, _ = train_remat.choose_remat(_bench(8), run, budget)
+    assert (chosen.remat, chosen.remat_layers) == ("dots", 1)
+    assert trials[0]["reserve_bytes"] == train_remat.allocator_reserve(budget) and not trials[0]["fits"]
