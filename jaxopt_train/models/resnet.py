@@ -140,9 +140,10 @@ def _max_pool_3x3_s2(x: jax.Array) -> jax.Array:
 class ResNet(nnx.Module):
     """ResNet for NHWC images (7x7/2 stem, 3x3/2 max-pool, 4 stages, global average pool)."""
 
-    def __init__(self, spec: VisionSpec, *, num_classes: int, layers: _Layers):
+    def __init__(self, spec: VisionSpec, *, num_classes: int, layers: _Layers, in_channels: int = 3):
         self.dtype = layers.dtype
-        self.stem = layers.conv(3, spec.widths[0], 7, 2)
+        self.in_channels = in_channels
+        self.stem = layers.conv(in_channels, spec.widths[0], 7, 2)
         self.stem_norm = layers.norm(spec.widths[0])
         blocks, cin = [], spec.widths[0]
         for stage, (size, width) in enumerate(zip(spec.stage_sizes, spec.widths)):
@@ -154,7 +155,7 @@ class ResNet(nnx.Module):
         self.head = layers.dense(cin, num_classes)
 
     def __call__(self, images: jax.Array, train: bool) -> jax.Array:
-        _check_images(images, 3)
+        _check_images(images, self.in_channels)
         x = jax.nn.relu(_normalise(self.stem_norm, self.stem(images), train))
         x = _max_pool_3x3_s2(x)
         for block in self.blocks:
@@ -186,7 +187,8 @@ def _check_images(images: jax.Array, channels: int) -> None:
     if images.ndim != 4 or images.shape[-1] != channels or not jnp.issubdtype(images.dtype, jnp.floating):
         raise ValueError(
             f"images must be float NHWC with {channels} channels, got shape={images.shape} "
-            f"dtype={images.dtype}"
+            f"dtype={images.dtype}; the model was built with in_channels={channels} "
+            "(create_vision_model(..., in_channels=C) takes other channel counts)"
         )
 
 
@@ -198,6 +200,7 @@ def create_vision_model(
     param_dtype: Any = jnp.float32,
     rngs: nnx.Rngs,
     axis_name: str | None = None,
+    in_channels: int = 3,
 ) -> ResNet | SmallCNN:
     """Builds the vision preset ``name``.
 
@@ -209,6 +212,8 @@ def create_vision_model(
       rngs: Parameter init randomness.
       axis_name: Mesh axis over which BatchNorm averages its statistics when
         the model runs inside ``jax.shard_map`` (see the module docstring).
+      in_channels: Channels of the input images (1 for grayscale, 3 for RGB);
+        sets the first convolution's input width.
     """
     if name not in VISION_SPECS:
         raise ValueError(f"name={name!r} is not a vision preset; legal values: {VISION_PRESETS}")
@@ -216,12 +221,14 @@ def create_vision_model(
         raise ValueError(f"num_classes={num_classes!r} must be a positive int")
     if not isinstance(rngs, nnx.Rngs):
         raise TypeError(f"rngs must be an nnx.Rngs (e.g. nnx.Rngs(0)), got {type(rngs).__name__}")
+    if not isinstance(in_channels, int) or isinstance(in_channels, bool) or in_channels < 1:
+        raise ValueError(f"{in_channels=} must be a positive int (1 for grayscale, 3 for RGB)")
     layers = _Layers(
         canonical_dtype(dtype, "dtype"), canonical_dtype(param_dtype, "param_dtype"), axis_name, rngs
     )
     spec = VISION_SPECS[name]
     model_class = ResNet if spec.kind == "resnet" else SmallCNN
-    return model_class(spec, num_classes=num_classes, layers=layers)
+    return model_class(spec, num_classes=num_classes, layers=layers, in_channels=in_channels)
 
 
 def classification_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:

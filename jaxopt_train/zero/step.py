@@ -1,14 +1,6 @@
 """`make_zero_step`: the data-parallel step of ZeRO stage 0, 1 or 3 on the flat layout.
 
-* Stage 0 (plain data parallel): everything replicated, gradients all-reduced.
-* Stage 1: optimizer state sharded. Gradients are reduce-scattered (each
-  device receives the sum of its own slice), each device updates its slice of
-  the parameters with its slice of the optimizer state, and the new slices
-  are all-gathered back into replicated parameters. Same bytes on the wire as
-  an all-reduce (a reduce-scatter plus an all-gather), optimizer memory / n.
-* Stage 3 (FSDP): parameters stay sharded between steps too; the step first
-  all-gathers them, computes the gradient, reduce-scatters it and updates the
-  slice. Parameter and optimizer memory / n, plus a transient full copy.
+What each stage shards and moves is described in the package docstring (`jaxopt_train.zero`).
 """
 
 from __future__ import annotations
