@@ -211,3 +211,20 @@ def test_cudnn_gpt_matches_xla_on_gpu(d_model, n_heads, length):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(
         np.asarray(a, np.float32), np.asarray(b, np.float32), atol=2e-2, rtol=5e-2),
         nnx.to_pure_dict(got), nnx.to_pure_dict(want))
+
+
+def test_ids_of_other_hosts_are_not_fetched():
+    """A multi-host global array (not fully addressable) cannot be read by np.asarray,
+    which raised RuntimeError from every eager model call; it is left to the NaN path."""
+    from jaxopt_train.models.losses import check_ids_in_range
+
+    class GlobalIds:  # what such an array shows this check
+        is_fully_addressable = False
+        shape, ndim = (1, 2), 2
+
+        def __array__(self, *args, **kwargs):
+            raise RuntimeError("Fetching value for `jax.Array` that spans non-addressable devices")
+
+    check_ids_in_range(GlobalIds(), 10, "tokens")  # no error
+    with pytest.raises(ValueError, match=r"tokens must be ids in \[0, 10\)"):
+        check_ids_in_range(jnp.array([[3, 10]]), 10, "tokens")

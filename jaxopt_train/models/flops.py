@@ -97,27 +97,51 @@ def _conv_out(size: int, kernel: int, stride: int) -> int:
     return (size + 2 * pad - kernel) // stride + 1
 
 
-def _conv_macs(size: int, cin: int, cout: int, kernel: int, stride: int) -> tuple[int, int]:
-    out = _conv_out(size, kernel, stride)
-    return out * out * kernel * kernel * cin * cout, out
+def _conv_macs(hw: tuple[int, int], cin: int, cout: int, kernel: int,
+               stride: int) -> tuple[int, tuple[int, int]]:
+    out = (_conv_out(hw[0], kernel, stride), _conv_out(hw[1], kernel, stride))
+    return out[0] * out[1] * kernel * kernel * cin * cout, out
 
 
-def vision_forward_macs(name: str, image_size: int, num_classes: int = 1000) -> int:
-    """Multiply-accumulates of one forward pass of a square ``image_size`` RGB image."""
+def _check_image_size(image_size) -> tuple[int, int]:
+    """`image_size` (a side, or a (height, width) pair) as (height, width)."""
+    if not isinstance(image_size, (tuple, list)):
+        side = _check_int("image_size", image_size)
+        return side, side
+    legal = "a positive int or a (height, width) pair of positive ints"
+    if len(image_size) != 2:
+        raise ValueError(f"{image_size=} must be {legal}; got {len(image_size)} values")
+    try:
+        return _check_int("height", image_size[0]), _check_int("width", image_size[1])
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"{image_size=} must be {legal} ({err})") from None
+
+
+def vision_forward_macs(name: str, image_size: int | tuple[int, int], num_classes: int = 1000,
+                        in_channels: int = 3) -> int:
+    """Multiply-accumulates of one forward pass of one image.
+
+    Args:
+      name: A vision preset.
+      image_size: Side of a square image, or its (height, width).
+      num_classes: Classifier outputs.
+      in_channels: Channels of the image (the first convolution's input width).
+    """
     _check_vision_name(name)
-    image_size = _check_int("image_size", image_size)
+    hw = _check_image_size(image_size)
     num_classes = _check_int("num_classes", num_classes)
+    in_channels = _check_int("in_channels", in_channels)
     spec = VISION_SPECS[name]
-    total, size = 0, image_size
+    total = 0
     if spec.kind == "cnn":
-        chans = (3, *spec.widths)
+        chans = (in_channels, *spec.widths)
         for i in range(len(spec.widths)):
-            macs, size = _conv_macs(size, chans[i], chans[i + 1], 3, 1 if i == 0 else 2)
+            macs, hw = _conv_macs(hw, chans[i], chans[i + 1], 3, 1 if i == 0 else 2)
             total += macs
         return total + spec.widths[-1] * num_classes
-    macs, size = _conv_macs(size, 3, spec.widths[0], 7, 2)
+    macs, hw = _conv_macs(hw, in_channels, spec.widths[0], 7, 2)
     total += macs
-    size = _conv_out(size, 3, 2)  # max-pool
+    hw = (_conv_out(hw[0], 3, 2), _conv_out(hw[1], 3, 2))  # max-pool
     cin = spec.widths[0]
     for stage, (blocks, width) in enumerate(zip(spec.stage_sizes, spec.widths)):
         for index in range(blocks):
@@ -127,9 +151,9 @@ def vision_forward_macs(name: str, image_size: int, num_classes: int = 1000) -> 
                 shapes = [(cin, width, 1, 1), (width, width, 3, stride), (width, cout, 1, 1)]
             else:
                 shapes = [(cin, width, 3, stride), (width, width, 3, 1)]
-            block_in = size
+            block_in = hw
             for c_in, c_out, kernel, s in shapes:
-                macs, size = _conv_macs(size, c_in, c_out, kernel, s)
+                macs, hw = _conv_macs(hw, c_in, c_out, kernel, s)
                 total += macs
             if stride != 1 or cin != cout:
                 total += _conv_macs(block_in, cin, cout, 1, stride)[0]
@@ -138,17 +162,21 @@ def vision_forward_macs(name: str, image_size: int, num_classes: int = 1000) -> 
 
 
 def resnet_flops_per_image(
-    name: str, *, image_size: int | None = None, num_classes: int = 1000, training: bool = True
+    name: str, *, image_size: int | tuple[int, int] | None = None, num_classes: int = 1000,
+    training: bool = True, in_channels: int = 3,
 ) -> int:
     """FLOPs per image: 2 x MACs forward, x3 when ``training`` (see the module doc).
 
     Args:
       name: A vision preset ("resnet18", "resnet50", "cnn-small").
-      image_size: Square input side; default 224 for ResNets, 32 for cnn-small.
+      image_size: Side of a square input, or its (height, width); default 224
+        for ResNets, 32 for cnn-small.
       num_classes: Classifier outputs.
       training: Count forward + backward (3x forward) instead of forward only.
+      in_channels: Input channels (1 for grayscale, 3 for RGB); only the first
+        convolution depends on it.
     """
     _check_vision_name(name)
     image_size = VISION_SPECS[name].default_image_size if image_size is None else image_size
-    forward = 2 * vision_forward_macs(name, image_size, num_classes)
+    forward = 2 * vision_forward_macs(name, image_size, num_classes, in_channels)
     return 3 * forward if training else forward

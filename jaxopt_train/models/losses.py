@@ -81,10 +81,13 @@ def gpt_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
 def check_ids_in_range(ids, upper: int, what: str) -> None:
     """Raises ValueError if concrete integer `ids` leave [0, upper).
 
-    Traced ids (inside jit or grad) cannot be checked here; there an id out of
-    range makes the embedding row or the loss NaN instead (see `embed` and
-    `softmax_cross_entropy`), so it still shows rather than passing as a real id.
+    Traced ids (inside jit or grad), and a global array spanning other hosts' devices,
+    cannot be checked here; there an id out of range makes the embedding row or the
+    loss NaN instead (see `embed` and `softmax_cross_entropy`), so it still shows
+    rather than passing as a real id.
     """
+    if getattr(ids, "is_fully_addressable", True) is False:
+        return  # a multi-host global array: this process cannot read the other hosts' ids
     try:
         values = np.asarray(ids)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):

@@ -65,16 +65,39 @@ def _prefer_cudnn_attention(model_cfg):
 
     Left to itself JAX's "auto" picks XLA's attention on GPU, which materialises
     the [T, T] scores; cuDNN's fused kernel is the fast path on NVIDIA GPUs
-    (bf16/f16 compute, head_dim % 8 == 0 and <= 128).
+    (bf16/f16 compute, head_dim % 8 == 0, and head_dim <= 128, or up to
+    `CUDNN_MAX_HEAD_DIM` on Hopper (compute capability 9.0) and newer).
     """
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
     if (model_cfg.attention == "auto" and jax.default_backend() == "gpu"
             and jnp.dtype(model_cfg.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and model_cfg.head_dim % 8 == 0 and model_cfg.head_dim <= 128):
+            and model_cfg.head_dim % 8 == 0 and model_cfg.head_dim <= _cudnn_max_head_dim()):
         return dataclasses.replace(model_cfg, attention="cudnn")
     return model_cfg
+
+
+def _cudnn_max_head_dim() -> int:
+    """The largest head_dim cuDNN attention takes on every GPU of this run."""
+    import jax  # noqa: PLC0415
+
+    from jaxopt_train.models.gpt import CUDNN_MAX_HEAD_DIM  # noqa: PLC0415
+
+    # The step runs on all of jax.devices(), so the oldest GPU decides; a device
+    # whose capability cannot be read counts as pre-Hopper, where "auto" falling
+    # back to XLA is slower but a cuDNN head_dim past 128 would fail to compile.
+    capabilities = [_compute_capability(device) for device in jax.devices()]
+    return CUDNN_MAX_HEAD_DIM if min(capabilities) >= (9, 0) else 128
+
+
+def _compute_capability(device) -> tuple[int, int]:
+    """(major, minor) from a device's `compute_capability` such as "9.0"; (0, 0) if unknown."""
+    try:
+        major, minor = str(getattr(device, "compute_capability", "")).split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return 0, 0
 
 
 def _load_tokens(cfg: TrainConfig) -> tuple[np.ndarray, int, str]:
@@ -141,10 +164,12 @@ def _vision_task(cfg: TrainConfig, policy: Policy) -> Task:
         check_labels(arrays["labels"], num_classes, f"labels of {cfg.data!r}")
         train_ds = ImageDataset(arrays["images"], arrays["labels"], split="train", seed=cfg.seed)
         val_ds = ImageDataset(arrays["images"], arrays["labels"], split="val", seed=cfg.seed)
-        image_size, channels = train_ds.images.shape[1], train_ds.images.shape[3]
+        _, height, width, channels = train_ds.images.shape
+        image_size = (height, width)
         train_batch = lambda step: train_ds.batch(step, cfg.batch_size)  # noqa: E731
         eval_batch = lambda i: val_ds.batch(i, cfg.batch_size)  # noqa: E731
-        description = f"images {cfg.data} ({train_ds.num_examples:,} train examples)"
+        description = (f"images {cfg.data} ({train_ds.num_examples:,} train examples, "
+                       f"{height}x{width}x{channels})")
     else:
         from jaxopt_train.data.synthetic import synthetic_image_batch  # noqa: PLC0415
 
@@ -160,18 +185,18 @@ def _vision_task(cfg: TrainConfig, policy: Policy) -> Task:
         description = f"synthetic {image_size}x{image_size} images (random labels)"
     model = create_vision_model(cfg.preset, num_classes=num_classes, dtype=policy.compute_dtype,
                                 param_dtype=policy.param_dtype, rngs=nnx.Rngs(cfg.seed),
+                                in_channels=channels,
                                 axis_name="data")  # BatchNorm statistics over all devices
     fns = nnx_model_fns(model, vision_loss_fn, policy)
     return Task(fns=fns, train_batch=train_batch, eval_batch=eval_batch, unit="images",
                 units_per_example=1,
-                flops_per_example=_vision_flops(cfg.preset, image_size, channels),
+                flops_per_example=_vision_flops(cfg.preset, image_size, channels, num_classes),
                 description=f"{cfg.preset} on {description}")
 
 
-def _vision_flops(preset: str, image_size: int, channels: int) -> float:
-    from jaxopt_train.models import flops  # noqa: PLC0415
+def _vision_flops(preset: str, image_size: int | tuple[int, int], channels: int,
+                  num_classes: int) -> float:
+    from jaxopt_train.models.flops import resnet_flops_per_image  # noqa: PLC0415
 
-    counter = getattr(flops, "resnet_flops_per_image", None)
-    if counter is None:
-        return float("nan")
-    return float(counter(preset, image_size=image_size, training=True))
+    return float(resnet_flops_per_image(preset, image_size=image_size, num_classes=num_classes,
+                                        in_channels=channels, training=True))
