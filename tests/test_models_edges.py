@@ -228,3 +228,8 @@ def test_ids_of_other_hosts_are_not_fetched():
     check_ids_in_range(GlobalIds(), 10, "tokens")  # no error
     with pytest.raises(ValueError, match=r"tokens must be ids in \[0, 10\)"):
         check_ids_in_range(jnp.array([[3, 10]]), 10, "tokens")
+
+
+def test_gpt_loss_refuses_an_empty_batch():
+    with pytest.raises(ValueError, match=r"at least one target token; got targets shape \(0, 5\)"):
+        gpt_loss(jnp.zeros((0, 5, 7)), jnp.zeros((0, 5), jnp.int32))

@@ -74,6 +74,8 @@ def gpt_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
         )
     if not jnp.issubdtype(targets.dtype, jnp.integer):
         raise ValueError(f"targets must be integer token ids, got dtype={targets.dtype}")
+    if targets.size == 0:  # the mean of nothing is NaN, which would look like a diverged run
+        raise ValueError(f"gpt_loss needs at least one target token; got targets shape {targets.shape}")
     check_ids_in_range(targets, logits.shape[-1], "targets")
     return jnp.mean(softmax_cross_entropy(logits, targets))
 
