@@ -95,3 +95,51 @@ def test_vision_flops_match_xla_cost_analysis(name, tolerance):
     assert resnet_flops_per_image(name, image_size=224) == 3 * forward
 
 
+
+
+@pytest.mark.parametrize("name, stem_out, kernel, width", [
+    # 7x7/2 stem, pad 3: (224 + 6 - 7) // 2 + 1 = 112; cnn-small's 3x3/1 keeps 32.
+    ("resnet18", 112, 7, 64), ("resnet50", 112, 7, 64), ("cnn-small", 32, 3, 32),
+])
+def test_vision_flops_grow_by_the_stem_conv_per_input_channel(name, stem_out, kernel, width):
+    size = 224 if name != "cnn-small" else 32
+    rgb = resnet_flops_per_image(name, image_size=size, in_channels=3)
+    gray = resnet_flops_per_image(name, image_size=size, in_channels=1)
+    # Only the stem reads the input: 2 extra channels, 2 FLOPs per MAC, x3 for training.
+    assert rgb - gray == 3 * 2 * stem_out * stem_out * kernel * kernel * width * 2
+    assert resnet_flops_per_image(name, image_size=size) == rgb
+
+
+def test_vision_flops_of_non_square_images():
+    # Stem of 224x160: 112x80 outputs.
+    tall = resnet_flops_per_image("resnet18", image_size=(224, 160), in_channels=1, training=False)
+    wide = resnet_flops_per_image("resnet18", image_size=(160, 224), in_channels=1, training=False)
+    rgb = resnet_flops_per_image("resnet18", image_size=(224, 160), in_channels=3, training=False)
+    assert tall == wide and rgb - tall == 2 * 112 * 80 * 7 * 7 * 64 * 2
+    assert (resnet_flops_per_image("resnet18", image_size=(96, 96))
+            == resnet_flops_per_image("resnet18", image_size=96))
+    assert (resnet_flops_per_image("resnet18", image_size=(64, 128))
+            < resnet_flops_per_image("resnet18", image_size=(96, 128)))
+
+
+@pytest.mark.parametrize("name, tolerance", [("cnn-small", 0.02), ("resnet50", 0.05)])
+def test_grayscale_non_square_flops_match_xla_cost_analysis(name, tolerance):
+    model = nnx.eval_shape(lambda: create_vision_model(name, num_classes=10, in_channels=1,
+                                                       rngs=nnx.Rngs(0)))
+    images = jax.ShapeDtypeStruct((1, 160, 224, 1), jnp.float32)
+    lowered = jax.jit(lambda s, x: nnx.merge(*s)(x, train=False)).lower(nnx.split(model), images)
+    forward = resnet_flops_per_image(name, image_size=(160, 224), num_classes=10, in_channels=1,
+                                     training=False)
+    assert abs(lowered.cost_analysis()["flops"] / forward - 1) < tolerance
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(image_size=(28, 0)), ValueError, r"image_size=\(28, 0\) must be .*\(height, width\)"),
+    (dict(image_size=(28,)), ValueError, r"image_size=\(28,\) must be .*got 1 values"),
+    (dict(image_size=(28, 28.0)), TypeError, r"image_size=\(28, 28.0\) .*width=28.0"),
+    (dict(in_channels=0), ValueError, "in_channels=0 must be a positive int"),
+    (dict(in_channels=True), TypeError, "in_channels=True"),
+])
+def test_vision_flops_refuse_bad_shapes(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        resnet_flops_per_image("cnn-small", **kwargs)

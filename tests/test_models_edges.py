@@ -233,3 +233,12 @@ def test_ids_of_other_hosts_are_not_fetched():
 def test_gpt_loss_refuses_an_empty_batch():
     with pytest.raises(ValueError, match=r"at least one target token; got targets shape \(0, 5\)"):
         gpt_loss(jnp.zeros((0, 5, 7)), jnp.zeros((0, 5), jnp.int32))
+
+
+def test_ids_check_passes_traced_ids_through():
+    """Inside jit the ids cannot be read: the check must not touch them (it raised
+    ConcretizationTypeError from a property read, breaking every jitted loss)."""
+    from jaxopt_train.models.losses import check_ids_in_range
+
+    out = jax.jit(lambda x: (check_ids_in_range(x, 10, "t"), x)[1])(jnp.array([3, 11], jnp.int32))
+    np.testing.assert_array_equal(out, [3, 11])

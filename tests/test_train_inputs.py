@@ -4,10 +4,14 @@ Image labels and token ids outside the model's classes / vocabulary, and a
 Prometheus port that cannot be bound. Every check here fires before the train
 step is compiled, so these tests build at most a tiny model and compile nothing
 of the trainer's.
+
+Also how `build_task` resolves attention="auto" on a GPU, checked on CPU with
+faked devices.
 """
 
 import os
 import socket
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +21,7 @@ import pytest
 from jaxopt_train.precision import get_policy
 from jaxopt_train.train import TrainConfig, cli, train
 from jaxopt_train.train.model import vision_loss_fn
-from jaxopt_train.train.task import build_task
+from jaxopt_train.train.task import build_task, gpt_model_config
 
 TINY_GPT_FLAGS = ["--model", "d_model=32", "--model", "n_layers=1", "--model", "n_heads=2",
                   "--seq-len", "32", "--batch-size", "8", "--steps", "2", "--progress", "lines"]
@@ -108,3 +112,46 @@ def test_prometheus_port_in_use_exits_2_naming_the_flag(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"--prometheus-port {port}" in err and "in use" in err
     assert "or 0 for any free one" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------- attention="auto" on a GPU
+def _fake_gpus(monkeypatch, *capabilities):
+    # _prefer_cudnn_attention reads only the backend name and the devices' capability.
+    gpus = [SimpleNamespace(platform="gpu", device_kind="fake", compute_capability=c)
+            for c in capabilities]
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *args: gpus)
+
+
+def _resolved_attention(head_dim, precision="bf16", attention="auto"):
+    cfg = TrainConfig(precision=precision, attention=attention,
+                      model_overrides=dict(d_model=2 * head_dim, n_heads=2, n_layers=1))
+    return gpt_model_config(cfg, get_policy(precision)).attention
+
+
+@pytest.mark.parametrize("capabilities, head_dim, expected", [
+    (("9.0",), 64, "cudnn"),
+    (("9.0",), 128, "cudnn"),
+    (("9.0",), 136, "cudnn"),    # past 128: Hopper only
+    (("9.0",), 256, "cudnn"),
+    (("10.0",), 192, "cudnn"),   # Blackwell is newer than Hopper
+    (("9.0",), 264, "auto"),     # past CUDNN_MAX_HEAD_DIM
+    (("9.0",), 132, "auto"),     # head_dim % 8 != 0
+    (("8.0",), 128, "cudnn"),
+    (("8.0",), 136, "auto"),
+    (("8.9",), 256, "auto"),     # Ada: sm89 < sm90
+    (("9.0", "8.0"), 192, "auto"),  # the oldest GPU of the run decides
+    (("",), 192, "auto"),        # unknown capability: no cuDNN past 128
+    (("",), 64, "cudnn"),
+])
+def test_auto_attention_picks_cudnn_by_compute_capability(monkeypatch, capabilities, head_dim,
+                                                          expected):
+    _fake_gpus(monkeypatch, *capabilities)
+    assert _resolved_attention(head_dim) == expected
+
+
+def test_auto_attention_stays_xla_on_cpu_in_float32_and_when_chosen(monkeypatch):
+    assert _resolved_attention(64) == "auto"  # the real CPU backend
+    _fake_gpus(monkeypatch, "9.0")
+    assert _resolved_attention(192, precision="fp32") == "auto"
+    assert _resolved_attention(192, attention="xla") == "xla"

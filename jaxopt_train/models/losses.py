@@ -88,6 +88,8 @@ def check_ids_in_range(ids, upper: int, what: str) -> None:
     loss NaN instead (see `embed` and `softmax_cross_entropy`), so it still shows
     rather than passing as a real id.
     """
+    if isinstance(ids, jax.core.Tracer):
+        return  # (reading is_fully_addressable below would raise on a tracer)
     if getattr(ids, "is_fully_addressable", True) is False:
         return  # a multi-host global array: this process cannot read the other hosts' ids
     try:

@@ -1,6 +1,8 @@
 """ResNet-18/50 (torchvision v1.5 layout) and a small CNN, in Flax NNX.
 
-* Images are NHWC floats; ``__call__(images, train)`` returns logits
+* Images are NHWC floats with ``in_channels`` channels (3 unless built with
+  another count, e.g. 1 for grayscale; height and width are free);
+  ``__call__(images, train)`` returns logits
   [B, num_classes] in the compute ``dtype`` (`classification_loss` upcasts).
 * BatchNorm normalises with the batch statistics when ``train`` and with the
   running averages otherwise. Under ``jax.shard_map`` pass ``axis_name="data"``
@@ -185,10 +187,12 @@ class SmallCNN(nnx.Module):
 
 def _check_images(images: jax.Array, channels: int) -> None:
     if images.ndim != 4 or images.shape[-1] != channels or not jnp.issubdtype(images.dtype, jnp.floating):
+        # Name the fix when only the channel count is off (say grayscale into an RGB model).
+        hint = ("; build the model with create_vision_model(..., in_channels=C) for C-channel images"
+                if images.ndim == 4 and images.shape[-1] != channels else "")
         raise ValueError(
             f"images must be float NHWC with {channels} channels, got shape={images.shape} "
-            f"dtype={images.dtype}; the model was built with in_channels={channels} "
-            "(create_vision_model(..., in_channels=C) takes other channel counts)"
+            f"dtype={images.dtype}{hint}"
         )
 
 
