@@ -287,3 +287,19 @@ def test_inputs_are_varied_and_a_wrong_variant_is_reported(monkeypatch, tmp_path
     assert psum["max_abs_diff_vs_psum"] == 0 and ring["max_abs_diff_vs_psum"] > 0
     captured = capsys.readouterr()
     assert "WRONG RESULT" in captured.out and "differ from lax.psum" in captured.err
+
+
+def test_hierarchical_variant_per_chunk_count_matches_psum():
+    """One hierarchical row per --chunks value, each run with that count (every row
+    used chunks[0] before, under a name that did not say so)."""
+    mesh = jax.make_mesh((8,), ("data",))
+    built = bench.variants(8, "f32", [1, 2])
+    names = sorted(k for k in built if k.startswith("hierarchical"))
+    assert names == ["hierarchical/4x2/c1", "hierarchical/4x2/c2"]
+    x = bench.sweep_input(mesh, 8 * 64, jnp.float32)
+    want = None
+    for name in ["psum", *names]:
+        fn = jax.jit(jax.shard_map(built[name], mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+        got = np.asarray(fn(x))
+        want = got if want is None else want
+        np.testing.assert_array_equal(got, want, err_msg=name)

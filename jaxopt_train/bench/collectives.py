@@ -165,7 +165,9 @@ def variants(n: int, dtype: str, chunks: list[int]) -> dict[str, Callable]:
             if dtype == "f32":
                 out["peer_wire_bf16"] = lambda x: peer_all_reduce(x, "data", wire_dtype=jnp.bfloat16)
     if n >= 4 and n % 2 == 0:
-        out[f"hierarchical/{n // 2}x2"] = lambda x: grouped_all_reduce(x, "data", n // 2, num_chunks=chunks[0])
+        for c in chunks:  # (it used chunks[0] for every --chunks value, under a name without it)
+            out[f"hierarchical/{n // 2}x2/c{c}"] = lambda x, c=c: grouped_all_reduce(x, "data", n // 2,
+                                                                                   num_chunks=c)
     return out
 
 
