@@ -101,6 +101,8 @@ def test_gpt_step_reports_every_method_with_the_gradient_dtype(tmp_path, grad_dt
         assert row["grad_dtype"] == expected
         assert row["step_s"] > 0 and row["compute_only_s"] > 0 and row["comm_only_s"] > 0
         assert row["throughput_vs_one_device"] == pytest.approx(8 * row["one_device_step_s"] / row["step_s"])
+        # comm_only_s times the dense all-reduce, not an +embx row's row exchange
+        assert (row["hidden_comm_fraction"] is None) == row["method"].endswith("+embx")
 
 
 def test_gpt_trace_writes_a_profile_per_method_and_reports_overlap_fields(tmp_path, capsys):
