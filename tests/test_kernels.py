@@ -1107,3 +1107,27 @@ def test_autotune_budget_keeps_best_so_far():
     winners = autotune([(16, 16, 16)], backend="interpret", candidates=[first, second],
                        timer=lambda fn: 1.0, write_cache=False, budget_s=0.0)
     assert winners == {(16, 16, 16): first}
+
+
+@pytest.mark.parametrize("precision, kernel", [
+    (None, True), ("default", True), (lax.Precision.DEFAULT, True), (("default", None), True),
+    ("highest", False), (lax.Precision.HIGHEST, False), (("default", "highest"), False),
+])
+def test_dot_general_takes_default_precision_in_any_spelling(monkeypatch, precision, kernel):
+    """`lax.dot_general` accepts precision="default"; the drop-in sent it to XLA, silently
+    skipping the kernel. Other precisions still go to XLA (the kernel has one)."""
+    import importlib
+
+    dot_general_module = importlib.import_module("jaxopt_train.kernels.dot_general")
+    calls = []
+    real = dot_general_module.matmul
+    monkeypatch.setattr(dot_general_module, "matmul",
+                        lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
+    lhs = jax.random.normal(jax.random.key(0), (8, 16), jnp.bfloat16)
+    rhs = jax.random.normal(jax.random.key(1), (16, 8), jnp.bfloat16)
+    dims = (((1,), (0,)), ((), ()))
+    got = make_dot_general("interpret")(lhs, rhs, dims, precision=precision)
+    assert bool(calls) == kernel
+    want = lax.dot_general(lhs, rhs, dims, precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2e-2, atol=2e-2)

@@ -35,9 +35,20 @@ from jaxopt_train.kernels.matmul import (explicit_sharding, matmul, resolve_back
 logger = logging.getLogger(__name__)
 
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_DEFAULT_PRECISIONS = (None, lax.Precision.DEFAULT, (None, None),
-                       (lax.Precision.DEFAULT, lax.Precision.DEFAULT))
 MATMUL_CHOICES = ("xla", "pallas", "triton")
+
+
+def _is_default_precision(precision) -> bool:
+    """None or DEFAULT, alone or per operand, including its string spelling "default"
+    (which `lax.dot_general` accepts: a user passing it should still get the kernel)."""
+    if isinstance(precision, tuple):
+        return all(_is_default_precision(p) for p in precision)
+    if isinstance(precision, str):
+        try:
+            precision = lax.Precision(precision)
+        except ValueError:
+            return False
+    return precision is None or precision == lax.Precision.DEFAULT
 
 
 def _kernel_eligible(lhs, rhs, dimension_numbers, precision, preferred_element_type,
@@ -47,7 +58,7 @@ def _kernel_eligible(lhs, rhs, dimension_numbers, precision, preferred_element_t
             and tuple(lhs_contract) == (lhs.ndim - 1,) and tuple(rhs_contract) in ((0,), (1,))
             and not tuple(lhs_batch) and not tuple(rhs_batch)
             and jnp.dtype(lhs.dtype) in _KERNEL_DTYPES and lhs.dtype == rhs.dtype
-            and precision in _DEFAULT_PRECISIONS and out_sharding is None
+            and _is_default_precision(precision) and out_sharding is None
             and explicit_sharding(lhs) is None and explicit_sharding(rhs) is None
             and (preferred_element_type is None
                  or jnp.dtype(preferred_element_type) in (*_KERNEL_DTYPES, jnp.dtype(jnp.float32))))
