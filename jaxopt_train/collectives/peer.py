@@ -46,8 +46,10 @@ def check_platform() -> None:
     if backend != "gpu":
         raise ValueError(f"the peer all-reduce is a Mosaic GPU kernel and needs CUDA GPUs; "
                          f"the default backend here is {backend!r} (use method='ring' or 'psum')")
-    capability = str(getattr(jax.devices()[0], "compute_capability", "0"))
-    if float(capability) < 9.0:
+    from jaxopt_train.runtime._backend import compute_capability  # noqa: PLC0415
+
+    if compute_capability(jax.devices()[0]) < (9, 0):
+        capability = getattr(jax.devices()[0], "compute_capability", "none")
         raise ValueError(f"the peer all-reduce needs compute capability >= 9.0 (Hopper); "
                          f"{jax.devices()[0].device_kind} has {capability}")
     if jax.process_count() > 1:

@@ -96,11 +96,13 @@ def _check_unsharded(backend: str, **operands) -> None:
 
 # ----------------------------------------------------------------------------- backends
 def _mosaic_gpu_available() -> tuple[bool, str]:
+    from jaxopt_train.runtime._backend import compute_capability  # noqa: PLC0415
+
     devices = jax.devices()
     if devices[0].platform != "gpu":
         return False, f"needs a GPU; jax.devices()[0].platform={devices[0].platform!r}"
     capability = str(getattr(devices[0], "compute_capability", ""))
-    if not capability.startswith("9"):
+    if compute_capability(devices[0])[0] != 9:
         return False, f"needs a Hopper GPU (compute capability 9.x); got {capability!r}"
     try:
         importlib.import_module("jax.experimental.pallas.mosaic_gpu")

@@ -1,4 +1,5 @@
-"""Whether JAX's backend has started: settings read at start-up must come before it."""
+"""Facts about JAX's backend: whether it has started (settings read at start-up must come
+before it), and a device's CUDA compute capability."""
 
 from __future__ import annotations
 
@@ -31,3 +32,13 @@ def require_backend_not_started(what: str) -> None:
             "the setting would be silently ignored. Call it at the top of your script, "
             "before any JAX computation, or set the environment variable in the shell."
         )
+
+
+def compute_capability(device) -> tuple[int, int]:
+    """(major, minor) of a device's `compute_capability` such as "9.0"; (0, 0) if it has
+    none or it cannot be read (CPU, TPU), so a check for a minimum refuses it."""
+    try:
+        major, minor = str(getattr(device, "compute_capability", "")).split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return 0, 0

@@ -83,21 +83,13 @@ def _cudnn_max_head_dim() -> int:
     import jax  # noqa: PLC0415
 
     from jaxopt_train.models.gpt import CUDNN_MAX_HEAD_DIM  # noqa: PLC0415
+    from jaxopt_train.runtime._backend import compute_capability  # noqa: PLC0415
 
     # The step runs on all of jax.devices(), so the oldest GPU decides; a device
     # whose capability cannot be read counts as pre-Hopper, where "auto" falling
     # back to XLA is slower but a cuDNN head_dim past 128 would fail to compile.
-    capabilities = [_compute_capability(device) for device in jax.devices()]
+    capabilities = [compute_capability(device) for device in jax.devices()]
     return CUDNN_MAX_HEAD_DIM if min(capabilities) >= (9, 0) else 128
-
-
-def _compute_capability(device) -> tuple[int, int]:
-    """(major, minor) from a device's `compute_capability` such as "9.0"; (0, 0) if unknown."""
-    try:
-        major, minor = str(getattr(device, "compute_capability", "")).split(".")[:2]
-        return int(major), int(minor)
-    except ValueError:
-        return 0, 0
 
 
 def _load_tokens(cfg: TrainConfig) -> tuple[np.ndarray, int, str]:
