@@ -30,8 +30,8 @@ class _FakeRunner:
 
 
 def _fake_memory(monkeypatch, layers, per_block, base, calls):
-    """build_runner/fits stand-ins: a block outside remat costs per_block (dots) or
-    2 * per_block (full) more than one inside. XLA:CPU's memory analysis does not
+    """build_runner/fits stand-ins: a block outside remat costs 0.8 * per_block
+    (dots_attention), per_block (dots) or 2 * per_block (full) more than one inside. XLA:CPU's memory analysis does not
     show remat's saving, so the search is tested on this model of it; the GPU run
     in BENCHMARKS.md shows the real one."""
     from jaxopt_train import runtime
@@ -39,7 +39,8 @@ def _fake_memory(monkeypatch, layers, per_block, base, calls):
 
     def fake_fits(run, budget):
         covered = 0 if run.remat == "none" else layers if run.remat_layers is None else run.remat_layers
-        saving = {"none": 0, "dots": per_block, "full": 2 * per_block}[run.remat]
+        saving = {"none": 0, "dots_attention": per_block * 4 // 5, "dots": per_block,
+                  "full": 2 * per_block}[run.remat]
         calls.append((run.remat, run.remat_layers))
         return FitReport(0, 0, 0, base + layers * 2 * per_block - covered * saving, 0, budget)
 
@@ -54,10 +55,13 @@ def _bench(layers):
 
 
 @pytest.mark.parametrize("budget,want", [
-    # 8 blocks: no remat needs 100 + 8 * 20 = 260; dots saves 10 a block, full 20
+    # 8 blocks: no remat needs 100 + 8 * 20 = 260; dots_attention saves 8 a block,
+    # dots 10, full 20
     (260, ("none", None)),  # everything fits without remat
-    (259, ("dots", 1)),  # one block short: dots on one block
-    (235, ("dots", 3)),  # 2.5 blocks' worth short
+    (259, ("dots_attention", 1)),  # one block short: the least recompute, on one block
+    (235, ("dots_attention", 4)),  # 25 short: 3.1 blocks' worth
+    (196, ("dots_attention", None)),  # dots_attention on every block, exactly
+    (195, ("dots", 7)),  # dots_attention everywhere misses: dots on 7 blocks (65 / 10)
     (180, ("dots", None)),  # dots on every block, exactly
     (179, ("full", 5)),  # dots everywhere misses: full on 5 blocks (81 / 20 saved a block)
     (10, ("full", None)),  # nothing fits: the last policy, on every block
@@ -93,5 +97,5 @@ def test_the_search_keeps_a_reserve_for_what_xla_does_not_count(monkeypatch):
     run = train_steps.RunConfig("optimised", accumulation="scan", donate=True)
     budget = (260 << 20) + train_remat.allocator_reserve(260 << 20) - 1  # just short of "none"
     chosen, _, trials, _ = train_remat.choose_remat(_bench(8), run, budget)
-    assert (chosen.remat, chosen.remat_layers) == ("dots", 1)
+    assert (chosen.remat, chosen.remat_layers) == ("dots_attention", 1)
     assert trials[0]["reserve_bytes"] == train_remat.allocator_reserve(budget) and not trials[0]["fits"]

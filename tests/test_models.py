@@ -338,6 +338,35 @@ def test_cudnn_attention_matches_xla_on_gpu():
 
 
 @pytest.mark.gpu
+def test_remat_dots_attention_runs_cudnn_forward_once_on_gpu():
+    """"dots" reruns cuDNN attention's forward in the backward pass (its output and
+    softmax statistics are not dots); "dots_attention" saves them: one forward per
+    block in the lowered gradient, and the same gradients."""
+    cfg = small_cfg(dtype="bf16", d_model=128, n_heads=2, attention="cudnn", seq_len=32)
+    tokens = tokens_for(cfg, length=33)
+
+    def lowered_and_grads(remat):
+        model = GPT(dataclasses.replace(cfg, remat=remat), rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split(model)
+
+        def loss(s):
+            return gpt_loss(nnx.merge(graphdef, s)(tokens[:, :-1]), tokens[:, 1:])
+
+        step = jax.jit(jax.value_and_grad(loss))
+        text = step.lower(state).as_text()
+        forwards = sum("fmha" in line and "Backward" not in line and "custom_call" in line
+                       for line in text.splitlines())
+        return forwards, step(state)
+
+    (dots_fwd, want), (attention_fwd, got) = (lowered_and_grads(r) for r in ("dots", "dots_attention"))
+    assert (dots_fwd, attention_fwd) == (2 * cfg.n_layers, cfg.n_layers)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+        np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-3, atol=1e-5),
+        nnx.to_pure_dict(got[1]), nnx.to_pure_dict(want[1]))
+
+
+@pytest.mark.gpu
 def test_split_qkv_with_cudnn_attention_on_gpu():
     # The layout split_qkv exists for: contiguous q, k, v straight into cuDNN.
     cfg = small_cfg(dtype="bf16", d_model=128, n_heads=2, attention="cudnn", seq_len=32)

@@ -124,8 +124,39 @@ def test_remat_dots_saves_dense_outputs_of_a_kernel_dot_general(capsys):
         assert sorted(extra) == dense, (dot_general, dots, full)
 
 
+def test_remat_dots_attention_saves_the_attention_output_too(capsys):
+    """"dots_attention" = "dots" + the attention's [batch, time, heads, head_dim]
+    output, whatever computes the dense layers (on GPU also cuDNN's softmax
+    statistics: tests/test_models_gpu.py)."""
+    from jaxopt_train.kernels import make_dot_general
+
+    base = small_cfg(n_layers=2, dtype="bf16", vocab_size=64, seq_len=16)
+    for dot_general in (None, make_dot_general("interpret")):
+        dots, with_attention = (_saved_shapes(dataclasses.replace(base, remat=r, dot_general=dot_general),
+                                              capsys) for r in ("dots", "dots_attention"))
+        extra = list(with_attention)
+        for shape in dots:
+            extra.remove(shape)
+        assert extra == [f"bf16[2,16,{base.n_heads},{base.head_dim}]"] * base.n_layers, extra
+
+
+def test_dots_attention_policy_names_jax_cudnn_attention_forward():
+    """The policy saves cuDNN attention's forward by its primitive's name: this fails
+    if JAX renames it (the policy would silently recompute the forward again)."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+    from jaxopt_train.models import gpt
+
+    forward = cudnn_attention._dot_product_attention_fwd_p_wrapper
+    policy = gpt._remat_policy("dots_attention")
+    assert policy(forward) and not gpt._remat_policy("dots")(forward)
+    assert not policy(cudnn_attention._dot_product_attention_bwd_p_wrapper)
+    assert not policy(jax.lax.exp_p)
+
+
+@pytest.mark.parametrize("remat", ["dots", "dots_attention"])
 @pytest.mark.parametrize("split_qkv", [False, True])
-def test_remat_dots_gradients_match_no_remat(split_qkv):
+def test_remat_dots_gradients_match_no_remat(split_qkv, remat):
     tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 61)
 
     def grads(cfg):
@@ -135,7 +166,7 @@ def test_remat_dots_gradients_match_no_remat(split_qkv):
 
     with jax.default_matmul_precision("highest"):
         (want_loss, want), (got_loss, got) = (
-            grads(small_cfg(remat=remat, split_qkv=split_qkv)) for remat in ("none", "dots"))
+            grads(small_cfg(remat=r, split_qkv=split_qkv)) for r in ("none", remat))
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                  nnx.to_pure_dict(got), nnx.to_pure_dict(want))

@@ -35,6 +35,7 @@ VARIANTS = {
     "pure": ("bf16-pure", "f32", "none", 1),
     "st16": ("bf16", "bf16", "none", 1),
     "dots16": ("bf16", "bf16", "dots", 1),
+    "dotsattn16": ("bf16", "bf16", "dots_attention", 1),  # cuDNN attention's forward saved too
     "full16": ("bf16", "bf16", "full", 1),
     "dots16m2": ("bf16", "bf16", "dots", 2),
     "none16m4": ("bf16", "bf16", "none", 4),

@@ -9,7 +9,7 @@ Configs run one after the other on the same model and global batch:
   widened after the all-reduce, AdamW moments stored in bf16: `--grad-dtype`,
   `--opt-state-dtype`), cuDNN attention on GPU,
   `lax.scan` accumulation with one all-reduce after it, donated state, the
-  first remat policy ("none", "dots", "full") whose compiled step fits
+  first remat policy ("none", "dots_attention", "dots", "full") whose compiled step fits
   `--memory-budget`, on only as many blocks as the budget needs
   (`bench/train_remat.py`), the fastest grad-sync method (under `--zero 0`;
   ZeRO-1 reduce-scatters the gradients per leaf), `--steps-per-dispatch` steps

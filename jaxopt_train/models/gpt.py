@@ -18,7 +18,9 @@ Design choices (each one a knob the trainer and the benchmarks turn):
   memory of an f32 one); `gpt_loss` upcasts them to float32.
 * ``tie_embeddings=True`` (the default, as GPT-2/nanoGPT) reuses the token
   embedding as the output head; ``False`` adds a separate bias-free head.
-* ``remat`` wraps each block in `nnx.remat` with a named policy and
+* ``remat`` wraps each block in `nnx.remat` with a named policy ("dots"
+  saves the matmul outputs, "dots_attention" the attention's forward results
+  too, so cuDNN's flash attention is not run twice) and
   ``scan_layers`` stacks the blocks (built with `nnx.vmap`, run with
   `nnx.scan`) so compile time does not grow with depth.
 """
@@ -50,16 +52,32 @@ from jaxopt_train.models.losses import softmax_cross_entropy as softmax_cross_en
 # primitive) computes it: `dots_with_no_batch_dims_saveable` alone saved nothing
 # there, and "dots" silently became "full".
 DENSE_OUTPUT_NAME = "gpt_dense_output"
+# The attention's output [batch, time, heads, head_dim], saved by remat="dots_attention".
+ATTENTION_OUTPUT_NAME = "gpt_attention_output"
+# The primitives of cuDNN flash attention's forward in JAX (the custom_vjp's forward
+# rule binds the wrapper). Saving their results (the output and the softmax
+# statistics, the backward's residuals) is what stops "dots" from running the
+# whole attention forward a second time in the backward pass.
+_CUDNN_ATTENTION_FORWARD = frozenset({"dot_product_attention_fwd_wrapper",
+                                      "dot_product_attention_fwd"})
 
+
+def _saves_cudnn_attention_forward(prim, *_, **__) -> bool:
+    return prim.name in _CUDNN_ATTENTION_FORWARD
 
 
 def _remat_policy(name: str):
+    policies = jax.checkpoint_policies
+    dots = policies.save_from_both_policies(
+        policies.dots_with_no_batch_dims_saveable,
+        policies.save_only_these_names(DENSE_OUTPUT_NAME),
+    )
     if name == "dots":
-        policies = jax.checkpoint_policies
-        return policies.save_from_both_policies(
-            policies.dots_with_no_batch_dims_saveable,
-            policies.save_only_these_names(DENSE_OUTPUT_NAME),
-        )
+        return dots
+    if name == "dots_attention":
+        attention = policies.save_from_both_policies(
+            policies.save_only_these_names(ATTENTION_OUTPUT_NAME), _saves_cudnn_attention_forward)
+        return policies.save_from_both_policies(dots, attention)
     return None  # "full": nothing saveable, everything recomputed in the backward pass.
 
 
@@ -149,6 +167,7 @@ class CausalSelfAttention(nnx.Module):
         # before it under the causal mask, and its output is dropped.
         pad = length % 2 if implementation == "cudnn" else 0
         y = causal_attention(*(_pad_time(a, pad) for a in (q, k, v)), implementation)
+        y = checkpoint_name(y, ATTENTION_OUTPUT_NAME)
         return self.out(y[:, :length].reshape(batch, length, cfg.d_model))
 
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
-REMAT_POLICIES = ("none", "dots", "full")
+REMAT_POLICIES = ("none", "dots_attention", "dots", "full")
 
 _DTYPE_ALIASES = {
     "f32": jnp.float32,
@@ -89,7 +89,10 @@ class GPTConfig:
         backward refuses odd lengths; causal masking makes the pad exact.
       remat: Per-block rematerialisation: "none", "dots" (save the output of
         every dense layer, whatever `dot_general` computes it, and other matmul
-        outputs without batch dims; recompute the rest) or "full" (save nothing).
+        outputs without batch dims; recompute the rest), "dots_attention" (as
+        "dots", and the attention's output, plus cuDNN's softmax statistics:
+        the backward then never reruns the attention forward, for one
+        [batch, time, d_model] tensor more per block) or "full" (save nothing).
       remat_layers: How many blocks, from the first, run under `remat`; the
         others keep every activation. None: all of them. Memory grows by about
         one block's activations per block left out, so a budget that "none"
@@ -205,7 +208,7 @@ class GPTConfig:
         object.__setattr__(self, "remat_layers", int(layers))
         if layers and self.remat == "none":
             raise ValueError(f"remat_layers={layers} names blocks to rematerialise, but remat='none'; "
-                             "set remat='dots' or 'full'")
+                             "set remat='dots_attention', 'dots' or 'full'")
         if self.scan_layers and 0 < layers < self.n_layers:
             raise ValueError(f"remat_layers={layers} of n_layers={self.n_layers} needs "
                              "scan_layers=False: a scan runs every block under one policy")

@@ -24,7 +24,7 @@ MATMULS = ("xla", "pallas", "triton")
 # The matmul kernels take bf16/fp16 operands; an f32 compute dtype never reaches them.
 _KERNEL_COMPUTE_DTYPES = ("bfloat16", "float16")
 ATTENTIONS = ("auto", "xla", "cudnn")
-REMATS = ("none", "dots", "full")
+REMATS = ("none", "dots_attention", "dots", "full")
 
 # Fields that fix the shapes of the parameters: a run directory created with
 # one value cannot be resumed with another.
