@@ -18,6 +18,7 @@ from jaxopt_train.data import (
     TokenDataset,
     check_labels,
     load_image_npz,
+    check_token_width,
     load_text_corpus,
     load_token_file,
     max_token_id,
@@ -169,6 +170,32 @@ def test_token_file_errors(tmp_path):
     empty.write_bytes(b"")
     with pytest.raises(ValueError, match="is empty"):
         load_token_file(empty)
+
+
+def test_token_file_read_with_the_other_width_is_refused(tmp_path):
+    ids = (np.arange(3_000) * 7919 % 50_000).astype(np.uint32)
+    ids.tofile(tmp_path / "u32.bin")
+    ids.astype(np.uint16).tofile(tmp_path / "u16.bin")
+    with pytest.raises(ValueError, match=r"every second 16-bit word of the first 6,000 is 0.*"
+                                         r"dtype='uint32'.*--token-dtype uint32"):
+        load_token_file(tmp_path / "u32.bin", "uint16")
+    with pytest.raises(ValueError, match=r"read as uint32, past any tokenizer's vocabulary.*"
+                                         r"dtype='uint16'"):
+        load_token_file(tmp_path / "u16.bin", "uint32")
+    # uint32 ids past 65535 (a 128 K vocabulary) load as uint32
+    big = np.array([5, 70_000, 131_071, 0] * 100, np.uint32)
+    big.tofile(tmp_path / "big.bin")
+    np.testing.assert_array_equal(load_token_file(tmp_path / "big.bin", "uint32"), big)
+
+
+@pytest.mark.parametrize("tokens", [
+    np.array([7, 0] * 63, np.uint16),  # 63 pairs: too few for the zero pattern to mean anything
+    np.zeros(1_000, np.uint16),  # all zeros: no id at all to tell the widths apart
+    np.array([7, 0] * 200 + [7, 1], np.uint16),  # one non-zero odd word
+    np.array([(1 << 24) - 1], np.uint32),  # the largest plausible id
+])
+def test_token_width_check_passes_real_layouts(tokens):
+    check_token_width(tokens)
 
 
 # ---------------------------------------------------------------- images, synthetic

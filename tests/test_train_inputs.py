@@ -9,6 +9,7 @@ Also how `build_task` resolves attention="auto" on a GPU, checked on CPU with
 faked devices.
 """
 
+import dataclasses
 import os
 import socket
 from types import SimpleNamespace
@@ -100,6 +101,37 @@ def test_token_file_within_the_vocab_builds(tmp_path):
                       seq_len=32, batch_size=8)
     task = build_task(cfg, get_policy("fp32"))
     assert task.train_batch(0)["inputs"].max() < 256
+
+
+def test_uint32_token_file_needs_and_takes_token_dtype(tmp_path, capsys):
+    """uint32 ids read as uint16 would train on (id, 0, id, 0, ...): refused, naming the flag."""
+    path = tmp_path / "u32.bin"
+    (np.arange(4096, dtype=np.uint32) * 7919 % 50_000).tofile(path)
+    args = ["--data", str(path), "--run-dir", str(tmp_path / "run"), *TINY_GPT_FLAGS]
+    assert cli.main(args) == 2
+    assert "--token-dtype uint32" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+    cfg = cli.config_from_args([*args, "--token-dtype", "uint32"])
+    assert cfg.token_dtype == "uint32"
+    task = build_task(dataclasses.replace(cfg, model_overrides={**cfg.model_overrides,
+                                                                "vocab_size": 50_000}),
+                      get_policy("fp32"))
+    batch = task.train_batch(0)
+    assert batch["inputs"].max() >= 256 and batch["inputs"].max() < 50_000
+
+
+def test_token_dtype_without_a_token_file_is_refused():
+    with pytest.raises(ValueError, match=r"token_dtype='uint32' applies to a \.bin token file"):
+        TrainConfig(token_dtype="uint32")
+    with pytest.raises(ValueError, match=r"token_dtype='int32' is not supported"):
+        TrainConfig(data="x.bin", token_dtype="int32")
+
+
+def test_token_dtypes_are_the_token_files():
+    from jaxopt_train.data.tokens import TOKEN_FILE_DTYPES
+    from jaxopt_train.train.config import TOKEN_DTYPES
+
+    assert TOKEN_DTYPES == TOKEN_FILE_DTYPES
 
 
 def test_prometheus_port_in_use_exits_2_naming_the_flag(tmp_path, capsys):

@@ -10,5 +10,6 @@ from jaxopt_train.data.synthetic import synthetic_lm_batch as synthetic_lm_batch
 from jaxopt_train.data.text import load_text_corpus as load_text_corpus
 from jaxopt_train.data.text import stdlib_source_files as stdlib_source_files
 from jaxopt_train.data.tokens import TokenDataset as TokenDataset
+from jaxopt_train.data.tokens import check_token_width as check_token_width
 from jaxopt_train.data.tokens import load_token_file as load_token_file
 from jaxopt_train.data.tokens import max_token_id as max_token_id

@@ -22,7 +22,8 @@ def load_token_file(path: str | os.PathLike, dtype: str | np.dtype = "uint16") -
 
     Raises:
       FileNotFoundError: no such file.
-      ValueError: illegal dtype, or a file size that is not a whole number of tokens.
+      ValueError: illegal dtype, a file size that is not a whole number of tokens,
+        or ids whose layout says the file holds the other width (`check_token_width`).
     """
     name = np.dtype(dtype).name if _is_dtype_like(dtype) else repr(dtype)
     if name not in TOKEN_FILE_DTYPES:
@@ -44,7 +45,42 @@ def load_token_file(path: str | os.PathLike, dtype: str | np.dtype = "uint16") -
             f"token file {str(path)!r} has {size} bytes, not a multiple of {itemsize} "
             f"(dtype={name}); was it written with another dtype?"
         )
-    return np.memmap(path, dtype=np.dtype(name).newbyteorder("<"), mode="r")
+    tokens = np.memmap(path, dtype=np.dtype(name).newbyteorder("<"), mode="r")
+    check_token_width(tokens, str(path))
+    return tokens
+
+
+# The raw file has no header, so a width mismatch reads without error as other ids.
+# The first _WIDTH_SAMPLE ids are enough to tell: 1 M ids cost ~2-4 ms to scan.
+_WIDTH_SAMPLE = 1 << 20
+_MIN_PAIRS = 64  # below this, a run of zeros in a real uint16 file is not rare enough
+_IMPLAUSIBLE_ID = 1 << 24  # no tokenizer has 16.7 M tokens; uint16 pairs read as uint32 exceed it
+
+
+def check_token_width(tokens: np.ndarray, source: str = "tokens") -> None:
+    """Refuses ids that were written with the other width of `TOKEN_FILE_DTYPES`.
+
+    uint32 ids below 65536 read as uint16 come out as (id, 0, id, 0, ...): every second
+    16-bit word is zero. uint16 ids read as uint32 pair two ids into one,
+    id_0 + 65536 * id_1, which lands past 2^24 as soon as an id_1 is 256 or more.
+    Both are checked on the first 2^20 ids.
+    """
+    sample = np.asarray(tokens[:_WIDTH_SAMPLE])
+    if sample.dtype == np.uint16:
+        pairs = sample[:sample.size // 2 * 2].reshape(-1, 2)
+        if pairs.shape[0] >= _MIN_PAIRS and not pairs[:, 1].any() and pairs[:, 0].any():
+            raise ValueError(
+                f"{source}: every second 16-bit word of the first {2 * pairs.shape[0]:,} is 0, "
+                "the layout of uint32 ids read as uint16; load it with dtype='uint32' "
+                "(jaxopt-train train: --token-dtype uint32)")
+    elif sample.dtype == np.uint32 and sample.size:
+        largest = int(sample.max())
+        if largest >= _IMPLAUSIBLE_ID:
+            raise ValueError(
+                f"{source}: id {largest:,} among the first {sample.size:,} read as uint32, past "
+                f"any tokenizer's vocabulary (2^24 = {_IMPLAUSIBLE_ID:,}): the layout of uint16 "
+                "ids read two at a time; load it with dtype='uint16' "
+                "(jaxopt-train train: --token-dtype uint16)")
 
 
 def max_token_id(tokens: np.ndarray, chunk_size: int = 1 << 24) -> int:

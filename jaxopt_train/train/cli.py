@@ -38,8 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("model and data")
     m.add_argument("--preset", choices=config_lib.PRESETS, default=d.preset, help="model preset")
     m.add_argument("--data", default=None,
-                   help="text file/folder, .bin uint16 token file, or .npz images "
+                   help="text file/folder, .bin token file (ids as --token-dtype), or .npz images "
                         "(default: embedded corpus for GPT, synthetic images for vision)")
+    m.add_argument("--token-dtype", choices=config_lib.TOKEN_DTYPES, default=d.token_dtype,
+                   help="width of the ids in a .bin token file (default %(default)s, nanoGPT's)")
     m.add_argument("--seq-len", type=int, default=None, help="GPT sequence length (default: preset's)")
     m.add_argument("--model", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a GPT config field, e.g. --model d_model=64 (repeatable)")

@@ -25,6 +25,7 @@ MATMULS = ("xla", "pallas", "triton")
 _KERNEL_COMPUTE_DTYPES = ("bfloat16", "float16")
 ATTENTIONS = ("auto", "xla", "cudnn")
 REMATS = ("none", "dots_attention", "dots", "full")
+TOKEN_DTYPES = ("uint16", "uint32")  # jaxopt_train.data.tokens.TOKEN_FILE_DTYPES
 
 # Fields that fix the shapes of the parameters: a run directory created with
 # one value cannot be resumed with another.
@@ -49,6 +50,8 @@ class TrainConfig:
       clip_norm: global gradient-norm clip; 0 disables clipping.
       data: text file/folder, `.bin` token file or `.npz` images; None means
         the embedded corpus (GPT) or synthetic images (vision).
+      token_dtype: width of the ids in a `.bin` token file (`TOKEN_DTYPES`):
+        "uint16" (nanoGPT's layout, vocab <= 65536) or "uint32".
       run_dir: directory for metrics.jsonl, config.json and checkpoints;
         None makes a fresh `runs/<preset>-<date>-<time>`.
       resume: continue from the latest checkpoint in `run_dir`.
@@ -109,6 +112,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     clip_norm: float = 1.0
     data: str | None = None
+    token_dtype: str = "uint16"
     run_dir: str | None = None
     resume: bool = False
     overwrite: bool = False
@@ -177,6 +181,10 @@ class TrainConfig:
         _check_choice("attention", self.attention, ATTENTIONS)
         _check_choice("remat", self.remat, REMATS)
         _check_choice("progress", self.progress, ("auto", "bar", "lines"))
+        _check_choice("token_dtype", self.token_dtype, TOKEN_DTYPES)
+        if self.token_dtype != "uint16" and not (isinstance(self.data, str) and self.data.endswith(".bin")):
+            raise ValueError(f"token_dtype={self.token_dtype!r} applies to a .bin token file, but "
+                             f"data={self.data!r}; drop it or give the .bin file")
         if self.batch_size % self.microbatches:
             raise ValueError(
                 f"batch_size={self.batch_size} must be divisible by microbatches={self.microbatches}")

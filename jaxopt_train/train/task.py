@@ -104,10 +104,11 @@ def _load_tokens(cfg: TrainConfig) -> tuple[np.ndarray, int, str]:
         raise FileNotFoundError(f"data={cfg.data!r} does not exist; give a text file or folder, "
                                 "a .bin token file, or a .npz of images")
     if cfg.data.endswith(".bin"):
-        tokens = load_token_file(cfg.data, "uint16")
+        tokens = load_token_file(cfg.data, cfg.token_dtype)
         # Scanned once here (about a second per GB): an id past the model's vocab
         # would only show later as NaN losses and a misleading "lower --lr" stop.
-        return tokens, max_token_id(tokens) + 1, f"token file {cfg.data} ({tokens.size:,} uint16 tokens)"
+        return (tokens, max_token_id(tokens) + 1,
+                f"token file {cfg.data} ({tokens.size:,} {cfg.token_dtype} tokens)")
     tokens = load_text_corpus(cfg.data)
     return tokens, 256, f"text {cfg.data} ({tokens.size:,} bytes)"
 
