@@ -204,10 +204,14 @@ def train(config: TrainConfig, *, until_step: int | None = None, devices=None,
         optimizer, zero_clip_norm = build_optimizer(
             cfg.zero, cfg.opt_state_dtype, clip_norm=cfg.clip_norm, lr=cfg.lr,
             total_steps=cfg.steps, warmup=cfg.warmup, weight_decay=cfg.weight_decay)
+        # The task's model was built for this run alone: the state takes its arrays
+        # (no second copy of the model on the device), and the task keeps only shapes.
         trainer = Trainer.from_model_fns(
             task.fns, optimizer, policy, microbatches=cfg.microbatches, grad_sync=cfg.grad_sync,
             grad_compression=cfg.grad_compression, steps_per_dispatch=k, zero=cfg.zero,
-            grad_dtype=cfg.grad_dtype, zero_clip_norm=zero_clip_norm, devices=devices)
+            grad_dtype=cfg.grad_dtype, zero_clip_norm=zero_clip_norm, devices=devices,
+            owns_params=True)
+        task = dataclasses.replace(task, fns=trainer.fns)
         if cfg.overwrite:  # only now: a bad flag above has cost the old run nothing
             clear_run_dir(run_dir)
             if jax.process_count() > 1:  # no process writes before process 0 has cleared

@@ -169,19 +169,24 @@ def build_eval_step(loss: Callable, mesh: jax.sharding.Mesh) -> Callable:
     return jax.jit(sharded)
 
 
-def replicate(tree, mesh: jax.sharding.Mesh):
-    """Puts every leaf of `tree` on all devices of `mesh` (replicated)."""
+def replicate(tree, mesh: jax.sharding.Mesh, *, copy: bool = True):
+    """Puts every leaf of `tree` on all devices of `mesh` (replicated).
+
+    `copy=True` leaves the caller's arrays intact whatever happens to the result
+    (the train step donates, and so deletes, its state). `copy=False` may reuse
+    their buffers: for arrays nobody else will read again, it saves a full copy
+    of them on the device.
+    """
     sharding = NamedSharding(mesh, P())
     return jax.tree.map(lambda x: _global_array(np.asarray(x) if not isinstance(x, jax.Array)
-                                                 else x, sharding), tree)
+                                                 else x, sharding, copy), tree)
 
 
-def _global_array(x, sharding):
+def _global_array(x, sharding, copy: bool):
     if isinstance(x, jax.Array) and jax.process_count() == 1:
-        # Copy first: the train step donates the state, which must not delete the
-        # arrays of the user's model (device_put shares the buffer on its own
-        # device even with may_alias=False, jax 0.10).
-        return jax.device_put(x.copy(), sharding)
+        # device_put shares the buffer on its own device even with may_alias=False
+        # (jax 0.10): only an explicit copy keeps a donated result from deleting x.
+        return jax.device_put(x.copy() if copy else x, sharding)
     return jax.make_array_from_process_local_data(sharding, np.asarray(x))
 
 

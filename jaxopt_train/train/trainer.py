@@ -140,10 +140,11 @@ class Trainer:
                 warmup=warmup, weight_decay=weight_decay)
         else:
             optimizer, zero_clip_norm = low_precision_state(optimizer, opt_state_dtype), 0.0
+        # Linen's variables are created here, by module.init: the state can own them.
         self._setup(fns, optimizer, policy, microbatches=microbatches, grad_sync=grad_sync,
                     grad_compression=grad_compression, steps_per_dispatch=steps_per_dispatch,
                     zero=zero, zero_clip_norm=zero_clip_norm, grad_dtype=grad_dtype,
-                    devices=devices, verbose=verbose)
+                    devices=devices, verbose=verbose, owns_params=isinstance(model, nn.Module))
 
     @classmethod
     def from_model_fns(cls, fns: ModelFns, optimizer: optax.GradientTransformation, policy: Policy,
@@ -156,9 +157,13 @@ class Trainer:
     def _setup(self, fns: ModelFns, optimizer, policy: Policy, *, microbatches: int = 1,
                grad_sync: str = "psum", grad_compression: str | None = None,
                steps_per_dispatch: int = 1, zero: int = 0, zero_clip_norm: float = 0.0,
-               grad_dtype: str = "param", devices=None, verbose: bool = False) -> None:
+               grad_dtype: str = "param", devices=None, verbose: bool = False,
+               owns_params: bool = False) -> None:
         """`zero_clip_norm`: global-norm clip applied by the ZeRO step (zero > 0; the
-        optimizer must then not clip by global norm itself)."""
+        optimizer must then not clip by global norm itself). `owns_params`: nobody
+        else reads `fns.params` / `fns.model_state` again (a model built for the run),
+        so the state takes their buffers instead of copies, and the first step's
+        donation deletes them."""
         if grad_sync not in GRAD_SYNCS:
             raise ValueError(f"grad_sync={grad_sync!r}; expected one of {list(GRAD_SYNCS)}")
         if grad_compression not in GRAD_COMPRESSIONS:
@@ -171,14 +176,21 @@ class Trainer:
         for name, value in (("microbatches", microbatches), ("steps_per_dispatch", steps_per_dispatch)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
-        self.fns, self.optimizer, self.policy = fns, optimizer, policy
+        # The trainer keeps only the shapes of the initial weights: a reference to the
+        # arrays themselves would hold one more copy of the model on the device for
+        # the whole run (gpt-1b: 3.4 GiB; the state has its own copy).
+        self.fns = fns._replace(params=_shapes(fns.params), model_state=_shapes(fns.model_state))
+        self.optimizer, self.policy = optimizer, policy
         self.microbatches, self.steps_per_dispatch, self.verbose = microbatches, steps_per_dispatch, verbose
         self.mesh = make_data_mesh(devices)
         self.num_devices = self.mesh.shape[AXIS]
+        if not owns_params:  # the user's model keeps its arrays; the state gets copies
+            fns = fns._replace(params=_copy_arrays(fns.params),
+                               model_state=_copy_arrays(fns.model_state))
         # At zero > 0 the optimizer state is built sharded below, never in full.
         state = init_train_state(fns.params, fns.model_state, optax.identity() if zero else optimizer,
                                  loss_scale_for(policy))
-        self.state: TrainState = replicate(state, self.mesh)
+        self.state: TrainState = replicate(state, self.mesh, copy=False)
         self.zero = zero
         grad_cast = policy.cast_to_compute if grad_dtype == "compute" else None
         if zero:
@@ -307,6 +319,12 @@ class Trainer:
 def _copy_arrays(tree):
     """`tree` with every jax.Array copied (same sharding), so donating the originals spares it."""
     return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, tree)
+
+
+def _shapes(tree):
+    """`tree` with every array replaced by its jax.ShapeDtypeStruct."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+                        if hasattr(x, "shape") and hasattr(x, "dtype") else x, tree)
 
 
 def _host_batch(batch):
