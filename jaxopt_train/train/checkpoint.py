@@ -69,7 +69,7 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint to restore in {self.directory}")
-        target = jax.tree.map(_as_abstract, abstract_state)
+        target = jax.tree.map(as_abstract, abstract_state)
         self._check_saved_shapes(step, target)
         args = ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                   meta=ocp.args.JsonRestore())
@@ -125,7 +125,8 @@ class Checkpointer:
         self._manager.close()
 
 
-def _as_abstract(x):
+def as_abstract(x):
+    """`x` as a jax.ShapeDtypeStruct with its sharding (a restore target)."""
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
     sharding = getattr(x, "sharding", None)
