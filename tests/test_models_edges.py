@@ -116,27 +116,28 @@ def test_remat_dots_saves_dense_outputs_of_a_kernel_dot_general(capsys):
     # the out projection's backward); the rest of the block is recomputed.
     dense = sorted(f"bf16[2,16,{width}]" for width in (3 * d, d, 4 * d))
     for dot_general in (None, make_dot_general("interpret")):
-        dots, full = (_saved_shapes(dataclasses.replace(base, remat=r, dot_general=dot_general),
-                                    capsys) for r in ("dots", "full"))
-        extra = list(dots)
-        for shape in full:
-            extra.remove(shape)
-        assert sorted(extra) == dense, (dot_general, dots, full)
+        extra = _saved_beyond(dataclasses.replace(base, dot_general=dot_general), "dots", "full", capsys)
+        assert sorted(extra) == dense, (dot_general, extra)
+
+
+def _saved_beyond(cfg, remat, other, capsys):
+    """The residual shapes that remat policy `remat` saves beyond what `other` saves."""
+    more, fewer = (_saved_shapes(dataclasses.replace(cfg, remat=r), capsys) for r in (remat, other))
+    for shape in fewer:
+        more.remove(shape)
+    return more
 
 
 def test_remat_dots_attention_saves_the_attention_output_too(capsys):
     """"dots_attention" = "dots" + the attention's [batch, time, heads, head_dim]
     output, whatever computes the dense layers (on GPU also cuDNN's softmax
-    statistics: tests/test_models_gpu.py)."""
+    statistics: tests/test_models.py::test_remat_dots_attention_runs_cudnn_forward_once_on_gpu)."""
     from jaxopt_train.kernels import make_dot_general
 
     base = small_cfg(n_layers=2, dtype="bf16", vocab_size=64, seq_len=16)
     for dot_general in (None, make_dot_general("interpret")):
-        dots, with_attention = (_saved_shapes(dataclasses.replace(base, remat=r, dot_general=dot_general),
-                                              capsys) for r in ("dots", "dots_attention"))
-        extra = list(with_attention)
-        for shape in dots:
-            extra.remove(shape)
+        extra = _saved_beyond(dataclasses.replace(base, dot_general=dot_general), "dots_attention",
+                              "dots", capsys)
         assert extra == [f"bf16[2,16,{base.n_heads},{base.head_dim}]"] * base.n_layers, extra
 
 
