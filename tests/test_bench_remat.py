@@ -31,9 +31,9 @@ class _FakeRunner:
 
 def _fake_memory(monkeypatch, layers, per_block, base, calls):
     """build_runner/fits stand-ins: a block outside remat costs 0.8 * per_block
-    (dots_attention), per_block (dots) or 2 * per_block (full) more than one inside. XLA:CPU's memory analysis does not
-    show remat's saving, so the search is tested on this model of it; the GPU run
-    in BENCHMARKS.md shows the real one."""
+    (dots_attention), per_block (dots) or 2 * per_block (full) more than one inside.
+    XLA:CPU's memory analysis does not show remat's saving, so the search is tested
+    on this model of it; the GPU run in BENCHMARKS.md shows the real one."""
     from jaxopt_train import runtime
     from jaxopt_train.runtime.memory import FitReport
 

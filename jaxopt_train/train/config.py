@@ -182,7 +182,8 @@ class TrainConfig:
         _check_choice("remat", self.remat, REMATS)
         _check_choice("progress", self.progress, ("auto", "bar", "lines"))
         _check_choice("token_dtype", self.token_dtype, TOKEN_DTYPES)
-        if self.token_dtype != "uint16" and not (isinstance(self.data, str) and self.data.endswith(".bin")):
+        token_file = isinstance(self.data, str) and self.data.endswith(".bin")
+        if self.token_dtype != "uint16" and not token_file:
             raise ValueError(f"token_dtype={self.token_dtype!r} applies to a .bin token file, but "
                              f"data={self.data!r}; drop it or give the .bin file")
         if self.batch_size % self.microbatches:
