@@ -74,7 +74,10 @@ class Trainer:
     """Data-parallel training of one model over all devices (or `devices`).
 
     Args:
-      model: an `nnx.Module` or a `linen.Module`.
+      model: an `nnx.Module` or a `linen.Module`. The train state starts from a
+        copy of an nnx module's weights (each step donates, and so deletes, the
+        state's arrays; yours stay intact) and keeps no reference to the module:
+        drop it after building the Trainer and its weights leave the device.
       loss_fn: `loss_fn(model, batch) -> scalar` (NNX: the module; Linen: an
         `apply` callable); a `train` keyword, if it has one, is passed too.
       optimizer: any optax GradientTransformation; default AdamW with a
