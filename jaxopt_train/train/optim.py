@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -53,6 +54,11 @@ def low_precision_state(inner: optax.GradientTransformation, dtype: Any = jnp.bf
     if dtype == jnp.float32:
         return inner
 
+    # Jitted, so the wide state is never materialised: eagerly, inner.init allocated
+    # f32 moments (gpt-1b: 6.8 GiB) next to the params, the narrow copies landed after
+    # them, and freeing the f32 ones left a hole the train step's one temporary
+    # buffer could not fit in under a 16 GiB cap (H200, BENCHMARKS.md).
+    @jax.jit
     def init(params):
         return cast_floating(inner.init(params), dtype)
 
