@@ -1,0 +1,69 @@
+"""Device memory of the trainer's setup, stage by stage, and its pool's largest free piece.
+
+    python tools/probe_trainer_memory.py [TRAIN FLAGS...]     # e.g. the gpt-1b flags of
+                                                              # tools/gpu_common.sh's GPT1B_TRAIN
+
+Builds what `jaxopt-train train` builds for the given flags (task, Trainer, compiled step),
+then runs `--steps` steps, printing bytes in use, the allocator's peak, the train state's own
+bytes and the compiled step's memory analysis after each stage. Under a hard cap
+(XLA_PYTHON_CLIENT_MEM_FRACTION) it shows what besides the state is in the pool when the first
+step needs its temporaries in one buffer (twenty-second session: ~0.9 GiB unexplained, and an
+out-of-memory with 8.4 GiB free). Writes nothing; on CPU the memory figures are absent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+
+def _gib(x) -> str:
+    return "n/a" if x is None else f"{x / 2**30:.3f} GiB"
+
+
+def main(argv: list[str]) -> int:
+    import jax
+
+    from jaxopt_train.precision import get_policy
+    from jaxopt_train.train.cli import config_from_args
+    from jaxopt_train.train.task import build_task
+    from jaxopt_train.train.trainer import Trainer, build_optimizer
+
+    cfg = config_from_args(argv)
+    device = jax.devices()[0]
+
+    def report(stage, trainer=None):
+        stats = device.memory_stats() or {}
+        state = None if trainer is None else sum(
+            shard.data.nbytes for leaf in jax.tree.leaves(trainer.state)
+            for shard in leaf.addressable_shards if shard.device == device)
+        print(f"[memory] {stage}: in use {_gib(stats.get('bytes_in_use'))}, peak "
+              f"{_gib(stats.get('peak_bytes_in_use'))}, pool limit {_gib(stats.get('bytes_limit'))}, "
+              f"largest free block {_gib(stats.get('largest_free_block_bytes'))}, "
+              f"train state {_gib(state)}", flush=True)
+
+    report("start")
+    policy = get_policy(cfg.precision)
+    task = build_task(cfg, policy)
+    report("task built (the model's weights)")
+    optimizer, zero_clip_norm = build_optimizer(
+        cfg.zero, cfg.opt_state_dtype, clip_norm=cfg.clip_norm, lr=cfg.lr, total_steps=cfg.steps,
+        warmup=cfg.warmup, weight_decay=cfg.weight_decay)
+    trainer = Trainer.from_model_fns(
+        task.fns, optimizer, policy, microbatches=cfg.microbatches, grad_sync=cfg.grad_sync,
+        grad_compression=cfg.grad_compression, steps_per_dispatch=1, zero=cfg.zero,
+        grad_dtype=cfg.grad_dtype, zero_clip_norm=zero_clip_norm, owns_params=True)
+    task = dataclasses.replace(task, fns=trainer.fns)  # as train() does: the state owns them
+    report("trainer built", trainer)
+    trainer.compile(task.train_batch(0))
+    print(f"[memory] compiled: {trainer.memory_report}", flush=True)
+    report("compiled", trainer)
+    for step in range(cfg.steps):
+        metrics = trainer.step(task.train_batch(step))
+        jax.block_until_ready(metrics)
+        report(f"after step {step + 1}", trainer)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
