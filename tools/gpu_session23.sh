@@ -16,6 +16,6 @@ FLAGS="--preset gpt-1b --batch-size 8 --precision bf16 --grad-dtype compute --op
 STEP_TAIL=8 step mem_dotsattn15 90 $PY tools/probe_trainer_memory.py $FLAGS --remat dots_attention --model remat_layers=15
 STEP_TAIL=8 step mem_dotsattn16 90 $PY tools/probe_trainer_memory.py $FLAGS --remat dots_attention
 STEP_TAIL=8 step mem_dots16 90 $PY tools/probe_trainer_memory.py $FLAGS --remat dots
-ARGS="--remat dots_attention --model remat_layers=15" DEADLINE=$(( $(date +%s) - t0 + 150 )) \
+ARGS="--remat dots_attention --model remat_layers=15" DEADLINE=150 \
   OUT=$R/capped bash "$(dirname "$0")/gpu_session22d.sh"
 finish s23 12
