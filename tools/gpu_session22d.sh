@@ -8,9 +8,7 @@ OUT=${OUT:-/tmp/s22d_out}; R=/tmp/s22d; mkdir -p "$R" "$OUT"
 export DEADLINE=${DEADLINE:-230} TRAIN_STEPS=20
 source "$(dirname "$0")/gpu_common.sh"
 export CUDA_VISIBLE_DEVICES=0
-total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 | head -1)
-export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(f'{16 * 1024 / $total_mib:.4f}')")
-echo "GPU memory ${total_mib} MiB; XLA_PYTHON_CLIENT_MEM_FRACTION=$XLA_PYTHON_CLIENT_MEM_FRACTION" | tee -a "$R/steps.log"
+cap_memory 16
 ARGS="${ARGS:---remat dots_attention --model remat_layers=15} --run-dir /tmp/s22d_run"
 STEP_TAIL=6 step train20 110 $PY $GPT1B_TRAIN $ARGS --checkpoint-every 20
 STEP_TAIL=6 step resume30 110 $PY -m jaxopt_train.train.cli --run-dir /tmp/s22d_run --resume --steps 30

@@ -9,9 +9,7 @@ OUT=${OUT:-/tmp/s23_out}; R=/tmp/s23; mkdir -p "$R" "$OUT"
 export DEADLINE=${DEADLINE:-420}
 source "$(dirname "$0")/gpu_common.sh"
 export CUDA_VISIBLE_DEVICES=0
-total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 | head -1)
-export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(f'{16 * 1024 / $total_mib:.4f}')")
-echo "XLA_PYTHON_CLIENT_MEM_FRACTION=$XLA_PYTHON_CLIENT_MEM_FRACTION" | tee -a "$R/steps.log"
+cap_memory 16
 FLAGS="--preset gpt-1b --batch-size 8 --precision bf16 --grad-dtype compute --opt-state-dtype bf16 --steps 3"
 STEP_TAIL=8 step mem_dotsattn15 90 $PY tools/probe_trainer_memory.py $FLAGS --remat dots_attention --model remat_layers=15
 STEP_TAIL=8 step mem_dotsattn16 90 $PY tools/probe_trainer_memory.py $FLAGS --remat dots_attention
