@@ -13,7 +13,6 @@ out-of-memory with 8.4 GiB free). Writes nothing; on CPU the memory figures are 
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 
@@ -24,10 +23,8 @@ def _gib(x) -> str:
 def main(argv: list[str]) -> int:
     import jax
 
-    from jaxopt_train.precision import get_policy
     from jaxopt_train.train.cli import config_from_args
-    from jaxopt_train.train.task import build_task
-    from jaxopt_train.train.trainer import Trainer, build_optimizer
+    from jaxopt_train.train.loop import build_run
 
     cfg = config_from_args(argv)
     device = jax.devices()[0]
@@ -43,17 +40,7 @@ def main(argv: list[str]) -> int:
               f"train state {_gib(state)}", flush=True)
 
     report("start")
-    policy = get_policy(cfg.precision)
-    task = build_task(cfg, policy)
-    report("task built (the model's weights)")
-    optimizer, zero_clip_norm = build_optimizer(
-        cfg.zero, cfg.opt_state_dtype, clip_norm=cfg.clip_norm, lr=cfg.lr, total_steps=cfg.steps,
-        warmup=cfg.warmup, weight_decay=cfg.weight_decay)
-    trainer = Trainer.from_model_fns(
-        task.fns, optimizer, policy, microbatches=cfg.microbatches, grad_sync=cfg.grad_sync,
-        grad_compression=cfg.grad_compression, steps_per_dispatch=1, zero=cfg.zero,
-        grad_dtype=cfg.grad_dtype, zero_clip_norm=zero_clip_norm, owns_params=True)
-    task = dataclasses.replace(task, fns=trainer.fns)  # as train() does: the state owns them
+    task, trainer = build_run(cfg)
     report("trainer built", trainer)
     trainer.compile(task.train_batch(0))
     print(f"[memory] compiled: {trainer.memory_report}", flush=True)

@@ -126,8 +126,9 @@ class Checkpointer:
 
 
 def as_abstract(x):
-    """`x` as a jax.ShapeDtypeStruct with its sharding (a restore target)."""
-    if isinstance(x, jax.ShapeDtypeStruct):
+    """`x` as a jax.ShapeDtypeStruct with its sharding (a restore target); a leaf with
+    no shape and dtype (a Python scalar) is returned as it is."""
+    if isinstance(x, jax.ShapeDtypeStruct) or not (hasattr(x, "shape") and hasattr(x, "dtype")):
         return x
     sharding = getattr(x, "sharding", None)
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)

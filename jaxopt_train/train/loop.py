@@ -198,7 +198,6 @@ def train(config: TrainConfig, *, until_step: int | None = None, devices=None,
         raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
     cfg = config
     target = cfg.steps if until_step is None else min(until_step, cfg.steps)
-    k = cfg.steps_per_dispatch
     run_dir = cfg.run_dir or _default_run_dir(cfg)
     prepare_run_dir(run_dir, resume=cfg.resume, overwrite=cfg.overwrite)
     ckpt = None
@@ -206,19 +205,7 @@ def train(config: TrainConfig, *, until_step: int | None = None, devices=None,
         if cfg.resume:  # before building anything: a mismatch fails in milliseconds
             ckpt = Checkpointer(run_dir, keep=cfg.keep_checkpoints)
             _check_resume_shape(run_dir, cfg, ckpt)
-        policy = get_policy(cfg.precision)
-        task = build_task(cfg, policy)
-        optimizer, zero_clip_norm = build_optimizer(
-            cfg.zero, cfg.opt_state_dtype, clip_norm=cfg.clip_norm, lr=cfg.lr,
-            total_steps=cfg.steps, warmup=cfg.warmup, weight_decay=cfg.weight_decay)
-        # The task's model was built for this run alone: the state takes its arrays
-        # (no second copy of the model on the device), and the task keeps only shapes.
-        trainer = Trainer.from_model_fns(
-            task.fns, optimizer, policy, microbatches=cfg.microbatches, grad_sync=cfg.grad_sync,
-            grad_compression=cfg.grad_compression, steps_per_dispatch=k, zero=cfg.zero,
-            grad_dtype=cfg.grad_dtype, zero_clip_norm=zero_clip_norm, devices=devices,
-            owns_params=True)
-        task = dataclasses.replace(task, fns=trainer.fns)
+        task, trainer = build_run(cfg, devices)
         if cfg.overwrite:  # only now: a bad flag above has cost the old run nothing
             clear_run_dir(run_dir)
             if jax.process_count() > 1:  # no process writes before process 0 has cleared
@@ -234,6 +221,23 @@ def train(config: TrainConfig, *, until_step: int | None = None, devices=None,
     finally:
         if ckpt is not None:
             ckpt.close()
+
+
+def build_run(cfg: TrainConfig, devices=None) -> tuple[Task, Trainer]:
+    """The task (model and data) and the Trainer of `cfg`, as `train` runs them."""
+    policy = get_policy(cfg.precision)
+    task = build_task(cfg, policy)
+    optimizer, zero_clip_norm = build_optimizer(
+        cfg.zero, cfg.opt_state_dtype, clip_norm=cfg.clip_norm, lr=cfg.lr,
+        total_steps=cfg.steps, warmup=cfg.warmup, weight_decay=cfg.weight_decay)
+    # The task's model was built for this run alone: the state takes its arrays
+    # (no second copy of the model on the device), and the task keeps only shapes.
+    trainer = Trainer.from_model_fns(
+        task.fns, optimizer, policy, microbatches=cfg.microbatches, grad_sync=cfg.grad_sync,
+        grad_compression=cfg.grad_compression, steps_per_dispatch=cfg.steps_per_dispatch,
+        zero=cfg.zero, grad_dtype=cfg.grad_dtype, zero_clip_norm=zero_clip_norm, devices=devices,
+        owns_params=True)
+    return dataclasses.replace(task, fns=trainer.fns), trainer
 
 
 def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run_dir: str,

@@ -169,24 +169,21 @@ def build_eval_step(loss: Callable, mesh: jax.sharding.Mesh) -> Callable:
     return jax.jit(sharded)
 
 
-def replicate(tree, mesh: jax.sharding.Mesh, *, copy: bool = True):
+def replicate(tree, mesh: jax.sharding.Mesh):
     """Puts every leaf of `tree` on all devices of `mesh` (replicated).
 
-    `copy=True` leaves the caller's arrays intact whatever happens to the result
-    (the train step donates, and so deletes, its state). `copy=False` may reuse
-    their buffers: for arrays nobody else will read again, it saves a full copy
-    of them on the device.
+    The result may share the leaves' buffers (device_put does on a leaf's own
+    device, even with may_alias=False, jax 0.10), so a train step that donates it
+    deletes them too: pass copies of arrays anyone will read again.
     """
     sharding = NamedSharding(mesh, P())
     return jax.tree.map(lambda x: _global_array(np.asarray(x) if not isinstance(x, jax.Array)
-                                                 else x, sharding, copy), tree)
+                                                 else x, sharding), tree)
 
 
-def _global_array(x, sharding, copy: bool):
+def _global_array(x, sharding):
     if isinstance(x, jax.Array) and jax.process_count() == 1:
-        # device_put shares the buffer on its own device even with may_alias=False
-        # (jax 0.10): only an explicit copy keeps a donated result from deleting x.
-        return jax.device_put(x.copy() if copy else x, sharding)
+        return jax.device_put(x, sharding)
     return jax.make_array_from_process_local_data(sharding, np.asarray(x))
 
 

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from jaxopt_train.accumulation import check_divisible
 from jaxopt_train.precision import Policy, get_policy, loss_scale_for
 from jaxopt_train.train import config as config_lib
+from jaxopt_train.train.checkpoint import as_abstract
 from jaxopt_train.train.model import ModelFns, linen_model_fns, nnx_model_fns
 from jaxopt_train.train.optim import low_precision_state
 from jaxopt_train.train.state import TrainState, default_optimizer, init_train_state
@@ -182,7 +183,8 @@ class Trainer:
         # The trainer keeps only the shapes of the initial weights: a reference to the
         # arrays themselves would hold one more copy of the model on the device for
         # the whole run (gpt-1b: 3.4 GiB; the state has its own copy).
-        self.fns = fns._replace(params=_shapes(fns.params), model_state=_shapes(fns.model_state))
+        self.fns = fns._replace(params=jax.tree.map(as_abstract, fns.params),
+                                model_state=jax.tree.map(as_abstract, fns.model_state))
         self.optimizer, self.policy = optimizer, policy
         self.microbatches, self.steps_per_dispatch, self.verbose = microbatches, steps_per_dispatch, verbose
         self.mesh = make_data_mesh(devices)
@@ -193,7 +195,7 @@ class Trainer:
         # At zero > 0 the optimizer state is built sharded below, never in full.
         state = init_train_state(fns.params, fns.model_state, optax.identity() if zero else optimizer,
                                  loss_scale_for(policy))
-        self.state: TrainState = replicate(state, self.mesh, copy=False)
+        self.state: TrainState = replicate(state, self.mesh)
         self.zero = zero
         grad_cast = policy.cast_to_compute if grad_dtype == "compute" else None
         if zero:
@@ -322,12 +324,6 @@ class Trainer:
 def _copy_arrays(tree):
     """`tree` with every jax.Array copied (same sharding), so donating the originals spares it."""
     return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, tree)
-
-
-def _shapes(tree):
-    """`tree` with every array replaced by its jax.ShapeDtypeStruct."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-                        if hasattr(x, "shape") and hasattr(x, "dtype") else x, tree)
 
 
 def _host_batch(batch):
