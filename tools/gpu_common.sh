@@ -48,10 +48,14 @@ install_whl() {  # install_whl: the carried .whl/ wheels (jax-triton) into /tmp/
     .whl/*.whl >/dev/null 2>&1 || echo "=== no .whl/: Triton will be skipped" | tee -a "$R/steps.log"
 }
 cap_memory() {  # cap_memory GIB: XLA's allocator pool on GPU 0 capped at GIB GiB (a hard budget,
-                # as on a smaller GPU); logged to $R/steps.log
+                # as on a smaller GPU); logged to $R/steps.log. CAP_PREALLOCATE=true reserves the
+                # cap as one region at start-up (XLA's default); otherwise the pool grows in
+                # regions, and no buffer can span two of them
   local total_mib
+  export XLA_PYTHON_CLIENT_PREALLOCATE=${CAP_PREALLOCATE:-false}
   total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 | head -1)
   export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(f'{$1 * 1024 / $total_mib:.4f}')")
   echo "GPU memory ${total_mib} MiB; XLA_PYTHON_CLIENT_MEM_FRACTION=$XLA_PYTHON_CLIENT_MEM_FRACTION" \
+    "XLA_PYTHON_CLIENT_PREALLOCATE=$XLA_PYTHON_CLIENT_PREALLOCATE" \
     | tee -a "$R/steps.log"
 }
