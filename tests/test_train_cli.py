@@ -124,6 +124,48 @@ def test_matmul_flag_reaches_the_gpt_config():
     assert gpt_model_config(TrainConfig(), get_policy("fp32")).dot_general in (None, jax.lax.dot_general)
 
 
+def test_memory_limit_is_set_preallocated_before_the_run_and_not_saved(monkeypatch, tmp_path, capsys):
+    from jaxopt_train.runtime import memory
+    from jaxopt_train.train import loop
+
+    calls = []
+
+    def fake_limit_memory(**kwargs):
+        calls.append(("limit", kwargs))
+        return {"XLA_CLIENT_MEM_FRACTION": "0.1140", "XLA_PYTHON_CLIENT_PREALLOCATE": "true"}
+
+    def fake_train(cfg):
+        calls.append(("train", cfg))
+        return loop.TrainResult(run_dir=cfg.run_dir, step=cfg.steps, final_loss=None, eval_loss=None,
+                                interrupted=False, trainer=None)
+
+    monkeypatch.setattr(memory, "limit_memory", fake_limit_memory)
+    monkeypatch.setattr(loop, "train", fake_train)
+    run_dir = str(tmp_path / "run")
+    assert cli.main(["--memory-limit", "16GiB", "--steps", "3", "--run-dir", run_dir]) == 0
+    assert [kind for kind, _ in calls] == ["limit", "train"]  # the cap comes first
+    assert calls[0][1] == {"bytes": "16GiB", "preallocate": True}
+    assert calls[1][1] == cli.config_from_args(["--steps", "3", "--run-dir", run_dir])
+    assert "GPU memory capped at 16GiB: XLA_CLIENT_MEM_FRACTION=0.1140" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value, needle", [
+    ("lots", "--memory-limit lots: cannot read a byte count from value='lots'"),
+    ("0GiB", "--memory-limit 0GiB: bytes=0 is 0.000 of the device's"),
+    ("16GiB", "--memory-limit 16GiB: limit_memory() must run before the JAX backend starts"),
+])
+def test_bad_memory_limit_exits_2_before_training(value, needle, monkeypatch, capsys):
+    from jaxopt_train.runtime import memory
+    from jaxopt_train.train import loop
+
+    jax.devices()  # as in any test process: the backend has started, so the cap is too late
+    monkeypatch.setattr(memory, "_gpu_total_bytes", lambda: 64 * 2**30)
+    monkeypatch.setattr(loop, "train", lambda cfg: pytest.fail("trained without the cap"))
+    code, err = _exit_code_and_err(["--memory-limit", value], capsys)
+    assert code == 2
+    assert needle in err
+
+
 def test_cli_trains_end_to_end_and_leaves_a_run_dir(tmp_path, capsys, jax_compile_cache):
     # jax_compile_cache: shared with tests/test_train.py, whose TINY_RUN this CLI run mirrors.
     from jaxopt_train.runtime import read_jsonl

@@ -4,11 +4,13 @@
                                                               # tools/gpu_common.sh's GPT1B_TRAIN
 
 Builds what `jaxopt-train train` builds for the given flags (task, Trainer, compiled step),
-then runs `--steps` steps, printing bytes in use, the allocator's peak, the train state's own
-bytes and the compiled step's memory analysis after each stage. Under a hard cap
-(XLA_PYTHON_CLIENT_MEM_FRACTION) it shows what besides the state is in the pool when the first
-step needs its temporaries in one buffer (twenty-second session: ~0.9 GiB unexplained, and an
-out-of-memory with 8.4 GiB free). Writes nothing; on CPU the memory figures are absent.
+then runs `--steps` steps, printing bytes in use, the allocator's peak, the allocator's largest
+free block, the train state's own bytes and the compiled step's memory analysis after each stage.
+Under a hard cap (`--memory-limit 16GiB`, or XLA_PYTHON_CLIENT_MEM_FRACTION) it shows what
+besides the state is in the pool when the first step needs its temporaries in one buffer.
+Twenty-third session: with a pool that grows on demand (XLA_PYTHON_CLIENT_PREALLOCATE=false) the
+largest free block was 0.9 GiB short of the free bytes (a buffer cannot span the pool's regions);
+preallocated, the same step fitted. Writes nothing; on CPU the memory figures are absent.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ def _gib(x) -> str:
 def main(argv: list[str]) -> int:
     import jax
 
-    from jaxopt_train.train.cli import config_from_args
+    from jaxopt_train.train.cli import apply_memory_limit, config_from_args
     from jaxopt_train.train.loop import build_run
 
+    apply_memory_limit(argv)
     cfg = config_from_args(argv)
     device = jax.devices()[0]
 

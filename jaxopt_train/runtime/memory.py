@@ -133,7 +133,9 @@ def limit_memory(fraction: float | None = None, bytes: int | str | None = None, 
         `fraction`/`bytes` is required.
       total_bytes: the device's total memory, for `bytes` without NVML.
       preallocate: reserve the whole share at start-up (XLA's default, fastest) or grow
-        on demand (`False`: more fragmentation, but idle processes hold less).
+        on demand (`False`: idle processes hold less, but the pool is then made of regions
+        and no buffer spans two of them, so a step whose temporaries fill most of the cap
+        may not fit: gpt-1b's 8.6 GiB of temporaries under a 16 GiB cap did not).
       allocator: XLA_PYTHON_CLIENT_ALLOCATOR, one of `ALLOCATORS`; "platform" frees
         memory immediately (slow; for debugging out-of-memory errors).
 

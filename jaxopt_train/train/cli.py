@@ -106,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--profile-steps", default=None, metavar="START:STOP",
                    help="trace these steps with jax.profiler into RUN_DIR/profile")
     r.add_argument("--progress", choices=("auto", "bar", "lines"), default=d.progress)
+    # A setting of this process, not of the run: not saved in config.json, so a resumed run on
+    # a bigger or shared GPU is not bound by it.
+    r.add_argument("--memory-limit", default=None, metavar="SIZE",
+                   help="cap each GPU's memory pool at SIZE (e.g. 16GiB), reserved at start-up "
+                        "as one region, as on a GPU of that size (runtime.limit_memory)")
     return p
 
 
@@ -191,8 +196,30 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
     raise AssertionError("unreachable")  # parser.error exits
 
 
+def apply_memory_limit(argv: list[str] | None = None) -> None:
+    """--memory-limit in argv: the cap set before the backend starts, or exit 2 saying why not.
+
+    Call it before anything that starts the backend (config_from_args may: e.g. --matmul
+    triton looks for a GPU)."""
+    value = build_parser().parse_args(argv).memory_limit
+    if value is None:
+        return
+    from jaxopt_train.runtime.memory import limit_memory  # noqa: PLC0415
+
+    try:
+        # Preallocated: a pool that grows on demand is made of regions, and no buffer spans
+        # two of them, so a step whose temporaries fill most of the cap would not fit in it
+        # (gpt-1b under 16 GiB: 8.6 GiB of temporaries refused with 8.85 GiB free).
+        env = limit_memory(bytes=value, preallocate=True)
+    except (RuntimeError, TypeError, ValueError) as err:
+        build_parser().error(f"--memory-limit {value}: {err}")
+    print(f"jaxopt-train train: GPU memory capped at {value}: "
+          + " ".join(f"{k}={v}" for k, v in sorted(env.items())), file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `jaxopt-train train`; returns the exit status."""
+    apply_memory_limit(argv)
     cfg = config_from_args(argv)
     from jaxopt_train.train.checkpoint import RunDirError  # noqa: PLC0415
     from jaxopt_train.train.loop import NonFiniteError, train  # noqa: PLC0415
