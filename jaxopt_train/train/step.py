@@ -158,14 +158,21 @@ def jit_steps(one_step: Callable, specs: TrainState, mesh: jax.sharding.Mesh,
     return jax.jit(sharded, donate_argnums=0)
 
 
-def build_eval_step(loss: Callable, mesh: jax.sharding.Mesh) -> Callable:
-    """A jitted `eval_step(params, model_state, batch) -> mean loss` (batch leaves [global_batch, ...])."""
+def build_eval_step(loss: Callable, mesh: jax.sharding.Mesh, *, params_spec=P(),
+                    gather: Callable | None = None) -> Callable:
+    """A jitted `eval_step(params, model_state, batch) -> mean loss` (batch leaves [global_batch, ...]).
+
+    `params_spec` and `gather`: params held sharded (ZeRO stage 3: the per-leaf specs, and
+    the function that gathers them inside the step); by default they are replicated.
+    """
     def per_device(params, model_state, batch):
+        if gather is not None:
+            params = gather(params)
         value, _ = loss(params, model_state, batch, False)
         return lax.pmean(value, AXIS)
 
-    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(AXIS)), out_specs=P(),
-                            check_vma=False)
+    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(params_spec, P(), P(AXIS)),
+                            out_specs=P(), check_vma=False)
     return jax.jit(sharded)
 
 

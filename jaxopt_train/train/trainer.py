@@ -42,8 +42,8 @@ from jaxopt_train.train.step import (AXIS, build_eval_step, build_train_step,
                                      init_sharded_error_feedback, jit_steps, make_data_mesh,
                                      memory_summary, place_batch, replicate)
 from jaxopt_train.train.zero_step import (check_elementwise_optimizer, check_zero, init_zero_state,
-                                          make_zero_step_body, replicated_params, zero_specs,
-                                          zero_state_specs)
+                                          make_zero_step_body, replicated_params, zero3_gather,
+                                          zero_specs, zero_state_specs)
 
 GRAD_SYNCS = config_lib.GRAD_SYNCS
 GRAD_COMPRESSIONS = (None, *config_lib.GRAD_COMPRESSIONS)
@@ -225,10 +225,15 @@ class Trainer:
                                        clip_norm=clip_norm, grad_cast=grad_cast)
         specs = zero_state_specs(opt_specs, param_specs if self.zero == 3 else P())
         self._train_step = jit_steps(one_step, specs, self.mesh, self.steps_per_dispatch)
-        self._finish_setup()
+        if self.zero == 3:
+            self._finish_setup(params_spec=param_specs, gather=zero3_gather(param_specs, grad_cast))
+        else:
+            self._finish_setup()
 
-    def _finish_setup(self) -> None:
-        self._eval_step = build_eval_step(self.fns.loss, self.mesh)
+    def _finish_setup(self, **eval_params) -> None:
+        # eval_params: at zero=3 the per-leaf specs and the gather the eval step does itself
+        # (a replicated f32 copy per eval batch would need more memory than a train step).
+        self._eval_step = build_eval_step(self.fns.loss, self.mesh, **eval_params)
         self._compiled = None
         self._compiled_shapes = None
         self.compile_seconds: float | None = None
@@ -292,16 +297,10 @@ class Trainer:
         """
         batch = _host_batch(batch)
         check_divisible(_batch_size(batch, axis=0), 1, self.num_devices)
-        return float(self._eval_step(self._current_params(), self.state.model_state,
+        return float(self._eval_step(self.state.params, self.state.model_state,
                                      place_batch(batch, self.mesh, P(AXIS))))
 
     # ------------------------------------------------------------------ results
-
-    def _current_params(self):
-        # The state's own arrays (replicated): the next step donates and deletes them.
-        if self.zero == 3:
-            return replicated_params(self.state.params, self.mesh)
-        return self.state.params
 
     @property
     def params(self):
@@ -310,7 +309,13 @@ class Trainer:
         A copy, so it survives later `step()` calls (which donate, and so
         delete, the train state's own arrays): keep it as a snapshot.
         """
-        return _copy_arrays(self._current_params())
+        if self.zero != 3:
+            return _copy_arrays(self.state.params)
+        # The gather makes new arrays, except of leaves that were replicated already (no
+        # dimension divides the device count): device_put hands back the state's own.
+        return jax.tree.map(
+            lambda full, own: full.copy() if own.sharding.is_fully_replicated else full,
+            replicated_params(self.state.params, self.mesh), self.state.params)
 
     @property
     def model(self):

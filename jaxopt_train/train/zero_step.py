@@ -23,8 +23,8 @@ they are all-gathered (one all-gather per sharded leaf either way):
   `grad_dtype="compute"` (cast before the gather: half the gather bytes in
   bf16, and the gradient is then bf16 too); each leaf's gather needs to finish
   only before the forward first reads it, so XLA overlaps the gathers with
-  the forward. `Trainer.params` gathers a replicated copy for evaluation and
-  export; checkpoints hold the shards as they are.
+  the forward. The eval step gathers the same way; `Trainer.params` gathers a
+  replicated copy for export; checkpoints hold the shards as they are.
 
 Global-norm clipping cannot live in the optimizer at stages 1 and 3 (it would
 see one shard): the step clips the gradient shards itself with the norm of the
@@ -163,8 +163,9 @@ def init_zero_state(state: TrainState, optimizer, param_specs, opt_specs, mesh, 
 def replicated_params(params, mesh):
     """The full parameter tree, replicated on `mesh`, from stage 3's per-leaf shards.
 
-    A device_put, not a fresh `jax.jit` per call: evaluation asks for this once
-    per batch, and a new jitted lambda would be traced and compiled each time.
+    For export (`Trainer.params`): a device_put, not a fresh `jax.jit` per call,
+    which would be traced and compiled each time. Evaluation does not use it: its
+    step gathers inside (`zero3_gather`), as the train step does.
     """
     return jax.device_put(params, NamedSharding(mesh, P()))
 
@@ -210,6 +211,17 @@ def _update_shards(state: TrainState, grads, own, optimizer, param_specs, *, num
     return select_tree(finite, new_own, own), opt_state, finite, norm
 
 
+def zero3_gather(param_specs, grad_cast: Callable | None = None) -> Callable:
+    """Inside shard_map: stage 3's per-device shards -> the full params the forward reads.
+
+    With `grad_cast` the shards are cast before they are gathered (half the gather
+    bytes in bf16, and no full f32 copy on any device). The train step and the eval
+    step both gather this way, so evaluation needs no more memory than a step.
+    """
+    cast = (lambda tree: tree) if grad_cast is None else grad_cast
+    return lambda own: gather_leaves(cast(own), param_specs, AXIS)
+
+
 def make_zero_step_body(loss: Callable, optimizer: optax.GradientTransformation, param_specs, *,
                         zero: int, microbatches: int, num_devices: int, grad_sync: str,
                         clip_norm: float = 0.0, grad_cast: Callable | None = None) -> Callable:
@@ -228,13 +240,14 @@ def make_zero_step_body(loss: Callable, optimizer: optax.GradientTransformation,
     if zero not in (1, 3):
         raise ValueError(f"{zero=}: the per-leaf ZeRO step implements stages 1 and 3")
     cast = (lambda tree: tree) if grad_cast is None else grad_cast
+    gather = zero3_gather(param_specs, grad_cast)
     update = dict(optimizer=optimizer, param_specs=param_specs, num_devices=num_devices,
                   method=ZERO_METHODS[grad_sync], clip_norm=clip_norm)
 
     def one_step(state: TrainState, batch):
         if zero == 3:
             own = state.params
-            full = gather_leaves(cast(own), param_specs, AXIS)
+            full = gather(own)
         else:
             own = own_shards(state.params, param_specs, num_devices)
             full = cast(state.params)
