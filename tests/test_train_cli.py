@@ -166,7 +166,7 @@ def test_bad_memory_limit_exits_2_before_training(value, needle, monkeypatch, ca
     assert needle in err
 
 
-def test_cli_trains_end_to_end_and_leaves_a_run_dir(tmp_path, capsys, jax_compile_cache):
+def test_cli_trains_end_to_end_and_leaves_a_run_dir(tmp_path, capsys, monkeypatch, jax_compile_cache):
     # jax_compile_cache: shared with tests/test_train.py, whose TINY_RUN this CLI run mirrors.
     from jaxopt_train.runtime import read_jsonl
 
@@ -187,3 +187,13 @@ def test_cli_trains_end_to_end_and_leaves_a_run_dir(tmp_path, capsys, jax_compil
     # Running it again without --resume refuses to clobber the run: exit 2, no traceback.
     assert cli.main(argv) == 2
     assert "--resume" in capsys.readouterr().err
+    # A resume whose step cannot fit the device's memory pool stops before its first step
+    # (exit 2, the ways out named) and leaves the run as it was.
+    from jaxopt_train.train import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "device_pool_limit", lambda device: 1024)
+    assert cli.main(["--run-dir", run_dir, "--resume", "--steps", "10"]) == 2
+    err = capsys.readouterr().err
+    assert "error: the compiled train step does not fit" in err and "--remat dots_attention" in err
+    assert os.listdir(os.path.join(run_dir, "checkpoints")) == ["8"]
+    assert read_jsonl(os.path.join(run_dir, "metrics.jsonl")) == records

@@ -37,10 +37,38 @@ def test_model_and_params_survive_later_steps(zero):
     expected = np.asarray(model(batch["x"]))
     saved = jax.tree.map(np.asarray, params)
     trainer.step(batch)  # donates the train state
+    # Checked directly: np.asarray of a deleted array can still answer from its numpy cache.
+    assert not any(x.is_deleted() for x in jax.tree.leaves(params))
     np.testing.assert_array_equal(np.asarray(model(batch["x"])), expected)
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, params), saved)
     moved = jax.tree.map(lambda a, b: np.max(np.abs(np.asarray(a) - b)), trainer.params, saved)
     assert max(jax.tree.leaves(moved)) > 0, "the snapshot must not follow later steps"
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_a_step_larger_than_the_memory_pool_is_refused_before_it_runs(zero, monkeypatch):
+    from jaxopt_train.train import trainer as trainer_module
+
+    trainer, batch = Trainer(_MLP(nnx.Rngs(0)), _mse, zero=zero, lr=0.1), _batch()
+    state = jax.tree.map(np.asarray, trainer.params)
+    monkeypatch.setattr(trainer_module, "device_pool_limit", lambda device: 1024)  # a 1 KiB pool
+    with pytest.raises(trainer_module.StepTooLargeError,
+                       match=r"the compiled train step does not fit the memory pool of .*: it "
+                             r"needs .* GiB of 0.000 GiB budget: does NOT fit \(args .*\), so its "
+                             r"first run would fail. To fit: rematerialise blocks"):
+        trainer.step(batch)
+    assert trainer._compiled is None  # nothing ran: the state is untouched
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, trainer.params), state)
+    # A pool that holds the step (or a backend that reports none, like the CPU) runs it.
+    monkeypatch.setattr(trainer_module, "device_pool_limit", lambda device: 2**40)
+    assert np.isfinite(float(trainer.step(batch)["loss"][0]))
+    assert issubclass(trainer_module.StepTooLargeError, ValueError)  # the CLI exits 2 on it
+
+
+def test_cpu_reports_no_pool_limit():
+    from jaxopt_train.train.step import device_pool_limit
+
+    assert device_pool_limit(jax.devices()[0]) is None  # so the check is skipped on CPU
 
 
 @pytest.mark.parametrize("extra", [{"z": np.float32(2.0)}, {"a": np.float32(2.0)}])

@@ -258,8 +258,12 @@ def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run
                    f"{trainer.num_devices} x {device.device_kind}; precision {cfg.precision}; "
                    f"global batch {cfg.batch_size} x {cfg.microbatches} micro-batch(es)"
                    + (f"; resuming at step {step}" if cfg.resume else ""))
-    trainer.compile(_stack([task.train_batch(step + i) for i in range(k)]) if k > 1
-                    else task.train_batch(step))
+    try:
+        trainer.compile(_stack([task.train_batch(step + i) for i in range(k)]) if k > 1
+                        else task.train_batch(step))
+    except BaseException:  # e.g. StepTooLargeError: the logger's files and port are released
+        logger.close()
+        raise
     logger.message(f"compiled train step in {trainer.compile_seconds:.1f} s; {trainer.memory_report}")
     monitor = _start_monitor()
     profiler = _make_profiler(cfg, run_dir)

@@ -232,6 +232,17 @@ def memory_summary(compiled) -> str:
     return f"compiled step memory per device: {', '.join(parts)}; total ~{format_bytes(total)}"
 
 
+def device_pool_limit(device) -> int | None:
+    """The most bytes `device`'s allocator may hold (its `bytes_limit`: the GPU pool, after
+    any `limit_memory` cap); None where the backend does not report one (CPU)."""
+    try:
+        stats = device.memory_stats()
+    except (NotImplementedError, RuntimeError):
+        return None
+    limit = (stats or {}).get("bytes_limit")
+    return int(limit) if limit else None
+
+
 def format_bytes(n: float) -> str:
     for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
         if abs(n) >= size:

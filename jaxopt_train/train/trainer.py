@@ -38,7 +38,8 @@ from jaxopt_train.train.checkpoint import as_abstract
 from jaxopt_train.train.model import ModelFns, linen_model_fns, nnx_model_fns
 from jaxopt_train.train.optim import low_precision_state
 from jaxopt_train.train.state import TrainState, default_optimizer, init_train_state
-from jaxopt_train.train.step import (AXIS, build_eval_step, build_train_step,
+from jaxopt_train.runtime.memory import fits
+from jaxopt_train.train.step import (AXIS, build_eval_step, build_train_step, device_pool_limit,
                                      init_sharded_error_feedback, jit_steps, make_data_mesh,
                                      memory_summary, place_batch, replicate)
 from jaxopt_train.train.zero_step import (check_elementwise_optimizer, check_zero, init_zero_state,
@@ -69,6 +70,10 @@ def check_grad_dtype(grad_dtype: str, grad_compression: str | None) -> None:
     if grad_dtype == "compute" and grad_compression not in (None, "none"):
         raise ValueError(f"grad_dtype='compute' needs no grad compression (the gradients are "
                          f"already narrow), got {grad_compression=}; use grad_compression='none'")
+
+
+class StepTooLargeError(ValueError):
+    """The compiled train step needs more memory per device than the device's pool holds."""
 
 
 class Trainer:
@@ -262,13 +267,40 @@ class Trainer:
     def _compile_staged(self, staged) -> None:
         shapes = jax.tree.map(lambda x: (x.shape, x.dtype), staged)
         start = time.perf_counter()
-        self._compiled = self._train_step.lower(self.state, staged).compile()
+        compiled = self._train_step.lower(self.state, staged).compile()
         self.compile_seconds = time.perf_counter() - start
-        self._compiled_shapes = shapes
-        self.memory_report = memory_summary(self._compiled)
+        self.memory_report = memory_summary(compiled)
         if self.verbose and jax.process_index() == 0:
             print(f"compiled train step in {self.compile_seconds:.1f} s; {self.memory_report}",
                   flush=True)
+        self._check_fits(compiled)
+        self._compiled, self._compiled_shapes = compiled, shapes
+
+    def _check_fits(self, compiled) -> None:
+        """Raises StepTooLargeError if the step cannot fit any local device's memory pool.
+
+        The arguments stay resident and XLA allocates the temporaries as one buffer, so a
+        step whose total exceeds the pool fails at its first run: say so now, with the ways
+        out, rather than as an allocator error after the run has started.
+        """
+        pools = [(device_pool_limit(device), device) for device in self.mesh.devices.flat
+                 if device.process_index == jax.process_index()]
+        pools = [pool for pool in pools if pool[0] is not None]
+        if not pools:  # the backend reports no pool (CPU)
+            return
+        limit, device = min(pools, key=lambda pool: pool[0])
+        try:
+            report = fits(compiled, (), limit)
+        except RuntimeError:  # no memory analysis on this backend
+            return
+        if not report:
+            raise StepTooLargeError(
+                f"the compiled train step does not fit the memory pool of {device}: it {report}, "
+                "so its first run would fail. To fit: "
+                "rematerialise blocks (GPTConfig.remat, --remat dots_attention|dots|full), "
+                "more micro-batches (microbatches=), gradients and AdamW moments in bf16 "
+                "(grad_dtype='compute', opt_state_dtype='bf16'), the state sharded over "
+                "several GPUs (zero=3), or a larger pool (runtime.limit_memory, --memory-limit)")
 
     # ------------------------------------------------------------------ steps
 
