@@ -361,9 +361,16 @@ def test_remat_dots_attention_runs_cudnn_forward_once_on_gpu():
     (dots_fwd, want), (attention_fwd, got) = (lowered_and_grads(r) for r in ("dots", "dots_attention"))
     assert (dots_fwd, attention_fwd) == (2 * cfg.n_layers, cfg.n_layers)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(
-        np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-3, atol=1e-5),
-        nnx.to_pure_dict(got[1]), nnx.to_pure_dict(want[1]))
+
+    def close(a, b):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        # Two programs fused differently: bf16 gradients may land a few ulps apart (2^-8
+        # relative each; twenty-third session on an H200: 12 of 8,192 entries 1.1% apart),
+        # but only a few entries, never the bulk of a leaf as a wrong gradient would.
+        np.testing.assert_allclose(a, b, rtol=3e-2, atol=1e-4)
+        assert np.mean(~np.isclose(a, b, rtol=1e-3, atol=1e-5)) < 0.01
+
+    jax.tree.map(close, nnx.to_pure_dict(got[1]), nnx.to_pure_dict(want[1]))
 
 
 @pytest.mark.gpu
