@@ -33,12 +33,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxopt_train.accumulation import check_divisible
 from jaxopt_train.precision import Policy, get_policy, loss_scale_for
+from jaxopt_train.runtime.memory import fits
 from jaxopt_train.train import config as config_lib
 from jaxopt_train.train.checkpoint import as_abstract
 from jaxopt_train.train.model import ModelFns, linen_model_fns, nnx_model_fns
 from jaxopt_train.train.optim import low_precision_state
 from jaxopt_train.train.state import TrainState, default_optimizer, init_train_state
-from jaxopt_train.runtime.memory import fits
 from jaxopt_train.train.step import (AXIS, build_eval_step, build_train_step, device_pool_limit,
                                      init_sharded_error_feedback, jit_steps, make_data_mesh,
                                      memory_summary, place_batch, replicate)
@@ -343,7 +343,7 @@ class Trainer:
         """
         if self.zero != 3:
             return _copy_arrays(self.state.params)
-        # The gather makes new arrays, except of leaves that were replicated already (no
+        # The gather makes new arrays, except for leaves that were replicated already (no
         # dimension divides the device count): device_put hands back the state's own.
         return jax.tree.map(
             lambda full, own: full.copy() if own.sharding.is_fully_replicated else full,
