@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
     import jax
 
     from jaxopt_train.train.cli import apply_memory_limit, config_from_args
-    from jaxopt_train.train.loop import build_run
+    from jaxopt_train.train.remat_search import build_fitting_run
 
     apply_memory_limit(argv)
     cfg = config_from_args(argv)
@@ -43,9 +43,10 @@ def main(argv: list[str]) -> int:
               f"train state {_gib(state)}", flush=True)
 
     report("start")
-    task, trainer = build_run(cfg)
+    cfg, task, trainer, _ = build_fitting_run(cfg)  # --remat auto compiles while it chooses
     report("trainer built", trainer)
-    trainer.compile(task.train_batch(0))
+    if not trainer.compiled:
+        trainer.compile(task.train_batch(0))
     print(f"[memory] compiled: {trainer.memory_report}", flush=True)
     report("compiled", trainer)
     for step in range(cfg.steps):

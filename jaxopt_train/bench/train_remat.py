@@ -1,21 +1,20 @@
 """Which remat the optimised `bench train` row runs: the least that fits the memory budget.
 
 Each candidate step is compiled ahead of time and its memory analysed
-(`runtime.fits`), nothing is run: policies in REMAT_ORDER, then the first
-fitting policy on only the first k blocks, so only as much is recomputed as the
-budget needs (on gpt-1b within 16 GiB, "dots" on every block cost ~6 ms/step).
+(`runtime.fits`), nothing is run: the search of `train.remat_search`, which
+`jaxopt-train train --remat auto` runs too, over the bench's own step builders.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
-import math
 import sys
 
-# Least recomputed (most memory) first: "dots_attention" keeps cuDNN attention's
-# forward results, so only the LayerNorms, GELU and q/k/v slices are recomputed.
-REMAT_ORDER = ("none", "dots_attention", "dots", "full")
+from jaxopt_train.train.remat_search import (REMAT_ORDER, allocator_reserve, partial_remat_layers,
+                                             remat_label, search_remat)
+
+__all__ = ["REMAT_ORDER", "allocator_reserve", "choose_remat", "memory_budget",
+           "partial_remat_layers", "remat_label"]
 
 
 def memory_budget(args, device) -> int | None:
@@ -29,14 +28,6 @@ def memory_budget(args, device) -> int | None:
     except Exception:  # noqa: BLE001 - CPU and some plugins raise
         stats = {}
     return int(stats["bytes_limit"]) if "bytes_limit" in stats else None
-
-
-def allocator_reserve(budget: int) -> int:
-    """Bytes of `budget` kept back from XLA's estimate: cuBLAS and cuDNN workspaces and
-    allocator rounding, which the memory analysis does not count. On gpt-1b on an H200
-    the allocator's peak ran 0.28-0.31 GiB above the estimate; 1/32 of the budget, at
-    most 512 MiB, covers that at 16 GiB and shrinks with small budgets."""
-    return min(budget // 32, 512 << 20)
 
 
 def choose_remat(bench, run, budget, reserve=None):
@@ -62,7 +53,8 @@ def choose_remat(bench, run, budget, reserve=None):
     reserve = allocator_reserve(budget) if reserve is None else reserve
     trials, mesh = [], train_steps.data_mesh(bench.devices)
 
-    def attempt(candidate):
+    def attempt(remat, remat_layers):
+        candidate = dataclasses.replace(run, remat=remat, remat_layers=remat_layers)
         runner = train_steps.build_runner(workload, candidate, mesh)
         report = fits(runner.compiled[0], budget=budget - reserve)
         trials.append({"remat": candidate.remat, "remat_layers": candidate.remat_layers,
@@ -70,48 +62,15 @@ def choose_remat(bench, run, budget, reserve=None):
                        "reserve_bytes": reserve, "fits": report.fits})
         print(f"[bench train] remat={remat_label(candidate.remat, candidate.remat_layers)} "
               f"(budget less a {reserve / 2**30:.3f} GiB reserve): {report}", file=sys.stderr, flush=True)
-        return runner, report
+        return report.needed_bytes, report.fits, (candidate, runner)
 
-    needed_none = None
-    for policy in REMAT_ORDER:
-        candidate = dataclasses.replace(run, remat=policy)
-        runner, report = attempt(candidate)
-        if policy == "none":
-            needed_none = report.needed_bytes
-        if report.fits or policy == REMAT_ORDER[-1]:
-            break
-        runner = None  # its state and compiled step go before the next build
-        gc.collect()
-    if not report.fits or policy == "none" or workload.gpt_config().scan_layers:
-        return candidate, runner, trials, window
-    # One runner's state on the device at a time: the window above is the optimised
-    # row's peak, and two states side by side would count in it (a whole state copy).
-    runner = None
-    gc.collect()
-    layers = workload.gpt_config().n_layers
-    for k in partial_remat_layers(needed_none, report.needed_bytes, budget - reserve, layers):
-        partial = dataclasses.replace(candidate, remat_layers=k)
-        partial_runner, partial_report = attempt(partial)
-        if partial_report.fits:
-            return partial, partial_runner, trials, window
-        partial_runner = None
-        gc.collect()
-    return candidate, train_steps.build_runner(workload, candidate, mesh), trials, window
+    def rebuild(remat):
+        candidate = dataclasses.replace(run, remat=remat)
+        return candidate, train_steps.build_runner(workload, candidate, mesh)
+
+    gpt = workload.gpt_config()
+    candidate, runner = search_remat(attempt, rebuild, None if gpt.scan_layers else gpt.n_layers,
+                                     budget - reserve)
+    return candidate, runner, trials, window
 
 
-def partial_remat_layers(needed_none: int, needed_all: int, budget: int, layers: int) -> list[int]:
-    """Block counts k < layers worth compiling for remat on the first k blocks only.
-
-    The estimate k assumes each block left without remat adds an equal share of
-    (needed_none - needed_all); k + 1 is the fallback when XLA's layout is less linear.
-    """
-    saved_per_layer = (needed_none - needed_all) / layers
-    if saved_per_layer <= 0:  # remat saved nothing: no k helps
-        return []
-    k = max(1, math.ceil((needed_none - budget) / saved_per_layer))
-    return [n for n in (k, k + 1) if n < layers]
-
-
-def remat_label(remat: str, layers: int | None = None) -> str:
-    """`dots`, or `dots (first 12 blocks)` when the policy covers only some blocks."""
-    return remat if layers is None else f"{remat} (first {layers} blocks)"

@@ -30,6 +30,13 @@ TOKEN_DTYPES = ("uint16", "uint32")  # jaxopt_train.data.tokens.TOKEN_FILE_DTYPE
 # Fields that fix the shapes of the parameters: a run directory created with
 # one value cannot be resumed with another.
 MODEL_SHAPE_FIELDS = ("preset", "model_overrides", "num_classes", "image_size")
+# GPT overrides that choose what is recomputed, never a shape: a run may resume with others.
+REMAT_OVERRIDES = ("remat", "remat_layers")
+
+
+def shape_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
+    """`model_overrides` without the fields that leave every parameter's shape as it is."""
+    return {k: v for k, v in overrides.items() if k not in REMAT_OVERRIDES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +93,9 @@ class TrainConfig:
         interpret mode on CPU - slow, for tests) or "triton" (jax-triton, CUDA).
         Needs a bf16/fp16 compute dtype; checked for availability here.
       attention: attention implementation for GPT presets (`ATTENTIONS`).
-      remat: per-block rematerialisation policy (`REMATS`).
+      remat: per-block rematerialisation policy (`REMATS`), or "auto": the least
+        recompute whose compiled step fits each device's memory pool (GPT presets;
+        resolved when the run is built, and saved as chosen in run_dir/config.json).
       scan_layers: scan over stacked GPT layers: compiles faster (7.6 s vs 19.4 s for
         gpt-1b on an H200) but ran 25% slower there (43% vs 54% MFU), so it is off by default.
       model_overrides: extra GPT config fields, e.g. {"d_model": 64}.
@@ -179,7 +188,7 @@ class TrainConfig:
         _check_choice("opt_state_dtype", self.opt_state_dtype, STATE_DTYPES)
         _check_choice("matmul", self.matmul, MATMULS)
         _check_choice("attention", self.attention, ATTENTIONS)
-        _check_choice("remat", self.remat, REMATS)
+        _check_choice("remat", self.remat, REMATS + ("auto",))
         _check_choice("progress", self.progress, ("auto", "bar", "lines"))
         _check_choice("token_dtype", self.token_dtype, TOKEN_DTYPES)
         token_file = isinstance(self.data, str) and self.data.endswith(".bin")
@@ -247,6 +256,7 @@ class TrainConfig:
             shape["zero"] = self.zero
         if self.opt_state_dtype != "f32":  # so do its dtypes
             shape["opt_state_dtype"] = self.opt_state_dtype
+        shape["model_overrides"] = shape_overrides(self.model_overrides)
         if self.is_vision:
             shape.pop("model_overrides")
             shape.pop("seq_len")

@@ -26,8 +26,10 @@ from jaxopt_train.precision import get_policy
 import jaxopt_train.train.mfu as mfu_lib
 from jaxopt_train.train.checkpoint import (Checkpointer, RunDirError, as_abstract,
                                            check_same_model, clear_run_dir, prepare_run_dir)
+from jaxopt_train.train import config as config_lib
 from jaxopt_train.train.config import TrainConfig
 from jaxopt_train.train.metrics import MetricsLogger, peak_memory_bytes
+from jaxopt_train.train.remat_search import build_fitting_run
 from jaxopt_train.train.state import param_count
 from jaxopt_train.train.task import Task, build_task
 from jaxopt_train.train.trainer import Trainer, build_optimizer
@@ -142,11 +144,17 @@ def _check_resume_shape(run_dir: str, cfg: TrainConfig, ckpt: Checkpointer) -> N
             with open(path, encoding="utf-8") as f:
                 saved = json.load(f).get("model_shape")
     if saved is not None:
+        if isinstance(saved.get("model_overrides"), dict):  # runs saved before remat was left out
+            saved = {**saved, "model_overrides": config_lib.shape_overrides(saved["model_overrides"])}
         check_same_model(saved, json.loads(json.dumps(cfg.model_shape())), run_dir)
 
 
-def _stack(batches: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    return {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+def dispatch_batch(task: Task, step: int, steps_per_dispatch: int) -> dict[str, np.ndarray]:
+    """The host batch of one dispatch from `step`: [B, ...], or [k, B, ...] stacked for k > 1."""
+    if steps_per_dispatch == 1:
+        return task.train_batch(step)
+    batches = [task.train_batch(step + i) for i in range(steps_per_dispatch)]
+    return {key: np.stack([b[key] for b in batches]) for key in batches[0]}
 
 
 def _evaluate(trainer: Trainer, task: Task, batches: int) -> float:
@@ -205,7 +213,7 @@ def train(config: TrainConfig, *, until_step: int | None = None, devices=None,
         if cfg.resume:  # before building anything: a mismatch fails in milliseconds
             ckpt = Checkpointer(run_dir, keep=cfg.keep_checkpoints)
             _check_resume_shape(run_dir, cfg, ckpt)
-        task, trainer = build_run(cfg, devices)
+        cfg, task, trainer, _ = build_fitting_run(cfg, devices)  # resolves remat="auto"
         if cfg.overwrite:  # only now: a bad flag above has cost the old run nothing
             clear_run_dir(run_dir)
             if jax.process_count() > 1:  # no process writes before process 0 has cleared
@@ -224,7 +232,11 @@ def train(config: TrainConfig, *, until_step: int | None = None, devices=None,
 
 
 def build_run(cfg: TrainConfig, devices=None) -> tuple[Task, Trainer]:
-    """The task (model and data) and the Trainer of `cfg`, as `train` runs them."""
+    """The task (model and data) and the Trainer of `cfg`, as `train` runs them
+    (`remat="auto"` is resolved first: `remat_search.build_fitting_run`)."""
+    if cfg.remat == "auto":
+        raise ValueError("build_run() takes a fixed remat; remat='auto' is chosen by "
+                         "jaxopt_train.train.remat_search.build_fitting_run(cfg)")
     policy = get_policy(cfg.precision)
     task = build_task(cfg, policy)
     optimizer, zero_clip_norm = build_optimizer(
@@ -259,8 +271,8 @@ def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run
                    f"global batch {cfg.batch_size} x {cfg.microbatches} micro-batch(es)"
                    + (f"; resuming at step {step}" if cfg.resume else ""))
     try:
-        trainer.compile(_stack([task.train_batch(step + i) for i in range(k)]) if k > 1
-                        else task.train_batch(step))
+        if not trainer.compiled:  # remat="auto" compiled it while choosing
+            trainer.compile(dispatch_batch(task, step, k))
     except BaseException:  # e.g. StepTooLargeError: the logger's files and port are released
         logger.close()
         raise
@@ -275,8 +287,7 @@ def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run
             while step < target:
                 if profiler is not None:
                     profiler.step(step, trainer.state.step)
-                batch = (_stack([task.train_batch(step + i) for i in range(k)]) if k > 1
-                         else task.train_batch(step))
+                batch = dispatch_batch(task, step, k)
                 interval.begin()
                 interval.add(trainer.step(batch), k)
                 step += k

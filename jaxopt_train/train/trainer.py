@@ -73,7 +73,14 @@ def check_grad_dtype(grad_dtype: str, grad_compression: str | None) -> None:
 
 
 class StepTooLargeError(ValueError):
-    """The compiled train step needs more memory per device than the device's pool holds."""
+    """The compiled train step needs more memory per device than the device's pool holds.
+
+    `report`: the step's `runtime.FitReport` against that pool (None where not one step's).
+    """
+
+    def __init__(self, message: str, report=None):
+        super().__init__(message)
+        self.report = report
 
 
 class Trainer:
@@ -300,7 +307,27 @@ class Trainer:
                 "rematerialise blocks (GPTConfig.remat, --remat dots_attention|dots|full), "
                 "more micro-batches (microbatches=), gradients and AdamW moments in bf16 "
                 "(grad_dtype='compute', opt_state_dtype='bf16'), the state sharded over "
-                "several GPUs (zero=3), or a larger pool (runtime.limit_memory, --memory-limit)")
+                "several GPUs (zero=3), or a larger pool (runtime.limit_memory, --memory-limit)",
+                report=report)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the step is compiled (by `compile(batch)` or the first `step`)."""
+        return self._compiled is not None
+
+    def memory_fit(self, budget: int | str):
+        """The compiled step's memory per device against `budget` (bytes or "16GiB"): a
+        `runtime.FitReport`, true when it fits; None where the backend gives no analysis.
+
+        Raises:
+          RuntimeError: if the step is not compiled yet (`compile(batch)` first).
+        """
+        if self._compiled is None:
+            raise RuntimeError("memory_fit() needs the compiled step: call compile(batch) first")
+        try:
+            return fits(self._compiled, (), budget)
+        except RuntimeError:  # no memory analysis on this backend
+            return None
 
     # ------------------------------------------------------------------ steps
 

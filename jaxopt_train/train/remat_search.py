@@ -1,0 +1,180 @@
+"""The least rematerialisation whose compiled train step fits a memory budget.
+
+`bench train --remat auto` and `jaxopt-train train --remat auto` both search the
+same way: compile each candidate ahead of time, compare XLA's memory analysis
+(`runtime.fits`) with the budget less a reserve, run nothing. Policies go in
+REMAT_ORDER, least recomputed first; once one fits and "none" did not, the same
+policy on only the first k blocks is tried, so only as much is recomputed as the
+budget needs (gpt-1b in 16 GiB on an H200: "dots_attention" on 15 of 16 blocks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import sys
+from typing import Callable
+
+# Least recomputed (most memory) first: "dots_attention" keeps cuDNN attention's
+# forward results, so only the LayerNorms, GELU and q/k/v slices are recomputed.
+REMAT_ORDER = ("none", "dots_attention", "dots", "full")
+
+
+def allocator_reserve(budget: int) -> int:
+    """Bytes of `budget` kept back from XLA's estimate: cuBLAS and cuDNN workspaces and
+    allocator rounding, which the memory analysis does not count. On gpt-1b on an H200
+    the allocator's peak ran 0.28-0.31 GiB above the estimate; 1/32 of the budget, at
+    most 512 MiB, covers that at 16 GiB and shrinks with small budgets."""
+    return min(budget // 32, 512 << 20)
+
+
+def partial_remat_layers(needed_none: int, needed_all: int, budget: int, layers: int) -> list[int]:
+    """Block counts k < layers worth compiling for remat on the first k blocks only.
+
+    The estimate k assumes each block left without remat adds an equal share of
+    (needed_none - needed_all); k + 1 is the fallback when XLA's layout is less linear.
+    """
+    saved_per_layer = (needed_none - needed_all) / layers
+    if saved_per_layer <= 0:  # remat saved nothing: no k helps
+        return []
+    k = max(1, math.ceil((needed_none - budget) / saved_per_layer))
+    return [n for n in (k, k + 1) if n < layers]
+
+
+def remat_label(remat: str, layers: int | None = None) -> str:
+    """`dots`, or `dots (first 12 blocks)` when the policy covers only some blocks."""
+    return remat if layers is None else f"{remat} (first {layers} blocks)"
+
+
+def search_remat(attempt: Callable, rebuild: Callable, layers: int | None, budget: int):
+    """The search, over runs that `attempt` and `rebuild` build.
+
+    Args:
+      attempt: `attempt(remat, remat_layers) -> (needed_bytes or None, fits, result)`:
+        builds and compiles one candidate, reports it, and returns its run.
+      rebuild: `rebuild(remat) -> result`: the run of `remat` on every block again,
+        for when its first build was released to try fewer blocks and none of those fit.
+      layers: the model's block count; None where remat on only some blocks is not
+        possible (scanned layers).
+      budget: the bytes the step must fit (any reserve already taken off).
+
+    Returns:
+      The result of the first policy in REMAT_ORDER that fits, on the fewest blocks
+      that fit; if nothing fits, the last attempt's result.
+    """
+    needed_none = None
+    for policy in REMAT_ORDER:
+        needed, fits, result = attempt(policy, None)
+        if policy == "none":
+            needed_none = needed
+        if fits or policy == REMAT_ORDER[-1]:
+            break
+        result = None  # its state and compiled step go before the next build
+        gc.collect()
+    if not fits or policy == "none" or layers is None or None in (needed_none, needed):
+        return result
+    partial = partial_remat_layers(needed_none, needed, budget, layers)
+    if not partial:
+        return result
+    result = None  # one state on the device at a time while the partial ones compile
+    gc.collect()
+    for k in partial:
+        _, fits_k, result_k = attempt(policy, k)
+        if fits_k:
+            return result_k
+        result_k = None
+        gc.collect()
+    return rebuild(policy)
+
+
+# The trainer's search ---------------------------------------------------------------------
+
+
+def build_fitting_run(cfg, devices=None, *, stream=None):
+    """`loop.build_run(cfg)`, with `remat="auto"` resolved to the least remat that fits.
+
+    The budget is the smallest memory pool of the local devices (after any
+    `--memory-limit`) less `allocator_reserve`. Where remat cannot apply (vision
+    presets) or no pool is known (CPU), "auto" means "none". Each candidate's run is
+    built and compiled once; the chosen one is returned as it is, with no rebuild.
+
+    Returns:
+      (cfg with `remat` and `model_overrides["remat_layers"]` as chosen, task, trainer,
+      trials): the trials list what each candidate needed (empty unless "auto").
+
+    Raises:
+      StepTooLargeError: if even remat "full" on every block does not fit.
+    """
+    import jax  # noqa: PLC0415
+
+    from jaxopt_train.train.loop import build_run, dispatch_batch  # noqa: PLC0415
+    from jaxopt_train.train.step import device_pool_limit  # noqa: PLC0415
+    from jaxopt_train.train.trainer import StepTooLargeError  # noqa: PLC0415
+
+    if cfg.remat != "auto":
+        return (cfg, *build_run(cfg, devices), [])
+    stream = sys.stderr if stream is None else stream
+    from jaxopt_train.train.config import shape_overrides  # noqa: PLC0415
+
+    overrides = shape_overrides(cfg.model_overrides)
+
+    def with_remat(remat, remat_layers=None):
+        extra = {} if remat_layers is None else {"remat_layers": remat_layers}
+        return dataclasses.replace(cfg, remat=remat, model_overrides={**overrides, **extra})
+
+    local = [d for d in (devices or jax.devices()) if d.process_index == jax.process_index()]
+    pools = [limit for limit in map(device_pool_limit, local) if limit is not None]
+    reason = ("remat applies to GPT presets only" if cfg.is_vision else
+              "no device reports a memory pool (CPU)" if not pools else None)
+    if reason is not None:
+        print(f"jaxopt-train train: remat auto -> none: {reason}", file=stream, flush=True)
+        chosen = with_remat("none")
+        return (chosen, *build_run(chosen, devices), [])
+    pool = min(pools)
+    budget = pool - allocator_reserve(pool)
+
+    trials: list[dict] = []
+
+    def build(remat, remat_layers):
+        candidate = with_remat(remat, remat_layers)
+        task, trainer = build_run(candidate, devices)
+        try:
+            trainer.compile(dispatch_batch(task, 0, cfg.steps_per_dispatch))
+            report = trainer.memory_fit(budget)
+        except StepTooLargeError as err:  # over the whole pool, let alone the budget
+            report = err.report
+        return candidate, task, trainer, report
+
+    def attempt(remat, remat_layers):
+        candidate, task, trainer, report = build(remat, remat_layers)
+        trials.append({"remat": remat, "remat_layers": remat_layers, "budget_bytes": budget,
+                       "needed_bytes": None if report is None else report.needed_bytes,
+                       "fits": bool(report)})
+        print(f"jaxopt-train train: remat {remat_label(remat, remat_layers)}: "
+              f"{'no memory analysis' if report is None else report} (the smallest pool, {pool / 2**30:.3f} GiB, "
+              f"less a {(pool - budget) / 2**30:.3f} GiB reserve)", file=stream, flush=True)
+        fits = bool(report)
+        return trials[-1]["needed_bytes"], fits, (candidate, task, trainer) if fits else None
+
+    layers = None
+    if not cfg.scan_layers:
+        from jaxopt_train.precision import get_policy  # noqa: PLC0415
+        from jaxopt_train.train.task import gpt_model_config  # noqa: PLC0415
+
+        layers = gpt_model_config(with_remat("none"), get_policy(cfg.precision)).n_layers
+    result = search_remat(attempt, lambda remat: build(remat, None)[:3], layers, budget)
+    if result is None:
+        tried = "; ".join(f"{remat_label(t['remat'], t['remat_layers'])} needs "
+                          f"{t['needed_bytes'] / 2**30:.3f} GiB" for t in trials
+                          if t["needed_bytes"] is not None)
+        raise StepTooLargeError(
+            f"remat auto: no remat fits {budget / 2**30:.3f} GiB per device (the smallest "
+            f"memory pool less its reserve): {tried}. Use more micro-batches (--microbatches), "
+            "bf16 gradients and AdamW moments (--grad-dtype compute --opt-state-dtype bf16), "
+            "--zero 3 on several GPUs, or a larger pool (--memory-limit)")
+    chosen, task, trainer = result
+    print(f"jaxopt-train train: remat auto -> "
+          f"{remat_label(chosen.remat, chosen.model_overrides.get('remat_layers'))}",
+          file=stream, flush=True)
+    return chosen, task, trainer, trials
