@@ -5,7 +5,9 @@ same way: compile each candidate ahead of time, compare XLA's memory analysis
 (`runtime.fits`) with the budget less a reserve, run nothing. Policies go in
 REMAT_ORDER, least recomputed first; once one fits and "none" did not, the same
 policy on only the first k blocks is tried, so only as much is recomputed as the
-budget needs (gpt-1b in 16 GiB on an H200: "dots_attention" on 15 of 16 blocks).
+budget needs. gpt-1b in 16 GiB on an H200: "dots_attention" on 15 of 16 blocks in
+bench train; on 13 in the trainer under a hard 16 GiB cap, where XLA's compiler,
+knowing the pool, rematerialises some of the rest itself.
 """
 
 from __future__ import annotations
