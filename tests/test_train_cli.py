@@ -149,8 +149,34 @@ def test_memory_limit_is_set_preallocated_before_the_run_and_not_saved(monkeypat
     assert "GPU memory capped at 16GiB: XLA_CLIENT_MEM_FRACTION=0.1140" in capsys.readouterr().err
 
 
+def test_memory_limit_takes_a_share_of_the_gpu_too(monkeypatch, capsys):
+    from jaxopt_train.runtime import memory
+    from jaxopt_train.train import loop
+
+    calls = []
+    monkeypatch.setattr(memory, "limit_memory", lambda **kw: calls.append(kw) or {"X": "1"})
+    monkeypatch.setattr(loop, "train", lambda cfg: loop.TrainResult(
+        run_dir="r", step=1, final_loss=None, eval_loss=None, interrupted=False, trainer=None))
+    assert cli.main(["--memory-limit", "0.5", "--steps", "1"]) == 0
+    assert cli.main(["--memory-limit", "2", "--steps", "1"]) == 0  # above 1: bytes
+    assert calls == [{"fraction": 0.5, "preallocate": True}, {"bytes": "2", "preallocate": True}]
+
+
+def test_memory_limit_without_nvml_says_to_give_a_share(monkeypatch, capsys):
+    from jaxopt_train.runtime import memory
+
+    def no_nvml():
+        raise RuntimeError("limit_memory(bytes=...) needs the GPU's total memory ..., but NVML "
+                           "could not start")
+
+    monkeypatch.setattr(memory, "_gpu_total_bytes", no_nvml)
+    code, err = _exit_code_and_err(["--memory-limit", "16GiB"], capsys)
+    assert code == 2 and "(Here: a share of the GPU's memory, e.g. --memory-limit 0.5 for half.)" in err
+
+
 @pytest.mark.parametrize("value, needle", [
     ("lots", "--memory-limit lots: cannot read a byte count from value='lots'"),
+    ("-0.5", "--memory-limit -0.5: fraction must be a number in (0, 1], got fraction=-0.5"),
     ("0GiB", "--memory-limit 0GiB: bytes=0 is 0.000 of the device's"),
     ("16GiB", "--memory-limit 16GiB: limit_memory() must run before the JAX backend starts"),
 ])

@@ -110,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     # A setting of this process, not of the run: not saved in config.json, so a resumed run on
     # a bigger or shared GPU is not bound by it.
     r.add_argument("--memory-limit", default=None, metavar="SIZE",
-                   help="cap each GPU's memory pool at SIZE (e.g. 16GiB), reserved at start-up "
-                        "as one region, as on a GPU of that size (runtime.limit_memory)")
+                   help="cap each GPU's memory pool at SIZE (e.g. 16GiB, or 0.5 for half the "
+                        "GPU), reserved at start-up as one region, as on a GPU of that size "
+                        "(runtime.limit_memory)")
     return p
 
 
@@ -208,12 +209,19 @@ def apply_memory_limit(argv: list[str] | None = None) -> None:
     from jaxopt_train.runtime.memory import limit_memory  # noqa: PLC0415
 
     try:
+        share = float(value)
+    except ValueError:
+        share = None  # a size such as 16GiB
+    amount = {"fraction": share} if share is not None and share <= 1 else {"bytes": value}
+    try:
         # Preallocated: a pool that grows on demand is made of regions, and no buffer spans
         # two of them, so a step whose temporaries fill most of the cap would not fit in it
         # (gpt-1b under 16 GiB: 8.6 GiB of temporaries refused with 8.85 GiB free).
-        env = limit_memory(bytes=value, preallocate=True)
+        env = limit_memory(**amount, preallocate=True)
     except (RuntimeError, TypeError, ValueError) as err:
-        build_parser().error(f"--memory-limit {value}: {err}")
+        hint = (" (Here: a share of the GPU's memory, e.g. --memory-limit 0.5 for half.)"
+                if "bytes" in amount and "NVML" in str(err) else "")
+        build_parser().error(f"--memory-limit {value}: {err}{hint}")
     print(f"jaxopt-train train: GPU memory capped at {value}: "
           + " ".join(f"{k}={v}" for k, v in sorted(env.items())), file=sys.stderr)
 
