@@ -26,8 +26,7 @@ from jaxopt_train.precision import get_policy
 import jaxopt_train.train.mfu as mfu_lib
 from jaxopt_train.train.checkpoint import (Checkpointer, RunDirError, as_abstract,
                                            check_same_model, clear_run_dir, prepare_run_dir)
-from jaxopt_train.train import config as config_lib
-from jaxopt_train.train.config import TrainConfig
+from jaxopt_train.train.config import TrainConfig, shape_overrides
 from jaxopt_train.train.metrics import MetricsLogger, peak_memory_bytes
 from jaxopt_train.train.remat_search import build_fitting_run
 from jaxopt_train.train.state import param_count
@@ -145,7 +144,7 @@ def _check_resume_shape(run_dir: str, cfg: TrainConfig, ckpt: Checkpointer) -> N
                 saved = json.load(f).get("model_shape")
     if saved is not None:
         if isinstance(saved.get("model_overrides"), dict):  # runs saved before remat was left out
-            saved = {**saved, "model_overrides": config_lib.shape_overrides(saved["model_overrides"])}
+            saved = {**saved, "model_overrides": shape_overrides(saved["model_overrides"])}
         check_same_model(saved, json.loads(json.dumps(cfg.model_shape())), run_dir)
 
 
