@@ -8,4 +8,5 @@ from jaxopt_train.train.loop import TrainResult as TrainResult
 from jaxopt_train.train.loop import train as train
 from jaxopt_train.train.state import TrainState as TrainState
 from jaxopt_train.train.state import default_optimizer as default_optimizer
+from jaxopt_train.train.trainer import StepTooLargeError as StepTooLargeError
 from jaxopt_train.train.trainer import Trainer as Trainer
