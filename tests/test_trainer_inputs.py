@@ -51,18 +51,40 @@ def test_a_step_larger_than_the_memory_pool_is_refused_before_it_runs(zero, monk
 
     trainer, batch = Trainer(_MLP(nnx.Rngs(0)), _mse, zero=zero, lr=0.1), _batch()
     state = jax.tree.map(np.asarray, trainer.params)
-    monkeypatch.setattr(trainer_module, "device_pool_limit", lambda device: 1024)  # a 1 KiB pool
+    monkeypatch.setattr("jaxopt_train.train.step.device_pool_limit", lambda device: 1024)  # a 1 KiB pool
     with pytest.raises(trainer_module.StepTooLargeError,
-                       match=r"the compiled train step does not fit the memory pool of .*: it "
+                       match=r"the compiled train step does not fit the smallest device memory pool of its mesh: it "
                              r"needs .* GiB of 0.000 GiB budget: does NOT fit \(args .*\), so its "
                              r"first run would fail. To fit: rematerialise blocks"):
         trainer.step(batch)
     assert trainer._compiled is None  # nothing ran: the state is untouched
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, trainer.params), state)
     # A pool that holds the step (or a backend that reports none, like the CPU) runs it.
-    monkeypatch.setattr(trainer_module, "device_pool_limit", lambda device: 2**40)
+    monkeypatch.setattr("jaxopt_train.train.step.device_pool_limit", lambda device: 2**40)
     assert np.isfinite(float(trainer.step(batch)["loss"][0]))
     assert issubclass(trainer_module.StepTooLargeError, ValueError)  # the CLI exits 2 on it
+
+
+@pytest.mark.parametrize("mine, others, want", [(100, [5], 5), (None, [7], 7), (None, [None], None),
+                                                (3, [9], 3)])
+def test_every_process_sees_the_smallest_pool_of_all(mine, others, want, monkeypatch):
+    # Several hosts must decide alike (the fit check, remat="auto"): a refusal on one host
+    # alone would leave the others waiting in the step's collectives.
+    from jax.experimental import multihost_utils
+
+    from jaxopt_train.train import step
+
+    gathered = []
+
+    def allgather(x):
+        gathered.append(int(x))
+        return np.array([x] + [-1 if o is None else o for o in others], np.int64)
+
+    monkeypatch.setattr("jaxopt_train.train.step.device_pool_limit", lambda device: mine)
+    monkeypatch.setattr(jax, "process_count", lambda: 1 + len(others))
+    monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+    assert step.smallest_pool(jax.devices()) == want
+    assert gathered == [-1 if mine is None else mine]  # one collective, all processes alike
 
 
 def test_cpu_reports_no_pool_limit():

@@ -96,9 +96,10 @@ def search_remat(attempt: Callable, rebuild: Callable, layers: int | None, budge
 def build_fitting_run(cfg, devices=None, *, stream=None):
     """`loop.build_run(cfg)`, with `remat="auto"` resolved to the least remat that fits.
 
-    The budget is the smallest memory pool of the local devices (after any
-    `--memory-limit`) less `allocator_reserve`. Where remat cannot apply (vision
-    presets) or no pool is known (CPU), "auto" means "none". Each candidate's run is
+    The budget is the smallest memory pool of the devices, over every process
+    (`step.smallest_pool`, after any `--memory-limit`), less `allocator_reserve`.
+    Where remat cannot apply (vision presets) or no pool is known (CPU), "auto"
+    means "none". Each candidate's run is
     built and compiled once; the chosen one is returned as it is, with no rebuild.
 
     Returns:
@@ -111,7 +112,7 @@ def build_fitting_run(cfg, devices=None, *, stream=None):
     import jax  # noqa: PLC0415
 
     from jaxopt_train.train.loop import build_run, dispatch_batch  # noqa: PLC0415
-    from jaxopt_train.train.step import device_pool_limit  # noqa: PLC0415
+    from jaxopt_train.train.step import smallest_pool  # noqa: PLC0415
     from jaxopt_train.train.trainer import StepTooLargeError  # noqa: PLC0415
 
     if cfg.remat != "auto":
@@ -125,15 +126,13 @@ def build_fitting_run(cfg, devices=None, *, stream=None):
         extra = {} if remat_layers is None else {"remat_layers": remat_layers}
         return dataclasses.replace(cfg, remat=remat, model_overrides={**overrides, **extra})
 
-    local = [d for d in (devices or jax.devices()) if d.process_index == jax.process_index()]
-    pools = [limit for limit in map(device_pool_limit, local) if limit is not None]
+    pool = None if cfg.is_vision else smallest_pool(devices or jax.devices())
     reason = ("remat applies to GPT presets only" if cfg.is_vision else
-              "no device reports a memory pool (CPU)" if not pools else None)
+              "no device reports a memory pool (CPU)" if pool is None else None)
     if reason is not None:
         print(f"jaxopt-train train: remat auto -> none: {reason}", file=stream, flush=True)
         chosen = with_remat("none")
         return (chosen, *build_run(chosen, devices), [])
-    pool = min(pools)
     budget = pool - allocator_reserve(pool)
 
     trials: list[dict] = []
@@ -154,8 +153,9 @@ def build_fitting_run(cfg, devices=None, *, stream=None):
                        "needed_bytes": None if report is None else report.needed_bytes,
                        "fits": bool(report)})
         print(f"jaxopt-train train: remat {remat_label(remat, remat_layers)}: "
-              f"{'no memory analysis' if report is None else report} (the smallest pool, {pool / 2**30:.3f} GiB, "
-              f"less a {(pool - budget) / 2**30:.3f} GiB reserve)", file=stream, flush=True)
+              f"{'no memory analysis' if report is None else report} (the smallest pool, "
+              f"{pool / 2**30:.3f} GiB, less a {(pool - budget) / 2**30:.3f} GiB reserve)",
+              file=stream, flush=True)
         fits = bool(report)
         return trials[-1]["needed_bytes"], fits, (candidate, task, trainer) if fits else None
 

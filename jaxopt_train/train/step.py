@@ -243,6 +243,23 @@ def device_pool_limit(device) -> int | None:
     return int(limit) if limit else None
 
 
+def smallest_pool(devices) -> int | None:
+    """The smallest memory pool (`device_pool_limit`) of this process's devices among
+    `devices`, and with several processes the smallest of every process's, so that all
+    decide alike (a check that refused on one host only would leave the others waiting in
+    the step's collectives); None where no device reports one."""
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    pools = [limit for limit in map(device_pool_limit, local) if limit is not None]
+    mine = min(pools) if pools else -1
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+
+        every = np.asarray(multihost_utils.process_allgather(np.int64(mine))).ravel()
+        known = every[every >= 0]
+        return int(known.min()) if known.size else None
+    return mine if mine >= 0 else None
+
+
 def format_bytes(n: float) -> str:
     for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
         if abs(n) >= size:

@@ -39,9 +39,9 @@ from jaxopt_train.train.checkpoint import as_abstract
 from jaxopt_train.train.model import ModelFns, linen_model_fns, nnx_model_fns
 from jaxopt_train.train.optim import low_precision_state
 from jaxopt_train.train.state import TrainState, default_optimizer, init_train_state
-from jaxopt_train.train.step import (AXIS, build_eval_step, build_train_step, device_pool_limit,
+from jaxopt_train.train.step import (AXIS, build_eval_step, build_train_step,
                                      init_sharded_error_feedback, jit_steps, make_data_mesh,
-                                     memory_summary, place_batch, replicate)
+                                     memory_summary, place_batch, replicate, smallest_pool)
 from jaxopt_train.train.zero_step import (check_elementwise_optimizer, check_zero, init_zero_state,
                                           make_zero_step_body, replicated_params, zero3_gather,
                                           zero_specs, zero_state_specs)
@@ -284,29 +284,26 @@ class Trainer:
         self._compiled, self._compiled_shapes = compiled, shapes
 
     def _check_fits(self, compiled) -> None:
-        """Raises StepTooLargeError if the step cannot fit any local device's memory pool.
+        """Raises StepTooLargeError if the step cannot fit the mesh's smallest memory pool.
 
         The arguments stay resident and XLA allocates the temporaries as one buffer, so a
         step whose total exceeds the pool fails at its first run: say so now, with the ways
         out, rather than as an allocator error after the run has started.
         """
-        pools = [(device_pool_limit(device), device) for device in self.mesh.devices.flat
-                 if device.process_index == jax.process_index()]
-        pools = [pool for pool in pools if pool[0] is not None]
-        if not pools:  # the backend reports no pool (CPU)
+        limit = smallest_pool(self.mesh.devices.flat)
+        if limit is None:  # the backend reports no pool (CPU)
             return
-        limit, device = min(pools, key=lambda pool: pool[0])
         try:
             report = fits(compiled, (), limit)
         except RuntimeError:  # no memory analysis on this backend
             return
         if not report:
             raise StepTooLargeError(
-                f"the compiled train step does not fit the memory pool of {device}: it {report}, "
-                "so its first run would fail. To fit: "
-                "rematerialise blocks (GPTConfig.remat, --remat dots_attention|dots|full), "
-                "more micro-batches (microbatches=), gradients and AdamW moments in bf16 "
-                "(grad_dtype='compute', opt_state_dtype='bf16'), the state sharded over "
+                f"the compiled train step does not fit the smallest device memory pool of its "
+                f"mesh: it {report}, so its first run would fail. To fit: rematerialise blocks "
+                "(GPTConfig.remat, --remat auto|dots_attention|dots|full), more micro-batches "
+                "(microbatches=), gradients and AdamW moments in bf16 (grad_dtype='compute', "
+                "opt_state_dtype='bf16'), the state sharded over "
                 "several GPUs (zero=3), or a larger pool (runtime.limit_memory, --memory-limit)",
                 report=report)
 
