@@ -65,6 +65,10 @@ if mode == "die" and process_id == 1:
     os._exit(3)  # a crash: no shutdown handshake
 ''' + SHARED + r'''
 result = compute()
+# Unequal pools on the two hosts (1000 and 1010 bytes): both must see the smaller one.
+from jaxopt_train.train import step as train_step
+train_step.device_pool_limit = lambda device: 1000 + 10 * process_id
+print("smallest_pool", train_step.smallest_pool(jax.devices()), flush=True)
 if process_id == 0:
     with open(out_path, "w") as f:
         json.dump(result, f)
@@ -102,6 +106,7 @@ def test_two_processes_match_one_process_with_eight_devices(tmp_path):
     results, _, out = _launch(tmp_path, "ok", timeout=120)
     for rc, output in results:
         assert rc == 0, output[-3000:]
+        assert "smallest_pool 1000" in output  # step.smallest_pool: one value for all hosts
     multi = json.loads(out.read_text())
     namespace: dict = {}
     exec(SHARED, namespace)  # noqa: S102 (our own code, shared with the workers)
