@@ -99,8 +99,8 @@ def build_fitting_run(cfg, devices=None, *, stream=None):
     The budget is the smallest memory pool of the devices, over every process
     (`step.smallest_pool`, after any `--memory-limit`), less `allocator_reserve`.
     Where remat cannot apply (vision presets) or no pool is known (CPU), "auto"
-    means "none". Each candidate's run is
-    built and compiled once; the chosen one is returned as it is, with no rebuild.
+    means "none". Each candidate's run is built and compiled once; the chosen one is
+    returned as it is, with no rebuild.
 
     Returns:
       (cfg with `remat` and `model_overrides["remat_layers"]` as chosen, task, trainer,
@@ -111,6 +111,7 @@ def build_fitting_run(cfg, devices=None, *, stream=None):
     """
     import jax  # noqa: PLC0415
 
+    from jaxopt_train.train.config import shape_overrides  # noqa: PLC0415
     from jaxopt_train.train.loop import build_run, dispatch_batch  # noqa: PLC0415
     from jaxopt_train.train.step import smallest_pool  # noqa: PLC0415
     from jaxopt_train.train.trainer import StepTooLargeError  # noqa: PLC0415
@@ -118,8 +119,6 @@ def build_fitting_run(cfg, devices=None, *, stream=None):
     if cfg.remat != "auto":
         return (cfg, *build_run(cfg, devices), [])
     stream = sys.stderr if stream is None else stream
-    from jaxopt_train.train.config import shape_overrides  # noqa: PLC0415
-
     overrides = shape_overrides(cfg.model_overrides)
 
     def with_remat(remat, remat_layers=None):
