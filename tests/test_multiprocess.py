@@ -68,7 +68,9 @@ result = compute()
 # Unequal pools on the two hosts (1000 and 1010 bytes): both must see the smaller one.
 from jaxopt_train.train import step as train_step
 train_step.device_pool_limit = lambda device: 1000 + 10 * process_id
-print("smallest_pool", train_step.smallest_pool(jax.devices()), flush=True)
+# One write: XLA's own logging shares the pipe and may land between print()'s pieces.
+sys.stdout.write(f"smallest_pool {train_step.smallest_pool(jax.devices())}\n")
+sys.stdout.flush()
 if process_id == 0:
     with open(out_path, "w") as f:
         json.dump(result, f)
