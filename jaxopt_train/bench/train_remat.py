@@ -20,14 +20,11 @@ __all__ = ["REMAT_ORDER", "allocator_reserve", "choose_remat", "memory_budget",
 def memory_budget(args, device) -> int | None:
     """Bytes the optimised step must fit per device: --memory-budget, else the allocator's limit."""
     from jaxopt_train.runtime import parse_bytes  # noqa: PLC0415
+    from jaxopt_train.train.step import device_pool_limit  # noqa: PLC0415
 
     if args.memory_budget:
         return parse_bytes(args.memory_budget)
-    try:
-        stats = device.memory_stats() or {}
-    except Exception:  # noqa: BLE001 - CPU and some plugins raise
-        stats = {}
-    return int(stats["bytes_limit"]) if "bytes_limit" in stats else None
+    return device_pool_limit(device)
 
 
 def choose_remat(bench, run, budget, reserve=None):

@@ -293,18 +293,15 @@ class Trainer:
         limit = smallest_pool(self.mesh.devices.flat)
         if limit is None:  # the backend reports no pool (CPU)
             return
-        try:
-            report = fits(compiled, (), limit)
-        except RuntimeError:  # no memory analysis on this backend
-            return
-        if not report:
+        report = _fit_report(compiled, limit)
+        if report is not None and not report:
             raise StepTooLargeError(
                 f"the compiled train step does not fit the smallest device memory pool of its "
                 f"mesh: it {report}, so its first run would fail. To fit: rematerialise blocks "
                 "(GPTConfig.remat, --remat auto|dots_attention|dots|full), more micro-batches "
                 "(microbatches=), gradients and AdamW moments in bf16 (grad_dtype='compute', "
-                "opt_state_dtype='bf16'), the state sharded over "
-                "several GPUs (zero=3), or a larger pool (runtime.limit_memory, --memory-limit)",
+                "opt_state_dtype='bf16'), the state sharded over several GPUs (zero=3), or a "
+                "larger pool (runtime.limit_memory, --memory-limit)",
                 report=report)
 
     @property
@@ -321,10 +318,7 @@ class Trainer:
         """
         if self._compiled is None:
             raise RuntimeError("memory_fit() needs the compiled step: call compile(batch) first")
-        try:
-            return fits(self._compiled, (), budget)
-        except RuntimeError:  # no memory analysis on this backend
-            return None
+        return _fit_report(self._compiled, budget)
 
     # ------------------------------------------------------------------ steps
 
@@ -380,6 +374,15 @@ class Trainer:
         Like `params`, a snapshot that later `step()` calls leave intact.
         """
         return self.fns.merge(self.params, _copy_arrays(self.state.model_state))
+
+
+def _fit_report(compiled, budget):
+    """`runtime.fits` of a compiled step against `budget`; None where the backend gives no
+    memory analysis."""
+    try:
+        return fits(compiled, (), budget)
+    except RuntimeError:
+        return None
 
 
 def _copy_arrays(tree):
