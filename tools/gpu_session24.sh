@@ -15,7 +15,7 @@ export CUDA_VISIBLE_DEVICES=0
 unset XLA_PYTHON_CLIENT_PREALLOCATE  # --memory-limit sets it
 STEP_TAIL=4 step refuse12 90 $PY $GPT1B_TRAIN --remat dots_attention --model remat_layers=15 \
   --run-dir /tmp/s24_refuse --memory-limit 12GiB
-echo "refuse12: $(grep -c 'does not fit the memory pool' "$R/refuse12.log") refusal line(s) (1 expected)" \
+echo "refuse12: $(grep -c 'does not fit the smallest device memory pool' "$R/refuse12.log") refusal line(s) (1 expected)" \
   | tee -a "$R/steps.log"
 STEP_TAIL=14 step auto16 220 $PY $GPT1B_TRAIN --remat auto --memory-limit 16GiB --run-dir /tmp/s24_a
 cp /tmp/s24_a/config.json "$R/auto16_config.json" 2>/dev/null
