@@ -22,6 +22,7 @@ def test_partial_layers_from_the_two_estimates():
 def test_label_names_partial_remat():
     assert train_remat.remat_label("dots") == "dots"
     assert train_remat.remat_label("dots", 12) == "dots (first 12 blocks)"
+    assert train_remat.remat_label("full", 3, "dots") == "full (first 3 blocks, dots on the rest)"
 
 
 class _FakeRunner:
@@ -30,8 +31,9 @@ class _FakeRunner:
 
 
 def _fake_memory(monkeypatch, layers, per_block, base, calls):
-    """build_runner/fits stand-ins: a block outside remat costs 0.8 * per_block
-    (dots_attention), per_block (dots) or 2 * per_block (full) more than one inside.
+    """build_runner/fits stand-ins: a block without remat costs 0.8 * per_block
+    (dots_attention), per_block (dots) or 2 * per_block (full) more than one under it.
+    Blocks past remat_layers run remat_rest.
     XLA:CPU's memory analysis does not show remat's saving, so the search is tested
     on this model of it; the GPU run in BENCHMARKS.md shows the real one."""
     from jaxopt_train import runtime
@@ -40,9 +42,11 @@ def _fake_memory(monkeypatch, layers, per_block, base, calls):
     def fake_fits(run, budget):
         covered = 0 if run.remat == "none" else layers if run.remat_layers is None else run.remat_layers
         saving = {"none": 0, "dots_attention": per_block * 4 // 5, "dots": per_block,
-                  "full": 2 * per_block}[run.remat]
-        calls.append((run.remat, run.remat_layers))
-        return FitReport(0, 0, 0, base + layers * 2 * per_block - covered * saving, 0, budget)
+                  "full": 2 * per_block}
+        calls.append((run.remat, run.remat_layers, run.remat_rest))
+        needed = (base + layers * 2 * per_block - covered * saving[run.remat]
+                  - (layers - covered) * saving[run.remat_rest])
+        return FitReport(0, 0, 0, needed, 0, budget)
 
     monkeypatch.setattr(train_steps, "build_runner", lambda workload, run, mesh: _FakeRunner(run))
     monkeypatch.setattr(runtime, "fits", fake_fits)
@@ -57,24 +61,28 @@ def _bench(layers):
 @pytest.mark.parametrize("budget,want", [
     # 8 blocks: no remat needs 100 + 8 * 20 = 260; dots_attention saves 8 a block,
     # dots 10, full 20
-    (260, ("none", None)),  # everything fits without remat
-    (259, ("dots_attention", 1)),  # one block short: the least recompute, on one block
-    (235, ("dots_attention", 4)),  # 25 short: 3.1 blocks' worth
-    (196, ("dots_attention", None)),  # dots_attention on every block, exactly
-    (195, ("dots", 7)),  # dots_attention everywhere misses: dots on 7 blocks (65 / 10)
-    (180, ("dots", None)),  # dots on every block, exactly
-    (179, ("full", 5)),  # dots everywhere misses: full on 5 blocks (81 / 20 saved a block)
-    (10, ("full", None)),  # nothing fits: the last policy, on every block
+    (260, ("none", None, "none")),  # everything fits without remat
+    (259, ("dots_attention", 1, "none")),  # one block short: the least recompute, on one block
+    (235, ("dots_attention", 4, "none")),  # 25 short: 3.1 blocks' worth
+    (196, ("dots_attention", None, "none")),  # dots_attention on every block, exactly
+    # dots_attention everywhere misses by 1: dots on 1 block, dots_attention on the 7 others
+    # (not dots on 7 blocks and none on one)
+    (195, ("dots", 1, "dots_attention")),
+    (185, ("dots", 6, "dots_attention")),  # 11 short of dots_attention, 2 saved a block
+    (180, ("dots", None, "none")),  # dots on every block, exactly
+    (179, ("full", 1, "dots")),  # dots everywhere misses by 1: full on 1 block, dots on 7
+    (130, ("full", 5, "dots")),  # full on 5 blocks, not 7 with none on the rest
+    (10, ("full", None, "none")),  # nothing fits: the last policy, on every block
 ])
 def test_remat_search_recomputes_only_what_the_budget_needs(monkeypatch, budget, want):
     calls = []
     _fake_memory(monkeypatch, layers=8, per_block=10, base=100, calls=calls)
     run = train_steps.RunConfig("optimised", accumulation="scan", donate=True)
     chosen, runner, trials, _ = train_remat.choose_remat(_bench(8), run, budget, reserve=0)
-    assert (chosen.remat, chosen.remat_layers) == want
+    assert (chosen.remat, chosen.remat_layers, chosen.remat_rest) == want
     assert runner.compiled[0] == chosen  # the runner handed back is the chosen one's
-    assert [(t["remat"], t["remat_layers"]) for t in trials] == calls
-    assert trials[-1]["fits"] or want == ("full", None)
+    assert [(t["remat"], t["remat_layers"], t["remat_rest"]) for t in trials] == calls
+    assert trials[-1]["fits"] or want == ("full", None, "none")
 
 
 def test_remat_search_is_fixed_by_the_flag_or_without_a_budget():
@@ -97,5 +105,5 @@ def test_the_search_keeps_a_reserve_for_what_xla_does_not_count(monkeypatch):
     run = train_steps.RunConfig("optimised", accumulation="scan", donate=True)
     budget = (260 << 20) + train_remat.allocator_reserve(260 << 20) - 1  # just short of "none"
     chosen, _, trials, _ = train_remat.choose_remat(_bench(8), run, budget)
-    assert (chosen.remat, chosen.remat_layers) == ("dots_attention", 1)
+    assert (chosen.remat, chosen.remat_layers, chosen.remat_rest) == ("dots_attention", 1, "none")
     assert trials[0]["reserve_bytes"] == train_remat.allocator_reserve(budget) and not trials[0]["fits"]

@@ -22,7 +22,8 @@ LAYERS = 8
 
 
 class _FakeTrainer:
-    """Needs 100 + 20 a block, less 8 (dots_attention), 10 (dots) or 20 (full) a block under remat."""
+    """Needs 100 + 20 a block, less 8 (dots_attention), 10 (dots) or 20 (full) a block under
+    remat; blocks past remat_layers run remat_rest."""
 
     def __init__(self, cfg):
         self.cfg, self.compiled_with = cfg, None
@@ -32,9 +33,11 @@ class _FakeTrainer:
 
     def memory_fit(self, budget):
         remat, layers = self.cfg.remat, self.cfg.model_overrides.get("remat_layers")
+        rest = self.cfg.model_overrides.get("remat_rest", "none")
         covered = 0 if remat == "none" else LAYERS if layers is None else layers
-        saving = {"none": 0, "dots_attention": 8, "dots": 10, "full": 20}[remat]
-        return FitReport(0, 0, 0, 100 + LAYERS * 20 - covered * saving, 0, budget)
+        saving = {"none": 0, "dots_attention": 8, "dots": 10, "full": 20}
+        needed = 100 + LAYERS * 20 - covered * saving[remat] - (LAYERS - covered) * saving[rest]
+        return FitReport(0, 0, 0, needed, 0, budget)
 
 
 class _FakeTask:
@@ -58,24 +61,26 @@ def _search(monkeypatch, pool, **overrides):
 
 
 @pytest.mark.parametrize("pool, want", [
-    (260, ("none", None)),
-    (259, ("dots_attention", 1)),  # one block short: the least recompute, on one block
-    (196, ("dots_attention", None)),
-    (195, ("dots", 7)),
-    (179, ("full", 5)),
+    (260, ("none", None, None)),
+    (259, ("dots_attention", 1, None)),  # one block short: the least recompute, on one block
+    (196, ("dots_attention", None, None)),
+    (185, ("dots", 6, "dots_attention")),  # the policy that missed runs the other blocks
+    (179, ("full", 1, "dots")),
 ])
 def test_auto_picks_the_least_recompute_that_fits(monkeypatch, pool, want):
     built, (cfg, task, trainer, trials) = _search(monkeypatch, pool)
-    assert (cfg.remat, cfg.model_overrides.get("remat_layers")) == want
+    got = cfg.model_overrides
+    assert (cfg.remat, got.get("remat_layers"), got.get("remat_rest")) == want
     assert cfg.model_overrides["n_layers"] == LAYERS  # the other overrides kept
     assert trainer.cfg == cfg and trainer.compiled_with == {"tokens": 0}  # the chosen build, compiled
     assert trials[-1]["fits"] and not any(t["fits"] for t in trials if t["remat"] != cfg.remat)
-    assert [(t["remat"], t["remat_layers"]) for t in trials] == [
-        (c.remat, c.model_overrides.get("remat_layers")) for c in built]  # nothing built twice
+    assert [(t["remat"], t["remat_layers"], t["remat_rest"]) for t in trials] == [
+        (c.remat, c.model_overrides.get("remat_layers"), c.model_overrides.get("remat_rest", "none"))
+        for c in built]  # nothing built twice
 
 
 def test_auto_ignores_a_remat_given_in_the_overrides(monkeypatch):
-    _, (cfg, *_rest) = _search(monkeypatch, 259, remat="full", remat_layers=3)
+    _, (cfg, *_rest) = _search(monkeypatch, 259, remat="full", remat_layers=3, remat_rest="dots")
     assert cfg.remat == "dots_attention" and cfg.model_overrides == {"n_layers": LAYERS, "remat_layers": 1}
 
 
@@ -104,8 +109,8 @@ def test_build_run_refuses_auto_and_the_cli_accepts_it():
 
 def test_remat_overrides_do_not_change_the_model_shape(tmp_path):
     base = TrainConfig(model_overrides={"d_model": 32})
-    assert TrainConfig(model_overrides={"d_model": 32, "remat_layers": 3, "remat": "dots"}
-                       ).model_shape() == base.model_shape()
+    assert TrainConfig(model_overrides={"d_model": 32, "remat_layers": 3, "remat": "full",
+                                        "remat_rest": "dots"}).model_shape() == base.model_shape()
     assert TrainConfig(model_overrides={"d_model": 64}).model_shape() != base.model_shape()
 
     class _SavedMeta:  # a checkpoint written before remat was left out of the shape

@@ -10,8 +10,8 @@ Configs run one after the other on the same model and global batch:
   `--opt-state-dtype`), cuDNN attention on GPU,
   `lax.scan` accumulation with one all-reduce after it, donated state, the
   first remat policy ("none", "dots_attention", "dots", "full") whose compiled step fits
-  `--memory-budget`, on only as many blocks as the budget needs
-  (`bench/train_remat.py`), the fastest grad-sync method (under `--zero 0`;
+  `--memory-budget`, on only as many blocks as the budget needs, the policy before
+  it on the others (`bench/train_remat.py`), the fastest grad-sync method (under `--zero 0`;
   ZeRO-1 reduce-scatters the gradients per leaf), `--steps-per-dispatch` steps
   per compiled call, and the `--xla-preset` XLA flags; on more than one device
   its f32 master params and AdamW state are sharded per leaf over the devices

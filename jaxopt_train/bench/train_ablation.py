@@ -30,8 +30,9 @@ def ablation_runs(baseline, optimised, workload, num_devices):
     add("+scan accumulation", None if workload.microbatches > 1 else "no-op with --microbatches 1",
         accumulation="scan")
     add("+donate", donate=True)
-    add(f"+remat={remat_label(optimised.remat, optimised.remat_layers)}", None if optimised.remat != "none" else "chosen remat is none",
-        remat=optimised.remat, remat_layers=optimised.remat_layers)
+    add(f"+remat={remat_label(optimised.remat, optimised.remat_layers, optimised.remat_rest)}",
+        None if optimised.remat != "none" else "chosen remat is none",
+        remat=optimised.remat, remat_layers=optimised.remat_layers, remat_rest=optimised.remat_rest)
     add("+bf16 optimizer state", None if optimised.opt_state != "f32" else "--opt-state-dtype f32",
         opt_state=optimised.opt_state)
     add("+bf16 gradients (+scan accumulation)",

@@ -31,10 +31,11 @@ def choose_remat(bench, run, budget, reserve=None):
     """The least remat whose compiled step fits `budget`: (run, runner or None, trials, window).
 
     Policies are tried in REMAT_ORDER against `budget - reserve` (default
-    `allocator_reserve(budget)`). When one fits and "none" did not, the same policy
-    on only the first k blocks (`remat_layers`, GPT blocks unrolled) is tried too, k
-    from the two estimates (memory grows about linearly with the blocks left without
-    remat), so only as much is recomputed as the budget needs.
+    `allocator_reserve(budget)`). When one fits and the one before it did not, the
+    fitting policy on only the first k blocks (`remat_layers`, GPT blocks unrolled),
+    with the one before it on the rest (`remat_rest`), is tried too, k from the two
+    estimates (memory grows about linearly with the blocks moved to the lighter
+    policy), so only as much is recomputed as the budget needs.
     """
     from jaxopt_train.bench import _timing, train_steps  # noqa: PLC0415
     from jaxopt_train.runtime import fits  # noqa: PLC0415
@@ -50,14 +51,16 @@ def choose_remat(bench, run, budget, reserve=None):
     reserve = allocator_reserve(budget) if reserve is None else reserve
     trials, mesh = [], train_steps.data_mesh(bench.devices)
 
-    def attempt(remat, remat_layers):
-        candidate = dataclasses.replace(run, remat=remat, remat_layers=remat_layers)
+    def attempt(remat, remat_layers, remat_rest):
+        candidate = dataclasses.replace(run, remat=remat, remat_layers=remat_layers,
+                                        remat_rest=remat_rest)
         runner = train_steps.build_runner(workload, candidate, mesh)
         report = fits(runner.compiled[0], budget=budget - reserve)
         trials.append({"remat": candidate.remat, "remat_layers": candidate.remat_layers,
+                       "remat_rest": candidate.remat_rest,
                        "needed_bytes": report.needed_bytes, "budget_bytes": budget,
                        "reserve_bytes": reserve, "fits": report.fits})
-        print(f"[bench train] remat={remat_label(candidate.remat, candidate.remat_layers)} "
+        print(f"[bench train] remat={remat_label(candidate.remat, candidate.remat_layers, remat_rest)} "
               f"(budget less a {reserve / 2**30:.3f} GiB reserve): {report}", file=sys.stderr, flush=True)
         return report.needed_bytes, report.fits, (candidate, runner)
 

@@ -205,7 +205,8 @@ def render(result) -> str:
              "wait for the device's queue; all in-call time is host_in_calls_ms_per_step in the JSON)"]
     opt = next(r for r in result["rows"] if r["name"] == "optimised")
     grad_sync = result.get("grad_sync_collective", opt["config"]["grad_sync"])
-    remat = remat_label(opt["config"]["remat"], opt["config"].get("remat_layers"))
+    remat = remat_label(opt["config"]["remat"], opt["config"].get("remat_layers"),
+                        opt["config"].get("remat_rest", "none"))
     lines.append(f"optimised: remat={remat}, grad_sync={grad_sync}, "
                  f"attention={opt['attention_resolved']}, steps_per_dispatch={opt['steps_per_dispatch']}, "
                  f"optimizer state {opt['config']['opt_state']}, gradients in the "

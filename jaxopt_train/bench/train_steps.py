@@ -134,6 +134,7 @@ class RunConfig:
     donate: bool = False
     remat: str = "none"
     remat_layers: int | None = None  # GPT: `remat` on the first k blocks only (None: all)
+    remat_rest: str = "none"  # GPT: the policy of the blocks past remat_layers
     grad_sync: str = "psum"
     steps_per_dispatch: int = 1
     opt_state: str = "f32"  # AdamW moments' storage dtype (jaxopt_train.train.optim)
@@ -208,7 +209,7 @@ def build_model(workload: Workload, run: RunConfig, axis_name: str | None, seed:
                              f"{run.policy!r} computes in float32")
         cfg = workload.gpt_config(dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
                                   attention=_attention_for(run.attention, policy), remat=run.remat,
-                                  remat_layers=run.remat_layers,
+                                  remat_layers=run.remat_layers, remat_rest=run.remat_rest,
                                   split_qkv=run.split_qkv,
                                   fuse_mlp_activation=run.fuse_mlp_activation,
                                   dot_general=None if run.matmul == "xla" else matmul_dot_general(run.matmul))

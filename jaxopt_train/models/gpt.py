@@ -324,11 +324,13 @@ class GPT(nnx.Module):
         if not cfg.scan_layers:
             covered = cfg.n_layers if cfg.remat_layers is None else cfg.remat_layers
             for i, block in enumerate(self.blocks):
-                x = _apply_block(block, x, cfg.remat if i < covered else "none", prevent_cse=True)
+                x = _apply_block(block, x, cfg.remat if i < covered else cfg.remat_rest,
+                                 prevent_cse=True)
             return x
 
         # Inside scan the loop already stops XLA from CSE-ing the recomputation.
-        # (remat_layers is None, 0 or n_layers here: GPTConfig refuses the others.)
+        # (remat_layers is None, 0 or n_layers and remat_rest "none" here: GPTConfig
+        # refuses the others.)
         remat = "none" if cfg.remat_layers == 0 else cfg.remat
 
         def body(carry, block):

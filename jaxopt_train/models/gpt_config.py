@@ -98,6 +98,11 @@ class GPTConfig:
         one block's activations per block left out, so a budget that "none"
         misses by a little needs only a few blocks recomputed (blocks unrolled:
         a scan runs every block under one policy).
+      remat_rest: The policy of the blocks past `remat_layers` ("none": they keep
+        every activation). A lighter policy than `remat` there, e.g. "full" on
+        the first 3 blocks and "dots" on the rest, meets a budget with less
+        recompute than "full" on more blocks and none on the rest. Needs
+        `remat_layers` (and so unrolled blocks).
       scan_layers: Stack the blocks and run them with `nnx.scan`.
       split_qkv: Compute q, k and v as three products from column blocks of the
         one fused qkv weight instead of one product sliced three ways. Same
@@ -139,6 +144,7 @@ class GPTConfig:
     attention: str = "auto"
     remat: str = "none"
     remat_layers: int | None = None
+    remat_rest: str = "none"
     scan_layers: bool = False
     split_qkv: bool = False
     dot_general: Callable[..., jax.Array] | None = None
@@ -199,6 +205,12 @@ class GPTConfig:
 
     def _check_remat_layers(self) -> None:
         layers = self.remat_layers
+        if self.remat_rest not in REMAT_POLICIES:
+            raise ValueError(f"remat_rest={self.remat_rest!r}; legal values: {REMAT_POLICIES}")
+        if self.remat_rest != "none" and layers is None:
+            raise ValueError(f"remat_rest={self.remat_rest!r} is the policy of the blocks past "
+                             "remat_layers, but remat_layers is None (remat on every block); "
+                             "set remat_layers=k")
         if layers is None:
             return
         if (isinstance(layers, (bool, np.bool_)) or not isinstance(layers, (int, np.integer))
@@ -206,6 +218,9 @@ class GPTConfig:
             raise ValueError(f"remat_layers={layers!r} must be None (every block) or an int from 0 "
                              f"to n_layers={self.n_layers}")
         object.__setattr__(self, "remat_layers", int(layers))
+        if self.remat_rest != "none" and self.scan_layers:
+            raise ValueError(f"remat_rest={self.remat_rest!r} needs scan_layers=False: a scan "
+                             "runs every block under one policy")
         if layers and self.remat == "none":
             raise ValueError(f"remat_layers={layers} names blocks to rematerialise, but remat='none'; "
                              "set remat='dots_attention', 'dots' or 'full'")

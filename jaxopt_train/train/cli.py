@@ -50,8 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--attention", choices=config_lib.ATTENTIONS, default=d.attention)
     m.add_argument("--remat", choices=config_lib.REMATS + ("auto",), default=d.remat,
                    help="per-block rematerialisation policy (on the first k blocks only: "
-                        "--model remat_layers=k); auto: the least recompute whose compiled "
-                        "step fits the GPU's memory pool (e.g. under --memory-limit)")
+                        "--model remat_layers=k, with --model remat_rest=POLICY on the others); "
+                        "auto: the least recompute whose compiled step fits the GPU's memory "
+                        "pool (e.g. under --memory-limit)")
     _bool_flag(m, "scan-layers", "scan over stacked GPT layers (faster compile, slower steps on GPU)")
     m.add_argument("--matmul", choices=config_lib.MATMULS, default=d.matmul,
                    help="dense-layer matmul of GPT presets: xla, or our Pallas (Mosaic GPU; "

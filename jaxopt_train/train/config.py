@@ -31,7 +31,7 @@ TOKEN_DTYPES = ("uint16", "uint32")  # jaxopt_train.data.tokens.TOKEN_FILE_DTYPE
 # one value cannot be resumed with another.
 MODEL_SHAPE_FIELDS = ("preset", "model_overrides", "num_classes", "image_size")
 # GPT overrides that choose what is recomputed, never a shape: a run may resume with others.
-REMAT_OVERRIDES = ("remat", "remat_layers")
+REMAT_OVERRIDES = ("remat", "remat_layers", "remat_rest")
 
 
 def shape_overrides(overrides: dict[str, Any]) -> dict[str, Any]:

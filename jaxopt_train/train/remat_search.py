@@ -3,11 +3,12 @@
 `bench train --remat auto` and `jaxopt-train train --remat auto` both search the
 same way: compile each candidate ahead of time, compare XLA's memory analysis
 (`runtime.fits`) with the budget less a reserve, run nothing. Policies go in
-REMAT_ORDER, least recomputed first; once one fits and "none" did not, the same
-policy on only the first k blocks is tried, so only as much is recomputed as the
-budget needs. gpt-1b in 16 GiB on an H200: "dots_attention" on 15 of 16 blocks in
-bench train; on 13 in the trainer under a hard 16 GiB cap, where XLA's compiler,
-knowing the pool, rematerialises some of the rest itself.
+REMAT_ORDER, least recomputed first; once one fits and the one before it did not,
+the fitting policy on only the first k blocks, with the one before it on the rest
+(`GPTConfig.remat_rest`), is tried, so only as much is recomputed as the budget
+needs. gpt-1b in 16 GiB on an H200: "dots_attention" on 15 of 16 blocks (none on
+the rest) in bench train; on 13 in the trainer under a hard 16 GiB cap, where XLA's
+compiler, knowing the pool, rematerialises some of the rest itself.
 """
 
 from __future__ import annotations
@@ -31,30 +32,38 @@ def allocator_reserve(budget: int) -> int:
     return min(budget // 32, 512 << 20)
 
 
-def partial_remat_layers(needed_none: int, needed_all: int, budget: int, layers: int) -> list[int]:
-    """Block counts k < layers worth compiling for remat on the first k blocks only.
+def partial_remat_layers(needed_rest: int, needed_all: int, budget: int, layers: int) -> list[int]:
+    """Block counts k < layers worth compiling for a policy on the first k blocks only.
 
-    The estimate k assumes each block left without remat adds an equal share of
-    (needed_none - needed_all); k + 1 is the fallback when XLA's layout is less linear.
+    `needed_all` is the step with the policy on every block, `needed_rest` with the
+    lighter policy the other blocks get ("none", or the previous one in REMAT_ORDER)
+    on every block. The estimate k assumes each block moved to the lighter policy adds
+    an equal share of the difference; k + 1 is the fallback when XLA's layout is less
+    linear.
     """
-    saved_per_layer = (needed_none - needed_all) / layers
-    if saved_per_layer <= 0:  # remat saved nothing: no k helps
+    saved_per_layer = (needed_rest - needed_all) / layers
+    if saved_per_layer <= 0:  # the policy saved nothing over the lighter one: no k helps
         return []
-    k = max(1, math.ceil((needed_none - budget) / saved_per_layer))
+    k = max(1, math.ceil((needed_rest - budget) / saved_per_layer))
     return [n for n in (k, k + 1) if n < layers]
 
 
-def remat_label(remat: str, layers: int | None = None) -> str:
-    """`dots`, or `dots (first 12 blocks)` when the policy covers only some blocks."""
-    return remat if layers is None else f"{remat} (first {layers} blocks)"
+def remat_label(remat: str, layers: int | None = None, rest: str = "none") -> str:
+    """`dots`, `dots (first 12 blocks)` when the policy covers only some blocks, or
+    `full (first 3 blocks, dots on the rest)` when the others run a lighter one."""
+    if layers is None:
+        return remat
+    return f"{remat} (first {layers} blocks{'' if rest == 'none' else f', {rest} on the rest'})"
 
 
 def search_remat(attempt: Callable, rebuild: Callable, layers: int | None, budget: int):
     """The search, over runs that `attempt` and `rebuild` build.
 
     Args:
-      attempt: `attempt(remat, remat_layers) -> (needed_bytes or None, fits, result)`:
-        builds and compiles one candidate, reports it, and returns its run.
+      attempt: `attempt(remat, remat_layers, remat_rest) -> (needed_bytes or None, fits,
+        result)`: builds and compiles one candidate (`remat` on the first
+        `remat_layers` blocks, None: all; `remat_rest` on the others), reports it, and
+        returns its run.
       rebuild: `rebuild(remat) -> result`: the run of `remat` on every block again,
         for when its first build was released to try fewer blocks and none of those fit.
       layers: the model's block count; None where remat on only some blocks is not
@@ -63,26 +72,26 @@ def search_remat(attempt: Callable, rebuild: Callable, layers: int | None, budge
 
     Returns:
       The result of the first policy in REMAT_ORDER that fits, on the fewest blocks
-      that fit; if nothing fits, the last attempt's result.
+      that fit with the policy before it (which did not fit alone) on the others; if
+      nothing fits, the last attempt's result.
     """
-    needed_none = None
+    lighter = needed_lighter = None
     for policy in REMAT_ORDER:
-        needed, fits, result = attempt(policy, None)
-        if policy == "none":
-            needed_none = needed
+        needed, fits, result = attempt(policy, None, "none")
         if fits or policy == REMAT_ORDER[-1]:
             break
+        lighter, needed_lighter = policy, needed
         result = None  # its state and compiled step go before the next build
         gc.collect()
-    if not fits or policy == "none" or layers is None or None in (needed_none, needed):
+    if not fits or policy == "none" or layers is None or None in (needed_lighter, needed):
         return result
-    partial = partial_remat_layers(needed_none, needed, budget, layers)
+    partial = partial_remat_layers(needed_lighter, needed, budget, layers)
     if not partial:
         return result
     result = None  # one state on the device at a time while the partial ones compile
     gc.collect()
     for k in partial:
-        _, fits_k, result_k = attempt(policy, k)
+        _, fits_k, result_k = attempt(policy, k, lighter)
         if fits_k:
             return result_k
         result_k = None
@@ -103,7 +112,8 @@ def build_fitting_run(cfg, devices=None, *, stream=None):
     returned as it is, with no rebuild.
 
     Returns:
-      (cfg with `remat` and `model_overrides["remat_layers"]` as chosen, task, trainer,
+      (cfg with `remat` and `model_overrides["remat_layers"]` and `["remat_rest"]` as
+      chosen, task, trainer,
       trials): the trials list what each candidate needed (empty unless "auto").
 
     Raises:
@@ -121,8 +131,10 @@ def build_fitting_run(cfg, devices=None, *, stream=None):
     stream = sys.stderr if stream is None else stream
     overrides = shape_overrides(cfg.model_overrides)
 
-    def with_remat(remat, remat_layers=None):
+    def with_remat(remat, remat_layers=None, remat_rest="none"):
         extra = {} if remat_layers is None else {"remat_layers": remat_layers}
+        if remat_rest != "none":
+            extra["remat_rest"] = remat_rest
         return dataclasses.replace(cfg, remat=remat, model_overrides={**overrides, **extra})
 
     pool = None if cfg.is_vision else smallest_pool(devices or jax.devices())
@@ -136,8 +148,8 @@ def build_fitting_run(cfg, devices=None, *, stream=None):
 
     trials: list[dict] = []
 
-    def build(remat, remat_layers):
-        candidate = with_remat(remat, remat_layers)
+    def build(remat, remat_layers, remat_rest="none"):
+        candidate = with_remat(remat, remat_layers, remat_rest)
         task, trainer = build_run(candidate, devices)
         try:
             trainer.compile(dispatch_batch(task, 0, cfg.steps_per_dispatch))
@@ -146,12 +158,13 @@ def build_fitting_run(cfg, devices=None, *, stream=None):
             report = err.report
         return candidate, task, trainer, report
 
-    def attempt(remat, remat_layers):
-        candidate, task, trainer, report = build(remat, remat_layers)
-        trials.append({"remat": remat, "remat_layers": remat_layers, "budget_bytes": budget,
+    def attempt(remat, remat_layers, remat_rest):
+        candidate, task, trainer, report = build(remat, remat_layers, remat_rest)
+        trials.append({"remat": remat, "remat_layers": remat_layers, "remat_rest": remat_rest,
+                       "budget_bytes": budget,
                        "needed_bytes": None if report is None else report.needed_bytes,
                        "fits": bool(report)})
-        print(f"jaxopt-train train: remat {remat_label(remat, remat_layers)}: "
+        print(f"jaxopt-train train: remat {remat_label(remat, remat_layers, remat_rest)}: "
               f"{'no memory analysis' if report is None else report} (the smallest pool, "
               f"{pool / 2**30:.3f} GiB, less a {(pool - budget) / 2**30:.3f} GiB reserve)",
               file=stream, flush=True)
@@ -166,7 +179,7 @@ def build_fitting_run(cfg, devices=None, *, stream=None):
         layers = gpt_model_config(with_remat("none"), get_policy(cfg.precision)).n_layers
     result = search_remat(attempt, lambda remat: build(remat, None)[:3], layers, budget)
     if result is None:
-        tried = "; ".join(f"{remat_label(t['remat'], t['remat_layers'])} needs "
+        tried = "; ".join(f"{remat_label(t['remat'], t['remat_layers'], t['remat_rest'])} needs "
                           f"{t['needed_bytes'] / 2**30:.3f} GiB" for t in trials
                           if t["needed_bytes"] is not None)
         raise StepTooLargeError(
@@ -175,7 +188,7 @@ def build_fitting_run(cfg, devices=None, *, stream=None):
             "bf16 gradients and AdamW moments (--grad-dtype compute --opt-state-dtype bf16), "
             "--zero 3 on several GPUs, or a larger pool (--memory-limit)")
     chosen, task, trainer = result
-    print(f"jaxopt-train train: remat auto -> "
-          f"{remat_label(chosen.remat, chosen.model_overrides.get('remat_layers'))}",
-          file=stream, flush=True)
+    picked = chosen.model_overrides
+    label = remat_label(chosen.remat, picked.get("remat_layers"), picked.get("remat_rest", "none"))
+    print(f"jaxopt-train train: remat auto -> {label}", file=stream, flush=True)
     return chosen, task, trainer, trials
