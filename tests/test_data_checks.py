@@ -1,6 +1,7 @@
 """Inputs `jaxopt_train.data` used to take silently (or refuse only deep inside): now refused up front."""
 
 import compileall
+import re
 
 import numpy as np
 import pytest
@@ -70,3 +71,57 @@ def test_text_folder_skips_bytecode_and_binary_files(tmp_path):
     assert bytes(corpus) == b"print('hi')\n"
     # a file named explicitly is read as given
     assert load_text_corpus(tmp_path / "logo.png").size == 16
+
+
+def test_text_folder_with_token_files_is_refused_naming_them(tmp_path):
+    """A nanoGPT data folder used to train on prepare.py alone, its .bin files skipped as binary."""
+    np.arange(5000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    np.arange(500, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    (tmp_path / "prepare.py").write_text("print('tokenise')\n")
+    with pytest.raises(ValueError, match=r"holds \.bin token files \(train\.bin, val\.bin\).*"
+                                         f"--data {re.escape(str(tmp_path / 'train.bin'))}"):
+        load_text_corpus(tmp_path)
+    # one nested deeper, and one with no NUL byte (which would have been read as text), too
+    for name in ("train.bin", "val.bin"):
+        (tmp_path / name).unlink()
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "ids.bin").write_bytes(b"\x41\x42" * 100)
+    with pytest.raises(ValueError, match=r"\(sub/ids\.bin\).*move the \.bin files out"):
+        load_text_corpus(tmp_path)
+    # without them the folder's text is read as before
+    (tmp_path / "sub" / "ids.bin").unlink()
+    assert bytes(load_text_corpus(tmp_path)) == b"print('tokenise')\n"
+
+
+def _image_splits(num_examples, **kwargs):
+    # Each image is filled with its own index, so a split's contents can be read back.
+    index = np.arange(num_examples, dtype=np.float32)[:, None, None, None]
+    images = np.broadcast_to(index, (num_examples, 4, 4, 3))
+    labels = np.arange(num_examples) % 3
+    return [ImageDataset(images, labels, split=split, **kwargs) for split in ("train", "val")]
+
+
+@pytest.mark.parametrize("num_examples, num_val", [(2, 1), (9, 1), (10, 1), (25, 2)])
+def test_small_image_sets_keep_one_val_example(num_examples, num_val):
+    """val_fraction=0.1 (fixed in the trainer) used to leave 'val' empty, and refuse, below 10 examples."""
+    train, val = _image_splits(num_examples)
+    assert (train.num_examples, val.num_examples) == (num_examples - num_val, num_val)
+    # the last examples are held out: disjoint, covering the set, the same for every seed
+    cut = num_examples - num_val
+    np.testing.assert_array_equal(train.images[:, 0, 0, 0], np.arange(cut))
+    np.testing.assert_array_equal(val.images[:, 0, 0, 0], np.arange(cut, num_examples))
+    again_train, again_val = _image_splits(num_examples, seed=7)
+    np.testing.assert_array_equal(again_train.images, train.images)
+    np.testing.assert_array_equal(again_val.labels, val.labels)
+    assert val.batch(0, 4)["images"].shape == (4, 4, 4, 3)  # a batch wraps round one example
+
+
+def test_image_split_leaves_one_training_example():
+    train, val = _image_splits(2, val_fraction=0.9)
+    assert (train.num_examples, val.num_examples) == (1, 1)
+
+
+def test_one_image_is_refused_saying_how_many_are_needed():
+    with pytest.raises(ValueError, match="needs at least 2 examples, one for the 'train' split and one "
+                                         "for 'val', got num_examples=1"):
+        _image_splits(1)

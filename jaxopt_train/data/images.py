@@ -108,11 +108,31 @@ def check_image_arrays(images: np.ndarray, labels: np.ndarray) -> None:
         )
 
 
+def _val_size(num_examples: int, val_fraction: float) -> int:
+    """How many of ``num_examples`` the "val" split takes: ``val_fraction`` of them, rounded down,
+    but at least 1 and at most ``num_examples - 1``.
+
+    The bounds keep both splits non-empty, so a set of 2..9 examples trains and
+    evaluates instead of being refused (the trainer builds both splits, with a
+    fixed val_fraction no CLI flag changes).
+
+    Example:
+      >>> _val_size(100, 0.1), _val_size(9, 0.1), _val_size(2, 0.9)
+      (10, 1, 1)
+    """
+    if num_examples < 2:
+        raise ValueError(f"an image set needs at least 2 examples, one for the 'train' split and "
+                         f"one for 'val', got num_examples={num_examples}; add examples")
+    return min(max(1, int(num_examples * val_fraction)), num_examples - 1)
+
+
 class ImageDataset:
     """Image batches ``{"images": float32 [B,H,W,C], "labels": int32 [B]}``.
 
     Uses the same epoch-aware, seeded order as `TokenDataset`; the last
-    ``val_fraction`` of the examples form the "val" split.
+    ``val_fraction`` of the examples form the "val" split, at least one example
+    and never all of them (`_val_size`), so both splits are disjoint and
+    non-empty and do not depend on the seed.
     """
 
     def __init__(
@@ -130,13 +150,9 @@ class ImageDataset:
             raise ValueError(f"split={split!r}; legal values: {SPLITS}")
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction={val_fraction!r} must be in (0, 1)")
-        num_val = int(len(labels) * val_fraction)
+        num_val = _val_size(len(labels), val_fraction)
         cut = slice(0, len(labels) - num_val) if split == "train" else slice(len(labels) - num_val, None)
         self.images, self.labels = images[cut], labels[cut].astype(np.int32)
-        if len(self.labels) == 0:
-            raise ValueError(
-                f"the {split!r} split is empty ({len(labels)} examples, val_fraction={val_fraction})"
-            )
         self.split, self.seed = split, seed
 
     @property

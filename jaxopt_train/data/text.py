@@ -48,11 +48,36 @@ def _text_files(path: pathlib.Path) -> list[pathlib.Path]:
         raise FileNotFoundError(f"text corpus path={str(path)!r} does not exist")
     if path.is_file():
         return [path]
-    return sorted(
+    files = sorted(
         p for p in path.rglob("*")
         if p.is_file() and not any(part.startswith(".") or part == "__pycache__"
                                    for part in p.relative_to(path).parts)
-        and not _is_binary(p)
+    )
+    _refuse_token_files(path, files)
+    return [p for p in files if not _is_binary(p)]
+
+
+def _refuse_token_files(folder: pathlib.Path, files: list[pathlib.Path]) -> None:
+    """Refuses a folder that holds ``.bin`` files, whatever else it holds.
+
+    ``.bin`` is what ``--data`` reads as token ids (nanoGPT's ``train.bin`` /
+    ``val.bin``), so a folder holding them is almost surely a token data set
+    given by its folder. Read as text, the tokens would be skipped as binary
+    (or, with no NUL byte, read as bytes) and the run would train on whatever
+    text sits beside them, such as ``prepare.py``. Refusing on the extension
+    alone, not on how much text is left, keeps the rule one a user can predict;
+    other binary files (images, archives) are still skipped as before.
+    """
+    token_files = [p for p in files if p.suffix == ".bin"]
+    if not token_files:
+        return
+    names = [str(p.relative_to(folder)) for p in token_files]
+    shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
+    example = next((p for p in token_files if p.name == "train.bin"), token_files[0])
+    raise ValueError(
+        f"text corpus folder path={str(folder)!r} holds .bin token files ({shown}), which are "
+        f"token ids, not text; to train on them pass the file itself: --data {example} "
+        "(or load_token_file); to train on the folder's text, move the .bin files out of it"
     )
 
 
@@ -90,13 +115,14 @@ def load_text_corpus(
     Args:
       path: A text file, or a folder whose non-hidden text files are read in
         sorted order and concatenated (``__pycache__`` folders and binary files,
-        those with a NUL byte in their first 8 KiB, are skipped). None: the
-        stdlib sources (see module doc).
+        those with a NUL byte in their first 8 KiB, are skipped; a folder with
+        ``.bin`` token files is refused). None: the stdlib sources (see module doc).
       max_bytes: Keep only the first ``max_bytes`` bytes.
 
     Raises:
       FileNotFoundError: ``path`` does not exist.
-      ValueError: the corpus is empty or ``max_bytes`` is not positive.
+      ValueError: the corpus is empty, a folder holds ``.bin`` token files, or
+        ``max_bytes`` is not positive.
     """
     if not isinstance(max_bytes, int) or max_bytes < 1:
         raise ValueError(f"max_bytes={max_bytes!r} must be a positive int")

@@ -161,8 +161,9 @@ def _vision_task(cfg: TrainConfig, policy: Policy) -> Task:
         image_size = (height, width)
         train_batch = lambda step: train_ds.batch(step, cfg.batch_size)  # noqa: E731
         eval_batch = lambda i: val_ds.batch(i, cfg.batch_size)  # noqa: E731
-        description = (f"images {cfg.data} ({train_ds.num_examples:,} train examples, "
-                       f"{height}x{width}x{channels})")
+        # Both counts: on a small set the held-out share is rounded to at least one example.
+        description = (f"images {cfg.data} ({train_ds.num_examples:,} train / "
+                       f"{val_ds.num_examples:,} val examples, {height}x{width}x{channels})")
     else:
         from jaxopt_train.data.synthetic import synthetic_image_batch  # noqa: PLC0415
 
