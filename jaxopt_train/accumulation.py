@@ -18,6 +18,7 @@ Both follow `jaxopt_train.precision`'s conventions: gradients are of the
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -53,6 +54,26 @@ def check_divisible(global_batch: int, num_microbatches: int, num_devices: int =
 def _is_key(x) -> bool:
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and x.shape == ()
+
+
+def _looks_like_raw_key(x) -> bool:
+    """uint32[2]: what `jax.random.PRNGKey` returns, but also any pair of uint32 data."""
+    return getattr(x, "dtype", None) == np.dtype(np.uint32) and np.shape(x) == (2,)
+
+
+def _warn_raw_keys(extra) -> None:
+    # A raw uint32[2] key cannot be told from uint32[2] data, so it is neither
+    # split (that would scramble data) nor refused (that would break data);
+    # but passed unchanged it gives every micro-batch the same dropout mask,
+    # a silent statistical error, so say so once, at trace time.
+    positions = [i for i, x in enumerate(extra) if _looks_like_raw_key(x)]
+    if positions:
+        warnings.warn(
+            f"extra argument(s) at position(s) {positions} are uint32[2], the layout of a legacy "
+            "jax.random.PRNGKey: they reach every micro-batch unchanged (the same random numbers "
+            "each time). If they are keys, pass a typed key (jax.random.key(seed), or "
+            "jax.random.wrap_key_data(raw_key)) and it is split per micro-batch.",
+            UserWarning, stacklevel=3)
 
 
 def _batch_size(batch) -> int:
@@ -94,10 +115,16 @@ def _zeros_like(x, dtype):
 
 
 def _combine_aux(aux, how: str, accum_dtype):
+    """Combines aux leaves stacked along a leading micro-batch axis, as `aux_combine` documents."""
     if how == "stack":
         return aux
 
     def one(x):
+        if x.dtype == np.dtype(np.bool_):
+            # A boolean in bool dtype sums to "any"; under "mean" a predicate over
+            # the batch (jnp.all(...), all_finite) holds for the full batch only if
+            # it holds for every micro-batch.
+            return jnp.all(x, axis=0) if how == "mean" else jnp.any(x, axis=0)
         if how == "sum" or not jnp.issubdtype(x.dtype, jnp.floating):
             return jnp.sum(x, axis=0, dtype=x.dtype)
         return jnp.mean(x.astype(accum_dtype), axis=0).astype(x.dtype)
@@ -119,8 +146,12 @@ def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
       has_aux: as in `jax.value_and_grad`.
       aux_combine: how per-micro-batch aux values combine: "mean" (default:
         floating leaves are averaged, so per-batch means match the full batch;
-        integer leaves, e.g. counts, are summed), "sum" (every leaf summed) or
-        "stack" (leaves get a leading axis of size K).
+        integer leaves, e.g. counts, are summed; boolean leaves are and-ed,
+        so a predicate over the batch such as `jnp.all(...)` matches the full
+        batch), "sum" (every leaf summed; booleans or-ed) or "stack" (leaves
+        get a leading axis of size K, also when K is 1). Stack a flag that
+        says whether something happened anywhere (`jnp.any(...)`) and reduce
+        it yourself.
 
     Returns:
       `grad_fn(params, batch, *extra)` returning `(loss, grads)` or
@@ -129,7 +160,10 @@ def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
       examples), grads in the dtype of `params`. Any scalar typed PRNG key in
       `extra` (`jax.random.key`) is split into K keys, micro-batch k getting
       `jax.random.split(key, K)[k]`; other `extra` arguments reach every
-      micro-batch unchanged.
+      micro-batch unchanged. That includes a legacy raw key
+      (`jax.random.PRNGKey`, uint32[2]), which cannot be told from uint32
+      data: with K > 1 it draws a UserWarning at trace time; pass
+      `jax.random.key(seed)` or `jax.random.wrap_key_data(raw_key)` instead.
 
     Inside `jax.shard_map` the gradients are this device's own: params that do
     not vary over the mesh axes the batch (or `extra`) varies over are marked
@@ -159,7 +193,12 @@ def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
         # until the caller's one reduction after the scan; a no-op elsewhere.
         params = _to_varying(params, _varying_axes_of_tree((batch, extra)))
         if num_microbatches == 1:
-            return value_and_grad(params, batch, *extra)
+            out, grads = value_and_grad(params, batch, *extra)
+            if has_aux and aux_combine == "stack":  # as documented: a leading axis of size K
+                loss, aux = out
+                out = loss, jax.tree.map(lambda x: jnp.expand_dims(jnp.asarray(x), 0), aux)
+            return out, grads  # the mean or sum of one micro-batch is itself
+        _warn_raw_keys(extra)
         key_positions = [i for i, x in enumerate(extra) if _is_key(x)]
         keys = [jax.random.split(extra[i], num_microbatches) for i in key_positions]
         micro = _split_microbatches(batch, num_microbatches)

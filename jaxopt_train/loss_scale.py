@@ -10,6 +10,7 @@ per policy (`loss_scale_for`); `apply_updates_if_finite` there uses them.
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +25,18 @@ def is_floating_array(x) -> bool:
 
 
 _F32 = np.finfo(np.float32)
-# Scales live in float32 and unscale multiplies by 1/scale, so a scale must be a
-# normal float32: 1e40 rounds to inf, 1e-50 to 0, and below `tiny` 1/scale overflows.
-_F32_NORMAL = f"{_F32.tiny:.3g}..{_F32.max:.3g}"
+# Scales live in float32 and unscale multiplies by 1/scale, so both the scale and
+# its reciprocal must be normal float32s: 1e40 rounds to inf, 1e-50 to 0, below
+# `tiny` 1/scale overflows, and above 2**126 1/scale is subnormal, which XLA
+# flushes to 0 (every gradient would silently become 0). Dividing by the scale
+# instead does not help: XLA rewrites `x / constant` into `x * (1 / constant)`
+# whenever the scale is a compile-time constant (a scale closed over by jit), so
+# the range is capped instead. The cap costs nothing: a loss scaled past 2**126
+# overflows float32 for any loss above 4.
+MAX_LOSS_SCALE = 2.0**126
+_SCALE_RANGE = f"{_F32.tiny:.3g}..2**126 (where 1/scale is a normal float32 too)"
+# Counters are int32 arrays compared with these settings under jit.
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 def _real_scalar(value, name: str) -> float:
@@ -43,8 +53,19 @@ def _as_float32(value: float) -> float:
         return float(np.float32(value))
 
 
-def _is_normal_float32(value: float) -> bool:
-    return _F32.tiny <= value <= _F32.max
+def _in_scale_range(value: float) -> bool:
+    return _F32.tiny <= value <= MAX_LOSS_SCALE
+
+
+def _count(value) -> int | None:
+    """`value` as an int in 1..2**31-1 (a Python or numpy integer), or None if it is not one."""
+    if isinstance(value, (bool, np.bool_)):  # True would pass as 1
+        return None
+    try:
+        value = operator.index(value)
+    except TypeError:
+        return None
+    return value if 1 <= value <= _INT32_MAX else None
 
 
 def _finite_flag(grads_finite) -> jax.Array:
@@ -127,7 +148,8 @@ class _LossScale:
 
     def unscale(self, tree):
         """Divides every floating leaf (usually gradients) by the loss scale, in f32,
-        and casts the result back to the leaf's dtype."""
+        and casts the result back to the leaf's dtype. (It multiplies by 1/scale,
+        which the scale's range, at most `MAX_LOSS_SCALE`, keeps a normal float32.)"""
         inverse = 1.0 / self.loss_scale
 
         def one(x):
@@ -170,10 +192,9 @@ class StaticLossScale(_LossScale):
 
     def __init__(self, scale: float):
         stored = _as_float32(_real_scalar(scale, "scale"))
-        if not _is_normal_float32(stored):
-            raise ValueError(f"scale={scale!r} must be a finite positive number in float32's normal "
-                             f"range {_F32_NORMAL} (it is stored in float32, where it is "
-                             f"{np.float32(stored)!s})")
+        if not _in_scale_range(stored):
+            raise ValueError(f"scale={scale!r} must be a finite positive number in {_SCALE_RANGE} "
+                             f"(it is stored in float32, where it is {np.float32(stored)!s})")
         self._init(loss_scale=jnp.asarray(stored, jnp.float32),
                    skipped_steps=jnp.zeros((), jnp.int32))
 
@@ -188,7 +209,8 @@ class DynamicLossScale(_LossScale):
     (Megatron-LM's semantics for hysteresis):
 
     - finite step: `growth_counter += 1`; when it reaches `growth_interval`
-      the scale is multiplied by `growth_factor` (kept if that overflows f32),
+      the scale is multiplied by `growth_factor`, never above `MAX_LOSS_SCALE`
+      (2**126, past which `unscale` would zero the gradients),
       the counter restarts at 0 and the hysteresis budget refills.
     - non-finite step: `skipped_steps += 1`, `growth_counter = 0`,
       `hysteresis_left -= 1`; once `hysteresis_left <= 0` the scale is
@@ -211,13 +233,14 @@ class DynamicLossScale(_LossScale):
         given = {"initial_scale": initial_scale, "growth_factor": growth_factor,
                  "backoff_factor": backoff_factor, "min_scale": min_scale}
         initial, growth, backoff, minimum = (_as_float32(_real_scalar(v, k)) for k, v in given.items())
+        interval, budget = _count(growth_interval), _count(hysteresis)
         checks = {
-            f"initial_scale > 0 in float32's normal range {_F32_NORMAL}": _is_normal_float32(initial),
-            "growth_interval >= 1 (an int)": isinstance(growth_interval, int) and growth_interval >= 1,
+            f"initial_scale > 0 in {_SCALE_RANGE}": _in_scale_range(initial),
+            "growth_interval >= 1 (an int <= 2**31-1)": interval is not None,
             "growth_factor > 1 and finite in float32": 1 < growth <= _F32.max,
             "0 < backoff_factor < 1 in float32": 0 < backoff < 1,
-            "hysteresis >= 1 (an int)": isinstance(hysteresis, int) and hysteresis >= 1,
-            f"min_scale > 0 in float32's normal range {_F32_NORMAL}": _is_normal_float32(minimum),
+            "hysteresis >= 1 (an int <= 2**31-1)": budget is not None,
+            f"min_scale > 0 in {_SCALE_RANGE}": _in_scale_range(minimum),
             # Raising it to min_scale instead would silently ignore initial_scale.
             "initial_scale >= min_scale": initial >= minimum,
         }
@@ -228,18 +251,18 @@ class DynamicLossScale(_LossScale):
                 f"{growth_interval=}, {growth_factor=}, {backoff_factor=}, {hysteresis=}, {min_scale=}")
         self._init(loss_scale=jnp.asarray(initial, jnp.float32),
                    growth_counter=jnp.zeros((), jnp.int32),
-                   hysteresis_left=jnp.asarray(hysteresis, jnp.int32),
+                   hysteresis_left=jnp.asarray(budget, jnp.int32),
                    skipped_steps=jnp.zeros((), jnp.int32),
-                   growth_interval=growth_interval, growth_factor=float(growth_factor),
-                   backoff_factor=float(backoff_factor), hysteresis=hysteresis,
+                   growth_interval=interval, growth_factor=float(growth_factor),
+                   backoff_factor=float(backoff_factor), hysteresis=budget,
                    min_scale=float(min_scale))
 
     def adjust(self, grads_finite) -> DynamicLossScale:
         finite = _finite_flag(grads_finite)
         counter = jnp.where(finite, self.growth_counter + 1, 0)
         grow = counter >= self.growth_interval
-        grown = self.loss_scale * self.growth_factor
-        grown = jnp.where(jnp.isfinite(grown), grown, self.loss_scale)
+        # Capped, not kept: inf (an f32 overflow) also lands on the cap.
+        grown = jnp.minimum(self.loss_scale * self.growth_factor, MAX_LOSS_SCALE)
         hysteresis_left = jnp.where(finite, self.hysteresis_left, self.hysteresis_left - 1)
         back_off = jnp.logical_not(finite) & (hysteresis_left <= 0)
         backed = jnp.maximum(self.loss_scale * self.backoff_factor, self.min_scale)

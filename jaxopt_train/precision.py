@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxopt_train._trees import leaf_path_diff
+from jaxopt_train.loss_scale import MAX_LOSS_SCALE as MAX_LOSS_SCALE
 from jaxopt_train.loss_scale import DynamicLossScale as DynamicLossScale
 from jaxopt_train.loss_scale import LossScale as LossScale
 from jaxopt_train.loss_scale import NoOpLossScale as NoOpLossScale
@@ -194,7 +196,8 @@ def nnx_apply_with_state(policy: str | Policy, graphdef, state, *args, **kwargs)
     `nnx.Param`s and floating inputs are cast to the compute dtype (other
     state, e.g. BatchStat, keeps its dtype), outputs to the
     output dtype, and the state after the call (BatchNorm statistics, RNG
-    counters) back to the dtypes `state` has. `state` itself is left untouched
+    counters) back to the dtypes `state` has; variables the call adds
+    (`self.sow(nnx.Intermediate, ...)`) keep their own. `state` itself is left untouched
     (the module runs on a copy), so it may be closed over inside `jax.jit`.
     Gradients w.r.t. `state` come back in the dtype of `state`, i.e. the f32
     master weights. `policy` is a Policy or a name `get_policy` accepts.
@@ -228,9 +231,12 @@ def linen_apply(policy: str | Policy, module, variables, *args, **kwargs):
 
     The "params" collection (all variables if there is none) and floating
     inputs are cast to the compute dtype; other collections such as
-    "batch_stats" keep theirs. With `mutable=...` Linen returns `(outputs, updates)`; the outputs are cast to
-    the output dtype and the updated collections back to the param dtype.
-    `policy` is a Policy or a name `get_policy` accepts.
+    "batch_stats" keep theirs. `variables` may be any mapping (a dict or a
+    `FrozenDict`). With `mutable=...` Linen returns `(outputs, updates)`; the
+    outputs are cast to the output dtype and each updated variable back to the
+    dtype it has in `variables` (variables the call creates, such as sown
+    "intermediates", keep their own). `policy` is a Policy or a name
+    `get_policy` accepts.
     """
     policy = get_policy(policy)
     with policy.matmul_scope():
@@ -238,7 +244,7 @@ def linen_apply(policy: str | Policy, module, variables, *args, **kwargs):
                               *policy.cast_to_compute(args), **_cast_kwargs(policy, kwargs))
     if kwargs.get("mutable", False) is not False:
         out, updates = result
-        return policy.cast_to_output(out), policy.cast_to_param(updates)
+        return policy.cast_to_output(out), _cast_like(updates, variables)
     return policy.cast_to_output(result)
 
 
@@ -256,7 +262,9 @@ def _compute_copy(policy: Policy, state):
 
 
 def _cast_linen_params(policy: Policy, variables):
-    if isinstance(variables, dict) and "params" in variables:
+    # Any Mapping: a FrozenDict taken for "no collections" would have its
+    # batch_stats and caches cast to the compute dtype too.
+    if isinstance(variables, Mapping) and "params" in variables:
         return {**variables, "params": policy.cast_to_compute(variables["params"])}
     return policy.cast_to_compute(variables)
 
@@ -268,9 +276,16 @@ def _cast_kwargs(policy: Policy, kwargs):
 
 
 def _cast_like(tree, reference):
-    return jax.tree.map(
-        lambda x, r: x.astype(r.dtype) if is_floating_array(x) and is_floating_array(r) else x,
-        tree, reference)
+    """`tree` with each floating leaf cast to the dtype of the floating leaf at the same
+    key path in `reference`. Matched by path, not by structure: a call may add leaves
+    (sown intermediates, new collections), and those keep their own dtype."""
+    reference_dtypes = {path: leaf.dtype for path, leaf in
+                        jax.tree_util.tree_flatten_with_path(reference)[0] if is_floating_array(leaf)}
+
+    def cast(path, x):
+        dtype = reference_dtypes.get(path)
+        return x.astype(dtype) if dtype is not None and is_floating_array(x) else x
+    return jax.tree_util.tree_map_with_path(cast, tree)
 
 
 # ----------------------------------------------------------------------------- loss scales
@@ -349,7 +364,8 @@ def _check_leaves_match(given, expected, given_name: str, expected_name: str, *,
                              f"{_leaf_dtype(e)}, the dtype of {expected_name}{where}")
 
 
-def apply_updates_if_finite(optimizer, grads, opt_state, params, loss_scale: LossScale):
+def apply_updates_if_finite(optimizer, grads, opt_state, params, loss_scale: LossScale,
+                            **extra_args):
     """Unscales `grads`, applies one optax step only if they are all finite.
 
     Args:
@@ -358,6 +374,9 @@ def apply_updates_if_finite(optimizer, grads, opt_state, params, loss_scale: Los
       opt_state: the optimizer state.
       params: the (f32 master) parameters.
       loss_scale: the loss scale used for `grads`.
+      **extra_args: passed on to `optimizer.update`, for transformations that
+        take them (`optax.contrib.reduce_on_plateau` needs `value=loss`: give
+        the unscaled loss, the scaled one moves with the loss scale).
 
     Returns:
       `(params, opt_state, loss_scale, grads_finite)`: when `grads_finite` is
@@ -370,7 +389,7 @@ def apply_updates_if_finite(optimizer, grads, opt_state, params, loss_scale: Los
     _check_leaves_match(grads, params, "grads", "params", dtypes=False)
     grads = loss_scale.unscale(grads)
     finite = all_finite(grads)
-    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    updates, new_opt_state = optimizer.update(grads, opt_state, params, **extra_args)
     new_params = optax.apply_updates(params, updates)
     params = select_tree(finite, new_params, params)
     opt_state = select_tree(finite, new_opt_state, opt_state)

@@ -1,6 +1,7 @@
 """Tests for jaxopt_train.accumulation against full-batch references and compiled HLO."""
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -135,6 +136,49 @@ def test_has_aux_combine(combine):
     else:
         np.testing.assert_allclose(aux["mae"], k * want_aux["mae"], rtol=1e-5)
         assert int(aux["n_pos"]) == int(want_aux["n_pos"])
+
+
+def _flag_loss(params, batch):
+    # Micro-batches of 2 (rows k::2): rows 0, 2 are small, rows 1, 3 are not.
+    loss = jnp.mean(batch @ params["w"])
+    return loss, {"all_small": jnp.all(batch < 4), "mae": jnp.mean(jnp.abs(batch))}
+
+
+@pytest.mark.parametrize("combine, want", [("mean", False), ("sum", True), ("stack", [True, False])])
+def test_bool_aux_is_anded_under_mean(combine, want):
+    params, batch = {"w": jnp.ones(1, jnp.float32)}, jnp.asarray([[0.0], [10.0], [1.0], [10.0]])
+    fn = accumulate_gradients(_flag_loss, 2, has_aux=True, aux_combine=combine)
+    (_, aux), _ = jax.jit(fn)(params, batch)
+    # "mean" matches the full batch's jnp.all (False); "sum" or-s, as a bool sum does.
+    (_, full_aux), _ = jax.value_and_grad(_flag_loss, has_aux=True)(params, batch)
+    assert aux["all_small"].dtype == jnp.bool_
+    np.testing.assert_array_equal(aux["all_small"], want)
+    if combine == "mean":
+        assert bool(aux["all_small"]) == bool(full_aux["all_small"])
+
+
+@pytest.mark.parametrize("combine", ["mean", "sum", "stack"])
+def test_one_microbatch_combines_like_many(combine):
+    params, batch = {"w": jnp.ones(1, jnp.float32)}, jnp.asarray([[0.0], [10.0], [1.0], [10.0]])
+    (_, want), _ = jax.value_and_grad(_flag_loss, has_aux=True)(params, batch)
+    fn = accumulate_gradients(_flag_loss, 1, has_aux=True, aux_combine=combine)
+    (_, aux), _ = jax.jit(fn)(params, batch)
+    for name in want:
+        # "stack" gives a leading axis of size K = 1 (it gave none); the others the value.
+        expected = np.asarray(want[name])[None] if combine == "stack" else np.asarray(want[name])
+        assert aux[name].dtype == want[name].dtype and aux[name].shape == expected.shape
+        np.testing.assert_array_equal(aux[name], expected)
+
+
+def test_raw_prng_key_draws_a_warning():
+    params, batch = {"w": jax.random.normal(jax.random.key(1), (6, 3))}, _data()
+    raw = jax.random.PRNGKey(7)  # uint32[2]: indistinguishable from data, so not split
+    with pytest.warns(UserWarning, match=r"position\(s\) \[0\] are uint32\[2\].*jax.random.key"):
+        accumulate_gradients(_dropout_loss, 4)(params, batch, raw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a typed key is split; one micro-batch needs no split
+        accumulate_gradients(_dropout_loss, 4)(params, batch, jax.random.wrap_key_data(raw))
+        accumulate_gradients(_dropout_loss, 1)(params, batch, raw)
 
 
 def test_bad_inputs():

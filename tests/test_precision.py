@@ -293,9 +293,9 @@ def test_dynamic_loss_scale_hand_worked_sequence():
 
 
 def test_dynamic_loss_scale_growth_never_overflows():
-    scale = prec.DynamicLossScale(initial_scale=2.0**127, growth_interval=1)
+    scale = prec.DynamicLossScale(initial_scale=prec.MAX_LOSS_SCALE, growth_interval=1)
     scale = scale.adjust(True)
-    assert float(scale.loss_scale) == 2.0**127
+    assert float(scale.loss_scale) == prec.MAX_LOSS_SCALE
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -321,10 +321,11 @@ def test_static_loss_scale_bad_scale():
 @pytest.mark.parametrize("scale, stored", [
     (1e40, "inf"), (1e-50, "0.0"), (float("inf"), "inf"), (float("nan"), "nan"),
     (1e-40, "1e-40"),  # a float32 subnormal: 1/scale would overflow to inf
+    (2.0**127, "1.7014118e+38"),  # 1/scale would be subnormal: flushed to 0 by XLA
 ])
 def test_static_loss_scale_checked_as_float32(scale, stored):
-    with pytest.raises(ValueError, match=f"finite positive number in float32's normal range.*"
-                                         f"where it is {stored}"):
+    with pytest.raises(ValueError, match=re.escape("finite positive number in 1.18e-38..2**126")
+                                         + f".*where it is {re.escape(stored)}"):
         prec.StaticLossScale(scale)
 
 
@@ -335,16 +336,17 @@ def test_static_loss_scale_needs_a_real_number(scale):
 
 
 def test_static_loss_scale_float32_extremes_are_kept():
-    big, tiny = float(np.finfo(np.float32).max), float(np.finfo(np.float32).tiny)
+    big, tiny = prec.MAX_LOSS_SCALE, float(np.finfo(np.float32).tiny)
     assert float(prec.StaticLossScale(big).loss_scale) == big
     assert float(prec.StaticLossScale(tiny).unscale(jnp.ones((), jnp.float32))) == 1 / np.float32(tiny)
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(initial_scale=float("inf")), "initial_scale > 0 in float32's normal range"),
-    (dict(initial_scale=1e40), "initial_scale > 0 in float32's normal range"),
-    (dict(min_scale=float("inf")), "min_scale > 0 in float32's normal range"),
-    (dict(min_scale=1e-50), "min_scale > 0 in float32's normal range"),
+    (dict(initial_scale=float("inf")), r"initial_scale > 0 in 1.18e-38..2\*\*126"),
+    (dict(initial_scale=1e40), r"initial_scale > 0 in 1.18e-38..2\*\*126"),
+    (dict(initial_scale=2.0**127), r"initial_scale > 0 in 1.18e-38..2\*\*126"),
+    (dict(min_scale=float("inf")), r"min_scale > 0 in 1.18e-38..2\*\*126"),
+    (dict(min_scale=1e-50), r"min_scale > 0 in 1.18e-38..2\*\*126"),
     (dict(growth_factor=float("inf")), "growth_factor > 1 and finite in float32"),
     (dict(growth_factor=1e39), "growth_factor > 1 and finite in float32"),
     (dict(growth_factor=1.0), "growth_factor > 1"),

@@ -1,0 +1,168 @@
+"""Edge cases of jaxopt_train.precision and jaxopt_train.loss_scale: state that changes
+shape during a call, Linen variable containers, the loss-scale range, optimizer extra args."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen, nnx
+from flax.core import freeze
+
+from jaxopt_train import precision as prec
+
+F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
+
+
+# ----------------------------------------------------------------------------- NNX state that grows
+
+
+class _Sower(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(3, 4, rngs=rngs)
+
+    def __call__(self, x):
+        y = self.lin(x)
+        self.sow(nnx.Intermediate, "act", y)  # a variable the input state does not have
+        return y
+
+
+@pytest.mark.filterwarnings("ignore:Using 'Module.sow\\(\\)' outside:DeprecationWarning")
+@pytest.mark.parametrize("policy, act_dtype", [("fp32", F32), ("bf16", BF16)])
+def test_nnx_apply_with_sown_intermediates(policy, act_dtype):
+    graphdef, state = nnx.split(_Sower(nnx.Rngs(0)))
+    x = jnp.ones((2, 3), jnp.float32)
+    want = nnx.merge(graphdef, state)(x)
+    out, new_state = jax.jit(lambda s, x: prec.nnx_apply_with_state(policy, graphdef, s, x))(state, x)
+    np.testing.assert_allclose(out, want, rtol=2e-2)
+    assert new_state["lin"]["kernel"][...].dtype == F32  # cast back like the input state
+    (act,) = jax.tree.leaves(new_state["act"])  # new: keeps the compute dtype it was sown in
+    assert act.dtype == act_dtype and act.shape == (2, 4)
+    assert prec.nnx_apply(policy, graphdef, state, x).shape == (2, 4)
+
+
+# ----------------------------------------------------------------------------- Linen collections
+
+
+class _Cached(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+        cache = self.variable("cache", "k", lambda: jnp.zeros((2, 4), jnp.bfloat16))
+        y = linen.Dense(4)(x)
+        cache.value = cache.value + y.astype(cache.value.dtype)
+        self.sow("intermediates", "y", y)
+        return y
+
+
+def test_linen_mutable_collections_keep_the_dtype_they_came_in():
+    x = jnp.ones((2, 3), jnp.float32)
+    variables = _Cached().init(jax.random.key(0), x)
+    variables = {"params": variables["params"], "cache": variables["cache"]}
+    _, updates = prec.linen_apply("bf16", _Cached(), variables, x, mutable=["cache", "intermediates"])
+    assert updates["cache"]["k"].dtype == BF16  # was cast to the param dtype, f32
+    # Sown during the call, in the compute dtype: not the param dtype.
+    assert updates["intermediates"]["y"][0].dtype == BF16
+
+
+def test_linen_batch_stats_stay_f32_under_bf16_pure():
+    class Norm(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            return linen.BatchNorm(use_running_average=False)(linen.Dense(4)(x))
+
+    x = jnp.ones((2, 3), jnp.float32)
+    variables = Norm().init(jax.random.key(0), x)
+    assert variables["batch_stats"]["BatchNorm_0"]["mean"].dtype == F32
+    with jax.numpy_dtype_promotion("standard"):  # BatchNorm mixes bf16 inputs with f32 stats
+        _, updates = prec.linen_apply("bf16-pure", Norm(), variables, x, mutable=["batch_stats"])
+    assert updates["batch_stats"]["BatchNorm_0"]["mean"].dtype == F32  # was bf16
+
+
+_SEEN = []  # (param dtype, stats dtype) as _Probe sees them (Linen makes list fields tuples)
+
+
+class _Probe(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+        stats = self.variable("stats", "s", lambda: jnp.zeros(4, jnp.float32))
+        w = self.param("w", linen.initializers.ones, (3, 4), jnp.float32)
+        _SEEN.append((w.dtype, stats.value.dtype))
+        return x @ w + stats.value.astype(w.dtype)
+
+
+@pytest.mark.parametrize("container", [dict, freeze], ids=["dict", "FrozenDict"])
+def test_linen_apply_casts_only_params_of_any_mapping(container):
+    x = jnp.ones((2, 3), jnp.float32)
+    variables = _Probe().init(jax.random.key(0), x)
+    _SEEN.clear()
+    prec.linen_apply("bf16", _Probe(), container(dict(variables)), x)
+    assert _SEEN == [(BF16, F32)]  # a FrozenDict had its "stats" cast to bf16 too
+
+
+# ----------------------------------------------------------------------------- loss-scale range
+
+
+def _unscaled(scale, grads):
+    """`scale.unscale(grads)` eagerly, under jit with the scale an argument, and with it a
+    compile-time constant (XLA folds 1/scale then)."""
+    return [scale.unscale(grads), jax.jit(lambda s, g: s.unscale(g))(scale, grads),
+            jax.jit(lambda g: scale.unscale(g))(grads)]
+
+
+def test_static_unscale_is_exact_at_the_largest_scale():
+    scale = prec.StaticLossScale(prec.MAX_LOSS_SCALE)
+    grads = {"w": jnp.asarray([0.5, -3.0], jnp.float32) * prec.MAX_LOSS_SCALE}
+    for got in _unscaled(scale, grads):
+        np.testing.assert_array_equal(got["w"], [0.5, -3.0])
+
+
+def test_dynamic_growth_stops_at_the_largest_scale_and_unscale_stays_exact():
+    scale = prec.DynamicLossScale(initial_scale=2.0**125, growth_interval=1, growth_factor=4.0)
+    for _ in range(3):
+        scale = jax.jit(lambda s: s.adjust(jnp.asarray(True)))(scale)
+        assert float(scale.loss_scale) == prec.MAX_LOSS_SCALE  # 2**127 would unscale to 0
+    grads = {"w": jnp.asarray([0.5, -3.0], jnp.float32) * prec.MAX_LOSS_SCALE}
+    for got in _unscaled(scale, grads):
+        np.testing.assert_array_equal(got["w"], [0.5, -3.0])
+
+
+@pytest.mark.parametrize("make", [prec.StaticLossScale,
+                                  lambda s: prec.DynamicLossScale(initial_scale=s)])
+def test_scales_past_the_largest_are_refused(make):
+    with pytest.raises(ValueError, match=re.escape("1.18e-38..2**126 (where 1/scale is a normal")):
+        make(2.0**127)
+
+
+@pytest.mark.parametrize("name", ["growth_interval", "hysteresis"])
+@pytest.mark.parametrize("bad", [True, np.bool_(True), 0, 2**31, 10**10, 1.5, "3", None])
+def test_dynamic_loss_scale_counts_are_ints_in_int32_range(name, bad):
+    with pytest.raises(ValueError, match=re.escape(f"{name} >= 1 (an int <= 2**31-1); got")):
+        prec.DynamicLossScale(**{name: bad})
+
+
+@pytest.mark.parametrize("value", [np.int64(3), np.int32(3), np.uint8(3), 2**31 - 1])
+def test_dynamic_loss_scale_counts_take_numpy_ints_up_to_int32_max(value):
+    scale = prec.DynamicLossScale(growth_interval=value, hysteresis=value)
+    assert type(scale.growth_interval) is int and scale.growth_interval == value
+    assert type(scale.hysteresis) is int and scale.hysteresis == value
+    scale = jax.jit(lambda s: s.adjust(jnp.asarray(True)))(scale)  # was an OverflowError at 2**31
+    assert int(scale.growth_counter) == 1
+
+
+# ----------------------------------------------------------------------------- optimizer extra args
+
+
+def test_apply_updates_if_finite_forwards_extra_args():
+    optimizer = optax.chain(optax.adam(1e-3), optax.contrib.reduce_on_plateau(accumulation_size=1))
+    params = {"w": jnp.ones(3, jnp.float32)}
+    step = jax.jit(lambda g, st, p, s, loss: prec.apply_updates_if_finite(
+        optimizer, g, st, p, s, value=loss))
+    scale, bad = prec.DynamicLossScale(initial_scale=4.0), {"w": jnp.asarray([1.0, jnp.inf, 1.0])}
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats with int32 counts
+        state = optimizer.init(params)
+        params, state, scale, finite = step({"w": jnp.full(3, 4.0)}, state, params, scale, 0.25)
+        assert bool(finite) and float(state[1].best_value) == 0.25  # the plateau saw value=
+        _, skipped, _, finite = step(bad, state, params, scale, 0.125)
+    assert not bool(finite) and float(skipped[1].best_value) == 0.25  # skipped step: state kept
