@@ -78,14 +78,33 @@ def load_run(run_dir: str) -> list[dict[str, float]]:
 
 
 def _series(records: list[dict[str, float]], name: str) -> tuple[list[float], list[float]]:
-    steps, values = [], []
-    for record in records:
+    """`name`'s (steps, values) in step order, as the run's latest history has them."""
+    points: dict[float, float] = {}  # step -> value; a later record of a step replaces it
+    for record in _latest_history(records):
         value = record.get(name)
+        if _is_number(value) and math.isfinite(value):
+            points[record["step"]] = float(value)
+    steps = sorted(points)
+    return steps, [points[step] for step in steps]
+
+
+def _latest_history(records: list[dict[str, float]]) -> list[dict[str, float]]:
+    """The records (with a numeric step) that a resumed run did not log again.
+
+    A run resumed from a checkpoint older than its last log line logs those steps
+    again, maybe differently: a record whose step is below the one before it starts
+    over from that step, so the earlier records at or after it are dropped. (Dropping
+    by step alone would keep the crashed run's steps the resumed one logs no more.)
+    """
+    kept: list[dict[str, float]] = []
+    for record in records:
         step = record.get("step")
-        if _is_number(value) and math.isfinite(value) and _is_number(step):
-            steps.append(step)
-            values.append(float(value))
-    return steps, values
+        if not _is_number(step):
+            continue
+        if kept and step < kept[-1]["step"]:
+            kept = [earlier for earlier in kept if earlier["step"] < step]
+        kept.append(record)
+    return kept
 
 
 def _is_number(value) -> bool:

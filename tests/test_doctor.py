@@ -201,3 +201,29 @@ def test_real_gpu_machine():
     assert checks["backend"].status == "pass"
     assert checks["gpu0"].status == "pass" and "GiB" in checks["gpu0"].detail
     assert checks["driver"].status == "pass"
+
+
+@pytest.mark.parametrize("flags", [
+    r"--xla_dump_hlo_module_re=jit_train\.step|jit_eval --xla_dump_hlo_pass_re=it's",
+    "FILE",  # XLA_FLAGS naming a file of flags, which XLA reads
+])
+def test_xla_flags_that_xla_accepts_pass(monkeypatch, tmp_path, flags):
+    # Was: a false FAIL (shlex lost the backslash, refused the apostrophe, took the path for a flag).
+    if flags == "FILE":
+        path = tmp_path / "flags.txt"
+        path.write_text("--xla_gpu_deterministic_ops=true\n")
+        flags = str(path)
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    checks, backend_safe = doctor.check_xla_env()
+    check = _by_name(checks)["XLA_FLAGS"]
+    assert check.status == "pass" and backend_safe, check
+    assert (r"jit_train\.step" in check.detail if "jit" in flags
+            else check.detail == "--xla_gpu_deterministic_ops=true")
+
+
+def test_missing_xla_flags_file_fails(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "/no/such/flags.txt")
+    checks, backend_safe = doctor.check_xla_env()
+    check = _by_name(checks)["XLA_FLAGS"]
+    assert check.status == "fail" and not backend_safe
+    assert "path of a file of flags, and that file cannot be read" in check.detail

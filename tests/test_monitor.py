@@ -134,3 +134,39 @@ def test_demo_prints_summary_and_writes_json(monkeypatch, tmp_path, capsys):
     saved = json.loads(path.read_text())
     assert saved["summary"]["DCGM_FI_DEV_POWER_USAGE/gpu0"]["max"] == 350.0
     assert len(saved["samples"]["gpu0"]) >= 2 and "time" in saved["samples"]["gpu0"][0]
+
+
+@pytest.mark.parametrize("devices, error, match", [
+    # Was: a wrong type read as "NVML could not list GPUs", and [0, 0] sampled GPU 0 twice.
+    (1, TypeError, "GPU indices must be a list of distinct ints >= 0 .*got int: 1"),
+    ("01", TypeError, "got str: '01'"),
+    ([True], TypeError, r"got \[True\]"),
+    ([0.0], TypeError, r"got \[0.0\]"),
+    ([0, 0], ValueError, r"distinct ints >= 0 .*got \[0, 0\]"),
+    ([-1], ValueError, r"got \[-1\]"),
+])
+def test_devices_are_checked_when_the_monitor_is_made(monkeypatch, devices, error, match):
+    fake = install_fake_nvml(monkeypatch, make_fake_nvml(two_gpus()))
+    with pytest.raises(error, match=match):
+        GPUMonitor(devices=devices)
+    assert fake.calls.get("init", 0) == 0  # refused before NVML was touched
+
+
+def test_numpy_device_indices_are_accepted(monkeypatch):
+    import numpy as np
+
+    install_fake_nvml(monkeypatch, make_fake_nvml(two_gpus()))
+    for devices in ([np.int64(1)], np.array([1])):
+        with GPUMonitor(interval_s=3600, devices=devices) as monitor:
+            assert list(monitor.samples) == [1] and type(next(iter(monitor.samples))) is int
+
+
+def test_a_stopped_monitor_says_it_cannot_restart(monkeypatch):
+    install_fake_nvml(monkeypatch, make_fake_nvml(two_gpus()))
+    monitor = GPUMonitor(interval_s=3600).start()
+    with pytest.raises(RuntimeError, match="already started"):
+        monitor.start()
+    monitor.stop()
+    with pytest.raises(RuntimeError, match="was stopped and cannot restart; create a new GPUMonitor"):
+        monitor.start()
+    assert monitor.latest()  # the samples stay readable

@@ -221,3 +221,28 @@ def test_import_does_not_touch_matplotlib_backend():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "False"
     importlib.import_module("jaxopt_train.plot")
+
+
+def test_a_resumed_run_replaces_the_steps_it_logs_again(tmp_path):
+    # Crashed after logging step 150 with its last checkpoint at 100; resumed from 100.
+    # Was: the curve ran 50, 100, 150, 110, ... (backwards), drawing both histories.
+    run = tmp_path / "resumed"
+    sink = JsonlSink(run / "metrics.jsonl")
+    for step in (50, 100, 120, 140, 150):
+        sink.write(step, {"loss": 3.0 - step / 100})
+    sink.close()
+    sink = JsonlSink(run / "metrics.jsonl")
+    for step in (110, 130, 150, 200):  # logs at other steps than the crashed run did
+        sink.write(step, {"loss": 9.0})
+    sink.close()
+    steps, values = plot._series(plot.load_run(str(run)), "loss")
+    # 120 and 140 belong to the crashed history too, though the resumed run never logs them.
+    assert steps == [50, 100, 110, 130, 150, 200]
+    assert values == [2.5, 2.0, 9.0, 9.0, 9.0, 9.0]
+
+
+def test_records_of_one_step_merge_and_the_last_value_wins():
+    records = [{"step": 10, "loss": 2.0}, {"step": 10, "eval_loss": 2.5},  # separate writes
+               {"step": 20, "loss": 1.0}, {"step": 20, "loss": 0.9}, {"step": "x", "loss": 5.0}]
+    assert plot._series(records, "loss") == ([10, 20], [2.0, 0.9])
+    assert plot._series(records, "eval_loss") == ([10], [2.5])

@@ -154,3 +154,73 @@ def test_step_rejects_non_int_steps(tmp_path, step, error, match):
 def test_bad_steps_per_dispatch(tmp_path, value, error):
     with pytest.raises(error, match="steps_per_dispatch must be an int >= 1"):
         StepProfiler("10:12", tmp_path, steps_per_dispatch=value)
+
+
+def test_close_stops_the_trace_even_if_waiting_for_outputs_fails(tmp_path, caplog):
+    # Was: block_until_ready raised, stop_trace never ran, and every later trace failed.
+    profiler = StepProfiler("0:2", tmp_path / "trace")
+    x = jnp.ones(4)
+    profiler.step(0, x)
+    x.delete()  # e.g. a donated state buffer at the time training failed
+    profiler.close(x)
+    assert profiler.done and not profiler.active
+    [record] = caplog.records
+    assert record.levelname == "WARNING" and "could not wait for the traced steps' outputs" in record.message
+    jax.profiler.start_trace(str(tmp_path / "next"))  # no trace is left running
+    jax.profiler.stop_trace()
+
+
+def test_stop_on_a_later_step_also_survives_a_failed_wait(tmp_path, monkeypatch, caplog):
+    trace = _FakeTrace(monkeypatch)
+
+    def fail(outputs):
+        raise RuntimeError("step failed on the device")
+
+    monkeypatch.setattr(jax, "block_until_ready", fail)
+    profiler = StepProfiler("0:1", tmp_path)
+    profiler.step(0)
+    profiler.step(1, outputs=object())
+    assert trace.calls == ["start", "stop"] and profiler.done
+    assert "RuntimeError: step failed on the device" in caplog.text
+
+
+def test_train_loop_releases_monitor_and_logger_when_profiler_close_raises(tmp_path, monkeypatch):
+    # Was: an exception from profiler.close() skipped monitor.stop() and logger.close().
+    import types
+
+    from jaxopt_train.train import TrainConfig
+    from jaxopt_train.train import loop as loop_lib
+
+    released = []
+
+    class Profiler:
+        def close(self, outputs):
+            raise RuntimeError("profiler close failed")
+
+    class Monitor:
+        def stop(self):
+            released.append("monitor")
+
+    class Logger:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def message(self, text):
+            pass
+
+        def close(self):
+            released.append("logger")
+
+    monkeypatch.setattr(loop_lib, "MetricsLogger", Logger)
+    monkeypatch.setattr(loop_lib, "_start_monitor", Monitor)
+    monkeypatch.setattr(loop_lib, "_make_profiler", lambda cfg, run_dir: Profiler())
+    monkeypatch.setattr(loop_lib, "param_count", lambda params: 0)
+    trainer = types.SimpleNamespace(
+        state=types.SimpleNamespace(step=0, params=None), compiled=True, compile_seconds=0.0,
+        memory_report="", num_devices=1,
+        policy=types.SimpleNamespace(compute_dtype=jnp.float32, matmul_precision="highest"))
+    task = types.SimpleNamespace(description="fake")
+    with pytest.raises(RuntimeError, match="profiler close failed"):
+        loop_lib._run(TrainConfig(peak_tflops=100.0), task, trainer, ckpt=None, run_dir=str(tmp_path), target=0,
+                      stream=None)  # target 0: straight to the clean-up
+    assert released == ["monitor", "logger"]

@@ -140,7 +140,8 @@ def test_explicit_arguments_replace_env_flags_and_say_so(monkeypatch):
 
 
 @pytest.mark.parametrize("text, error, match", [
-    ("--xla_dump_to='/tmp/x", ValueError, r"cannot read the flags given \(No closing quotation\).*quote"),
+    ("--xla_dump_to='/tmp/x", ValueError, r"cannot read the flags given: the ' opened at "
+                                           r"\"--xla_dump_to='\" is never closed.*quote"),
     ("--=1", ValueError, "must look like --name=value, got token='--=1'"),
     (5, TypeError, "XLA flags must be a string .*got int: 5"),
 ])
@@ -172,3 +173,86 @@ def test_bad_preset_or_command_buffer_types_are_value_errors(monkeypatch, preset
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     with pytest.raises(ValueError, match=match):
         xla_flags(preset, command_buffer=command_buffer, apply=False)
+
+
+@pytest.mark.parametrize("text, expected", [
+    # Backslashes and apostrophes in an unquoted value are literal (shlex dropped the first
+    # and refused the second).
+    (r"--xla_dump_to=/tmp/d --xla_dump_hlo_module_re=jit_train\.step|jit_eval",
+     {"xla_dump_to": "/tmp/d", "xla_dump_hlo_module_re": r"jit_train\.step|jit_eval"}),
+    ("--xla_dump_hlo_pass_re=it's", {"xla_dump_hlo_pass_re": "it's"}),
+    # Quotes count only around a whole value; backslash escapes only inside double quotes.
+    (r"""--a="x \"y\" \\z" --b='p \q' --c=a"b""", {"a": r'x "y" \z', "b": r"p \q", "c": 'a"b'}),
+    ("\t--a=1\n--b\r\n", {"a": "1", "b": "true"}),
+])
+def test_parse_splits_as_xla_does(text, expected):
+    assert parse_xla_flags(text) == expected
+    assert parse_xla_flags(format_xla_flags(expected)) == expected
+
+
+def test_format_quotes_what_xla_would_read_as_quotes():
+    # A leading quote would open a quoted value; inside double quotes " and \ are escaped.
+    flags = {"a": "'leading", "b": '"x"', "c": "sp ace\\", "d": r"a\.b"}
+    text = format_xla_flags(flags)
+    assert text == r"""--a="'leading" --b="\"x\"" --c="sp ace\\" --d=a\.b"""
+    assert parse_xla_flags(text) == flags
+
+
+def _allow_apply(monkeypatch):
+    """Lets xla_flags(apply=True) write XLA_FLAGS although this process's backend runs."""
+    # The module, not the `xla_flags` function that jaxopt_train.runtime re-exports by its name.
+    xla_flags_lib = sys.modules["jaxopt_train.runtime.xla_flags"]
+    monkeypatch.setattr(xla_flags_lib, "require_backend_not_started", lambda what: None)
+
+
+def test_a_backslash_value_survives_a_preset_and_xla_reads_it(monkeypatch):
+    _allow_apply(monkeypatch)
+    value = r"jit_train\.step|jit_eval"
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_dump_to=/tmp/d --xla_dump_hlo_module_re={value}")
+    xla_flags("gpu-deterministic")
+    assert os.environ["XLA_FLAGS"] == (f"--xla_dump_to=/tmp/d --xla_dump_hlo_module_re={value} "
+                                       "--xla_gpu_deterministic_ops=true")
+    # XLA itself takes the merged string (it aborts on what it cannot parse), apostrophe too.
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=os.environ["XLA_FLAGS"] + " --xla_dump_hlo_pass_re=it's")
+    result = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_flags_file_in_xla_flags_is_read_and_kept(monkeypatch, tmp_path):
+    # XLA reads XLA_FLAGS as a file of flags when it does not start with "-".
+    path = tmp_path / "flags.txt"
+    path.write_text("--xla_gpu_deterministic_ops=true\n--xla_dump_hlo_pass_re=it's\n")
+    monkeypatch.setenv("XLA_FLAGS", str(path))
+    _allow_apply(monkeypatch)
+    in_file = {"xla_gpu_deterministic_ops": "true", "xla_dump_hlo_pass_re": "it's"}
+    assert parse_xla_flags() == in_file
+    assert flags_in_force()["--xla_dump_hlo_pass_re"] == "it's"
+
+    # Nothing to add: XLA_FLAGS keeps naming the file.
+    report = xla_flags("gpu-deterministic")
+    assert os.environ["XLA_FLAGS"] == str(path) and report.flags_file == str(path)
+    assert not report.inlined and "XLA_FLAGS still names it" in str(report)
+
+    # A preset adds flags: the file's flags go into XLA_FLAGS with them, none lost.
+    report = xla_flags("gpu-latency")
+    assert report.inlined and "written into XLA_FLAGS" in str(report)
+    assert parse_xla_flags() == {**in_file, **XLA_FLAG_PRESETS["gpu-latency"]}
+
+
+@pytest.mark.parametrize("value", ["/no/such/flags/file", "   "])
+def test_unreadable_flags_file_is_a_clear_error(monkeypatch, value):
+    # XLA aborts at start-up on both (a blank XLA_FLAGS is read as a file name too).
+    monkeypatch.setenv("XLA_FLAGS", value)
+    with pytest.raises(ValueError, match="does not start with '-', so XLA reads it as the path of a "
+                                         "file of flags, and that file cannot be read"):
+        parse_xla_flags()
+    with pytest.raises(ValueError, match="cannot be read"):
+        xla_flags("gpu-throughput", apply=False)
+    assert os.environ["XLA_FLAGS"] == value
+
+
+def test_text_after_a_non_flag_is_refused_as_xla_would_ignore_it():
+    with pytest.raises(ValueError, match="got token='garbage' in the flags given \\(XLA stops reading there"):
+        parse_xla_flags("--xla_dump_to=/tmp/x garbage --xla_gpu_autotune_level=0")

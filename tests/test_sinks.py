@@ -187,3 +187,83 @@ def test_metric_names_must_stay_distinct_as_strings(tmp_path):
     with pytest.raises(ValueError, match="distinct as strings"):
         sink.write(0, {1: 1.0, "1": 2.0})
     sink.close()
+
+
+def _jsonl_writers():
+    from jaxopt_train.train.metrics import JsonlWriter
+
+    return [JsonlSink, JsonlWriter]
+
+
+@pytest.mark.parametrize("writer", _jsonl_writers(), ids=lambda w: w.__name__)
+def test_append_after_a_torn_line_keeps_the_next_record(tmp_path, writer):
+    # Was: the resumed run's first record was glued onto the torn line and lost with it.
+    path = tmp_path / "metrics.jsonl"
+    first = writer(path)
+    first.write(1, {"loss": 2.0})
+    first.close()
+    with open(path, "a") as f:
+        f.write('{"step": 2, "time": 1.0, "lo')  # killed mid-write
+    resumed = writer(path)
+    resumed.write(3, {"loss": 1.5})
+    resumed.write(4, {"loss": 1.4})
+    resumed.close()
+    skipped = []
+    records = read_jsonl(path, on_skip=lambda number, line: skipped.append((number, line)))
+    assert [r["step"] for r in records] == [1, 3, 4]
+    assert skipped == [(2, b'{"step": 2, "time": 1.0, "lo')]  # the torn line stays, reported
+
+
+@pytest.mark.parametrize("content", [b"", b'{"step": 1}\n', "{\"step\": 1, \"é".encode()[:-1]])
+def test_open_for_append_adds_a_newline_only_after_a_torn_line(tmp_path, content):
+    from jaxopt_train.runtime.sinks import open_for_append
+
+    path = tmp_path / "sub" / "metrics.jsonl"
+    path.parent.mkdir()
+    path.write_bytes(content)
+    open_for_append(path).close()
+    open_for_append(path).close()  # idempotent: no blank lines pile up
+    torn = content and not content.endswith(b"\n")
+    assert path.read_bytes() == content + (b"\n" if torn else b"")
+    open_for_append(tmp_path / "new" / "m.jsonl").close()  # makes the directory
+    assert (tmp_path / "new" / "m.jsonl").read_bytes() == b""
+
+
+@pytest.mark.parametrize("earlier, refused, pair", [
+    ({}, {"loss/train": 1.0, "loss_train": 2.0}, "'loss/train' and 'loss_train'"),  # in one write
+    ({"loss/train": 1.0}, {"loss_train": 2.0}, "'loss/train' and 'loss_train'"),  # a later write
+    ({}, {"a.b": 1.0, "a-b": 2.0}, "'a.b' and 'a-b'"),
+])
+def test_prometheus_rejects_names_that_share_a_gauge_before_writing(tmp_path, earlier, refused, pair):
+    # Was: prometheus_client's DuplicateTimeseries after the JSONL line (and some gauges) were written.
+    jsonl = JsonlSink(tmp_path / "metrics.jsonl")
+    prometheus = PrometheusSink(0, addr="127.0.0.1")
+    multi = MultiSink([jsonl, prometheus])
+    try:
+        if earlier:
+            multi.write(1, earlier)
+        with pytest.raises(ValueError, match=rf"PrometheusSink: metrics {pair} would both be the "
+                                             r"gauge 'jaxopt_train_\w+' .*rename one"):
+            multi.write(2, refused)
+        assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == ([1] if earlier else [])
+        assert _scrape(prometheus.port).get("jaxopt_train_step") == (1 if earlier else None)
+        multi.write(3, {"loss": 0.5})  # the sink still works after refusing
+        assert _scrape(prometheus.port)["jaxopt_train_loss"] == 0.5
+    finally:
+        multi.close()
+
+
+def test_metrics_logger_checks_its_sinks_before_the_jsonl_line(tmp_path):
+    import io
+
+    from jaxopt_train.train.metrics import MetricsLogger
+
+    logger = MetricsLogger(str(tmp_path), total_steps=4, prometheus_port=0, progress="lines",
+                           stream=io.StringIO())
+    try:
+        with pytest.raises(ValueError, match="'loss/train' and 'loss_train' would both be"):
+            logger.log(1, {"loss/train": 1.0, "loss_train": 2.0})
+        logger.log(2, {"loss": 1.0})
+    finally:
+        logger.close()
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [2]

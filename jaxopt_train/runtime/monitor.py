@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any
 
-from jaxopt_train.runtime.nvml import device_handles, load_nvml, read_dcgm_fields
+from jaxopt_train.runtime.nvml import check_device_indices, device_handles, load_nvml, read_dcgm_fields
 
 # An hour between samples is already useless for a training run; far larger values
 # overflow threading.Event.wait's timeout and kill the sampler thread.
@@ -62,9 +62,14 @@ class GPUMonitor:
 
     Args:
       interval_s: seconds between samples, finite, in (0, 3600].
-      devices: NVML GPU indices to watch (default: all).
+      devices: NVML GPU indices to watch, distinct ints >= 0 (default: all).
       max_samples: keep at most this many samples per GPU (oldest dropped), an int >= 1.
       log: where the one-line "monitoring off" notice goes (default stderr).
+
+    Raises:
+      TypeError: for a `devices` that is not a list of ints, or a non-int `max_samples`.
+      ValueError: for a negative or repeated device index, or an out-of-range
+        `interval_s` / `max_samples`.
     """
 
     def __init__(self, interval_s: float = 1.0, devices: list[int] | None = None,
@@ -72,7 +77,8 @@ class GPUMonitor:
         _check_interval(interval_s)
         _check_max_samples(max_samples)
         self.interval_s = float(interval_s)
-        self._device_indices = devices
+        # Checked here: in start() a wrong type would read as "NVML could not list GPUs".
+        self._device_indices = check_device_indices(devices)
         self._max_samples = operator.index(max_samples)
         self._log = log
         self._lock = threading.Lock()
@@ -87,6 +93,9 @@ class GPUMonitor:
 
     def start(self) -> GPUMonitor:
         """Starts sampling (a no-op with one notice line where NVML is unavailable)."""
+        if self._stop.is_set():  # the sampler thread would exit at once
+            raise RuntimeError("GPUMonitor.start(): this monitor was stopped and cannot restart; "
+                               "create a new GPUMonitor (the stopped one keeps its samples)")
         if self._thread is not None:
             raise RuntimeError("GPUMonitor.start(): already started")
         nvml, reason = load_nvml()

@@ -8,7 +8,8 @@ everything here goes through `load_nvml()`, so tests can put a fake module in
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import operator
+from collections.abc import Iterator, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -54,6 +55,36 @@ def try_call(fn, *args, default=None):
         return fn(*args)
     except Exception:  # NVMLError_NotSupported and friends: field absent on this GPU
         return default
+
+
+def check_device_indices(indices: Any) -> list[int] | None:
+    """`indices` (None: all GPUs) as a list of distinct ints >= 0.
+
+    Any iterable of ints is accepted, NumPy ints included; bools are not (True would
+    mean GPU 1). A repeated index would read that GPU twice per sample.
+
+    Raises:
+      TypeError: for something that is not a list of ints (a bare int, a string).
+      ValueError: for a negative or repeated index.
+    """
+    if indices is None:
+        return None
+    expected = "GPU indices must be a list of distinct ints >= 0 such as [0, 1] (None: all GPUs)"
+    try:  # list() once: an iterator would be used up by the checks
+        given = None if isinstance(indices, (str, bytes, Mapping)) else list(indices)
+    except TypeError:  # not iterable: a bare int, a 0-d array
+        given = None
+    if given is None:
+        raise TypeError(f"{expected}; got {type(indices).__name__}: {indices!r}")
+    try:  # operator.index takes NumPy ints and refuses floats and strings
+        as_ints = [operator.index(i) for i in given if not isinstance(i, bool)]
+    except TypeError:
+        as_ints = []
+    if len(as_ints) != len(given):
+        raise TypeError(f"{expected}; got {indices!r}")
+    if any(i < 0 for i in as_ints) or len(set(as_ints)) != len(as_ints):
+        raise ValueError(f"{expected}; got {indices!r}")
+    return as_ints
 
 
 def device_handles(nvml: ModuleType, indices: list[int] | None = None) -> list[tuple[int, Any]]:

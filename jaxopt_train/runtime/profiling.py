@@ -136,14 +136,28 @@ class StepProfiler:
     def _stop(self, outputs: Any) -> None:
         import jax
 
-        if outputs is not None:
-            jax.block_until_ready(outputs)
-        jax.profiler.stop_trace()
-        self.active = False
-        self.done = True
+        # Waiting only makes the trace complete; a failed wait (a donated or deleted
+        # buffer, a step that failed on the device) must not leave the trace running,
+        # where it would make every later start_trace in this process fail. The step's
+        # own failure surfaces where its results are used; here it is only logged.
+        try:
+            if outputs is not None:
+                jax.block_until_ready(outputs)
+        except Exception as err:
+            _log.warning("profile steps %d:%d: could not wait for the traced steps' outputs "
+                         "(%s: %s); the trace may miss their last device work",
+                         self.start_step, self.stop_step, type(err).__name__, err)
+        finally:
+            self.active = False
+            self.done = True
+            jax.profiler.stop_trace()
 
     def close(self, outputs: Any = None) -> None:
-        """Stops a trace that is still running; warns if the range was never reached."""
+        """Stops a trace that is still running; warns if the range was never reached.
+
+        The trace is stopped even if waiting for `outputs` fails (that is logged as a
+        warning), so `close` is safe in a `finally` block.
+        """
         if self.active:
             self._stop(outputs)
         elif not self.done:

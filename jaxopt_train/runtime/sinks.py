@@ -12,7 +12,23 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TextIO
+
+
+def open_for_append(path: str | os.PathLike) -> TextIO:
+    """Opens a JSONL file for appending (creating its directory), ending a torn last line first.
+
+    A run killed mid-write leaves a last line without its newline; the next record
+    appended straight after it would be glued onto it and lost with it on reading.
+    The torn line itself stays, on its own line, for `read_jsonl` to skip and report.
+    """
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a+b") as file:  # binary: the torn line may end inside a UTF-8 character
+        if file.seek(0, os.SEEK_END) > 0:
+            file.seek(-1, os.SEEK_END)
+            if file.read(1) != b"\n":
+                file.write(b"\n")  # "a" mode: writes go to the end whatever the read position
+    return open(path, "a", encoding="utf-8")  # noqa: SIM115 - the caller closes it
 
 
 def _as_floats(step: int, metrics: Mapping[str, Any], *, reserved: tuple[str, ...] = (),
@@ -42,9 +58,8 @@ class JsonlSink:
     """
 
     def __init__(self, path: str | os.PathLike):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = os.fspath(path)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._file = open_for_append(self.path)  # closed in close()
 
     def check(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
         """What `write` would write, validated: ValueError for a metric named "step" or
@@ -179,8 +194,21 @@ class PrometheusSink:
 
     def check(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
         """What `write` would set, validated: ValueError for a metric named "step" (the
-        `jaxopt_train_step` gauge), TypeError for a non-scalar value."""
-        return _as_floats(step, metrics, reserved=("step",), sink="PrometheusSink")
+        `jaxopt_train_step` gauge) or two metrics sharing one gauge name, TypeError for a
+        non-scalar value."""
+        values = _as_floats(step, metrics, reserved=("step",), sink="PrometheusSink")
+        # Registering the second of two metrics that sanitise alike fails in
+        # prometheus_client after the other sinks (and earlier gauges) were written.
+        # Gauges of earlier writes count too: "loss/train" now, "loss_train" later.
+        owners = {prometheus_name(metric, self._prefix): metric for metric in ("step", *self._gauges)}
+        for metric in values:
+            name = prometheus_name(metric, self._prefix)
+            owner = owners.setdefault(name, metric)
+            if owner != metric:
+                raise ValueError(
+                    f"PrometheusSink: metrics {owner!r} and {metric!r} would both be the gauge "
+                    f"{name!r} (characters outside [a-zA-Z0-9_] become '_'); rename one of them")
+        return values
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Sets the gauges (see `check` for what is refused)."""

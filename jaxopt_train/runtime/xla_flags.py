@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shlex
+import re
 from collections.abc import Mapping
 
 from jaxopt_train.runtime._backend import backend_started, require_backend_not_started
@@ -54,44 +54,112 @@ COMMAND_BUFFER_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", 
 _COMMAND_BUFFER_FLAG = "xla_gpu_enable_command_buffer"
 
 
+# XLA's own separators (xla/parse_flags_from_env.cc, kWS).
+_XLA_WHITESPACE = " \t\r\n"
+# An entry whose value XLA reads quoted: the name's characters, "=", then a quote.
+_QUOTED_VALUE = re.compile(r"-[-_A-Za-z0-9]*=([\"'])")
+
+
+def _split_like_xla(text: str, source: str) -> list[str]:
+    """The entries of a flags string, split as XLA's ParseArgvFromString splits them.
+
+    Entries are separated by whitespace. Quotes count only right after "=", around a
+    whole value (`--name="a b"` or `--name='a b'`), and only inside double quotes does
+    a backslash escape the next character; elsewhere both are literal, so
+    `--re=jit_train\\.step|it's` is one entry with its backslash and apostrophe.
+    """
+    entries, i = [], 0
+    while True:
+        while i < len(text) and text[i] in _XLA_WHITESPACE:
+            i += 1
+        if i == len(text):
+            return entries
+        quoted = _QUOTED_VALUE.match(text, i) if text[i] == "-" else None
+        if quoted is None:
+            end = i
+            while end < len(text) and text[end] not in _XLA_WHITESPACE:
+                end += 1
+            entries.append(text[i:end])
+            i = end
+            continue
+        quote, value, end = quoted.group(1), [], quoted.end()
+        while end < len(text) and text[end] != quote:
+            if quote == '"' and text[end] == "\\" and end + 1 < len(text):
+                end += 1
+            value.append(text[end])
+            end += 1
+        if end == len(text):  # XLA would take every flag after it as part of this value
+            raise ValueError(f"cannot read {source}: the {quote} opened at {text[i:quoted.end()]!r} is "
+                             f"never closed: {text=}; quote a value with spaces whole, e.g. "
+                             '--xla_dump_to="/tmp/my dir"')
+        entries.append(text[i:quoted.end() - 1] + "".join(value))
+        i = end + 1
+
+
+def _read_env_flags() -> tuple[str, str, str | None]:
+    """`(flags text, where it came from, flags file or None)` of the XLA_FLAGS variable.
+
+    XLA reads a non-empty XLA_FLAGS that does not start with "-" (after whitespace)
+    as the path of a file holding the flags, and aborts if it cannot open it.
+    """
+    value = os.environ.get("XLA_FLAGS", "")
+    if not value or value.lstrip(_XLA_WHITESPACE).startswith("-"):
+        return value, "the XLA_FLAGS environment variable", None
+    try:
+        with open(value, encoding="utf-8") as file:
+            return file.read(), f"the flags file {value!r} named by XLA_FLAGS", value
+    except (OSError, UnicodeDecodeError) as err:
+        reason = getattr(err, "strerror", None) or str(err)
+        raise ValueError(f"XLA_FLAGS={value!r} does not start with '-', so XLA reads it as the path of "
+                         f"a file of flags, and that file cannot be read ({reason}): XLA would abort at "
+                         "start-up. Set XLA_FLAGS to flags such as '--xla_gpu_autotune_level=0' or to "
+                         "the path of a readable flags file") from None
+
+
 def parse_xla_flags(text: str | None = None) -> dict[str, str]:
     """`{name: value}` of an XLA_FLAGS string (default: the environment's), later wins.
 
-    Bare `--flag` (no value) is recorded as "true", as XLA reads it.
+    Read as XLA reads it (see `_split_like_xla`). Bare `--flag` (no value) is recorded
+    as "true", as XLA reads it. An XLA_FLAGS variable holding a file path (XLA accepts
+    that) is read from the file.
 
     Raises:
       TypeError: if `text` is not a string.
-      ValueError: for an entry that is not `--name[=value]`, or an unclosed quote.
+      ValueError: for an entry that is not `--name[=value]`, an unclosed quote, or an
+        XLA_FLAGS file that cannot be read.
     """
-    source = "the XLA_FLAGS environment variable" if text is None else "the flags given"
-    text = os.environ.get("XLA_FLAGS", "") if text is None else text
+    if text is None:
+        text, source, _ = _read_env_flags()
+        return _parse(text, source)
     if not isinstance(text, str):
         raise TypeError(f"XLA flags must be a string such as '--xla_foo=1 --xla_bar'; "
                         f"got {type(text).__name__}: {text!r}")
-    try:
-        tokens = shlex.split(text)
-    except ValueError as err:  # shlex's own message names neither the text nor the fix
-        raise ValueError(f"cannot read {source} ({err}): {text=}; "
-                         "quote a value with spaces whole, e.g. --xla_dump_to=\"/tmp/my dir\"") from None
+    return _parse(text, "the flags given")
+
+
+def _parse(text: str, source: str) -> dict[str, str]:
     flags: dict[str, str] = {}
-    for token in tokens:
+    for token in _split_like_xla(text, source):
         name, sep, value = token[2:].partition("=")
         if not token.startswith("--") or not name:
-            raise ValueError(f"XLA_FLAGS entries must look like --name=value, got {token=} in {source}: "
-                             f"{text=}")
+            ignored = "" if token.startswith("-") else " (XLA stops reading there, ignoring the rest)"
+            raise ValueError(f"XLA_FLAGS entries must look like --name=value, got {token=} in "
+                             f"{source}{ignored}: {text=}")
         flags[name] = value if sep else "true"
     return flags
 
 
 def format_xla_flags(flags: dict[str, str]) -> str:
-    """The XLA_FLAGS string for `{name: value}`; a value with spaces is double-quoted, as XLA reads it."""
+    """The XLA_FLAGS string for `{name: value}`, quoted where XLA needs it.
+
+    A value with whitespace, or one starting with a quote (which XLA would take as an
+    opening quote), is double-quoted with backslashes before `"` and `\\`.
+    """
     def entry(name: str, value: str) -> str:
-        if not any(c.isspace() for c in value):
+        if not value.startswith(("'", '"')) and not any(c in _XLA_WHITESPACE for c in value):
             return f"--{name}={value}"
-        if '"' in value:
-            raise ValueError(f"XLA cannot read a flag value holding both spaces and double quotes; "
-                             f"got --{name}={value!r}")
-        return f'--{name}="{value}"'
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        return f'--{name}="{escaped}"'
 
     return " ".join(entry(name, value) for name, value in flags.items())
 
@@ -127,6 +195,10 @@ class XlaFlagsReport:
     kept: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
     # Flags in XLA_FLAGS that `extra` / `command_buffer` replaced: {name: (old, new)}.
     replaced: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    # The flags file XLA_FLAGS named (XLA reads flags from it), whose flags `in_force` holds;
+    # `inlined`: XLA_FLAGS was (with apply=False: would be) set to `in_force` in its place.
+    flags_file: str | None = None
+    inlined: bool = False
 
     def __str__(self) -> str:
         shown = format_xla_flags(self.in_force) or "(none)"
@@ -135,6 +207,10 @@ class XlaFlagsReport:
             note += f"; kept XLA_FLAGS' --{name}={mine} over the preset's {preset}"
         for name, (old, new) in self.replaced.items():
             note += f"; --{name}={new} from the arguments replaced XLA_FLAGS' {old}"
+        if self.flags_file is not None:
+            note += (f"; read XLA_FLAGS' flags file {self.flags_file!r}: "
+                     + ("its flags are kept, written into XLA_FLAGS with the new ones in place "
+                        "of the file's path" if self.inlined else "XLA_FLAGS still names it"))
         return f"XLA flags (preset {self.preset}): {shown}{note}"
 
 
@@ -174,6 +250,9 @@ def xla_flags(preset: str = "gpu-throughput", *, extra: dict[str, str] | str | N
 
     Flags already in XLA_FLAGS keep their position and their value: a preset is a
     default, so a flag you set yourself wins over it (the report's `kept` lists them).
+    An XLA_FLAGS naming a flags file (XLA reads those) is read the same way; if the
+    call adds to it, XLA_FLAGS is set to the file's flags plus the new ones (the
+    report's `flags_file` and `inlined` say so).
     `command_buffer` and `extra` are explicit requests, so they win over both (the
     report's `replaced` lists what they changed in XLA_FLAGS). GPU flags are harmless
     on CPU: XLA parses them and the CPU compiler ignores them.
@@ -203,7 +282,9 @@ def xla_flags(preset: str = "gpu-throughput", *, extra: dict[str, str] | str | N
         raise TypeError(f"apply must be True or False, got {apply=}")
     if apply:
         require_backend_not_started(f"xla_flags(preset={preset!r})")
-    in_force = parse_xla_flags()
+    env_text, source, flags_file = _read_env_flags()
+    env_flags = _parse(env_text, source)
+    in_force = dict(env_flags)
     kept = {name: (in_force[name], value) for name, value in defaults.items()
             if name in in_force and in_force[name] != value and name not in explicit}
     replaced = {name: (in_force[name], value) for name, value in explicit.items()
@@ -211,10 +292,14 @@ def xla_flags(preset: str = "gpu-throughput", *, extra: dict[str, str] | str | N
     in_force.update({name: value for name, value in defaults.items() if name not in in_force})
     in_force.update(explicit)
     text = format_xla_flags(in_force)  # before touching the environment: it may raise
-    if apply:
+    # A flags file the call adds nothing to stays named as the user set it; otherwise
+    # its flags go into XLA_FLAGS with the new ones (XLA_FLAGS holds a file or flags).
+    inlined = flags_file is not None and in_force != env_flags
+    if apply and (flags_file is None or inlined):
         os.environ["XLA_FLAGS"] = text
     return XlaFlagsReport(preset=preset, added={**defaults, **explicit}, in_force=in_force,
-                          backend_started=backend_started(), kept=kept, replaced=replaced)
+                          backend_started=backend_started(), kept=kept, replaced=replaced,
+                          flags_file=flags_file, inlined=inlined)
 
 
 def flags_in_force() -> dict[str, str]:

@@ -310,11 +310,17 @@ def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run
                                    f"{ckpt.directory}; continue with --resume --run-dir {run_dir}")
                     break
     finally:
-        if profiler is not None:
-            profiler.close(trainer.state.step)
-        if monitor is not None:
-            monitor.stop()
-        logger.close()
+        # Each release runs even if the one before it raises: a profiler that fails to
+        # close must not leave the monitor's thread running or the metrics files open.
+        try:
+            if profiler is not None:
+                profiler.close(trainer.state.step)
+        finally:
+            try:
+                if monitor is not None:
+                    monitor.stop()
+            finally:
+                logger.close()
     return TrainResult(run_dir=run_dir, step=step, final_loss=last_loss, eval_loss=eval_loss,
                        interrupted=interrupted, trainer=trainer)
 

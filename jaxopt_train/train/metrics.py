@@ -1,7 +1,8 @@
 """Where step metrics go: run_dir/metrics.jsonl always, a terminal, optional sinks.
 
 The JSONL file is opened in append mode, so a resumed run continues the same
-file and an earlier run's lines are never lost. Each line is one JSON object
+file and an earlier run's lines are never lost (a crash's torn last line is ended
+first, so the resumed run's first record stays readable). Each line is one JSON object
 with "step", "time" (unix seconds) and the metrics of that log interval.
 `jaxopt_train.runtime.read_jsonl` reads it back (skipping the torn last line of a crash).
 """
@@ -17,14 +18,15 @@ from typing import Any, TextIO
 
 import jax
 
+from jaxopt_train.runtime.sinks import open_for_append
+
 
 class JsonlWriter:
     """Appends one JSON object per `write` to `path` (flushed each time)."""
 
     def __init__(self, path: str | os.PathLike):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = os.fspath(path)
-        self._file: TextIO | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        self._file: TextIO | None = open_for_append(self.path)
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         if self._file is None:
@@ -100,9 +102,11 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.is_main:
             return
-        self.jsonl.write(step, metrics)
         numeric = {k: float(v) for k, v in metrics.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        for sink in self.sinks:  # every sink's checks first, so a refused record is written nowhere
+            sink.check(step, numeric)
+        self.jsonl.write(step, metrics)
         for sink in self.sinks:
             sink.write(step, numeric)
         line = format_metrics(step, metrics)
