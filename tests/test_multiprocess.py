@@ -126,3 +126,61 @@ def test_dead_peer_makes_the_other_process_exit_nonzero_in_bounded_time(tmp_path
     assert rc1 == 3
     assert rc0 != 0, output0[-3000:]
     assert elapsed < 90
+
+
+# Two processes x 1 device train one run; SIGTERM reaches them before different steps, as a
+# preemption's signals do. A process stopping alone would leave its peer in the next step's
+# all-reduce and both would abort with no checkpoint; they must agree on one stop step.
+TRAIN_WORKER = r'''
+import os, signal, sys
+process_id, port, run_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+import jax
+jax.config.update("jax_num_cpu_devices", 1)
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
+                           initialization_timeout=20, heartbeat_timeout_seconds=5, shutdown_timeout_seconds=5)
+from jaxopt_train.train import TrainConfig, loop
+real = loop.dispatch_batch
+signal_at = 3 + 2 * process_id  # process 0 before step 3, process 1 before step 5
+
+def dispatch(task, step, k):
+    if step == signal_at:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real(task, step, k)
+
+loop.dispatch_batch = dispatch
+cfg = TrainConfig(steps=40, batch_size=4, log_every=4, eval_every=0, checkpoint_every=0, eval_batches=1,
+                  run_dir=run_dir, progress="lines", seq_len=16,
+                  model_overrides={"d_model": 16, "n_layers": 1, "n_heads": 2})
+result = loop.train(cfg, stream=open(os.devnull, "w"))
+sys.stdout.write(f"stopped step={result.step} interrupted={result.interrupted}\n")
+sys.stdout.flush()
+jax.distributed.shutdown()
+'''
+
+
+def test_a_signal_on_one_process_stops_every_process_at_one_step(tmp_path):
+    from jaxopt_train.train.checkpoint import existing_checkpoint_steps
+
+    script = tmp_path / "train_worker.py"
+    script.write_text(TRAIN_WORKER)
+    run_dir, port = str(tmp_path / "run"), str(_free_port())
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), port, run_dir], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append((proc.communicate(timeout=150)[0], proc.returncode))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail("two-process training hung after a signal")
+    lines = []
+    for output, rc in outputs:
+        assert rc == 0, output[-3000:]
+        lines.append([line for line in output.splitlines() if line.startswith("stopped ")])
+    # Process 0's signal, sent before dispatching step 3 (steps 0..2 done), joins the agreement
+    # after that dispatch (step 4) and is read one dispatch later: both stop at 5, before
+    # process 1 would have stopped on its own.
+    assert lines == [["stopped step=5 interrupted=True"]] * 2, outputs
+    assert existing_checkpoint_steps(run_dir) == [5]

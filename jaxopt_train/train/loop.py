@@ -3,19 +3,20 @@
 The loop owns what a long run needs: the run directory (config.json,
 metrics.jsonl, checkpoints), resume, evaluation, metrics every `log_every`
 steps, checkpoints every `checkpoint_every`, SIGTERM/SIGINT (save and exit
-cleanly), and the non-finite guard. The device is only synchronised at log,
+cleanly; on several processes at one agreed step: `stop.py`), and the
+non-finite guard. The device is only synchronised at log,
 eval and checkpoint points, so steps dispatch back to back in between.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
 import math
 import os
 import signal
-import threading
 import time
 from typing import Any, TextIO
 
@@ -30,6 +31,7 @@ from jaxopt_train.train.config import TrainConfig, shape_overrides
 from jaxopt_train.train.metrics import MetricsLogger, peak_memory_bytes
 from jaxopt_train.train.remat_search import build_fitting_run
 from jaxopt_train.train.state import param_count
+from jaxopt_train.train.stop import StopAgreement, StopSignal
 from jaxopt_train.train.task import Task, build_task
 from jaxopt_train.train.trainer import Trainer, build_optimizer
 
@@ -69,36 +71,28 @@ def _default_run_dir(cfg: TrainConfig) -> str:
     raise AssertionError("unreachable")
 
 
-class _StopSignal:
-    """Records SIGTERM/SIGINT instead of dying mid-step; restores the old handlers on exit."""
-
-    def __init__(self):
-        self.received: int | None = None
-        self._old: dict[int, Any] = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):  # noqa: ARG002
-        if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C means "now"
-        self.received = signum
-
-    def __exit__(self, *exc):
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
-        return False
-
-
 def _write_config(run_dir: str, cfg: TrainConfig, task: Task) -> None:
+    """run_dir/config.json, replaced whole (a crash mid-write leaves the old file)."""
     if jax.process_index() != 0:
         return
     record = {"config": cfg.to_dict(), "model_shape": cfg.model_shape(), "task": task.description}
-    with open(os.path.join(run_dir, "config.json"), "w", encoding="utf-8") as f:
+    path = os.path.join(run_dir, "config.json")
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
         json.dump(record, f, indent=2, sort_keys=True, default=str)
+    os.replace(path + ".tmp", path)
+
+
+def _check_dispatch_alignment(step: int, k: int, ckpt_dir: str) -> None:
+    """Refuses a resume whose checkpoint step is not a multiple of steps_per_dispatch:
+    the dispatches would then never land on the log, eval and checkpoint multiples,
+    and the run would overshoot its last step."""
+    if step % k:
+        ones = k - step % k
+        raise RunDirError(
+            f"the checkpoint in {ckpt_dir} is at step {step}, which is not a multiple of "
+            f"steps_per_dispatch={k}; resume with a --steps-per-dispatch that divides {step} "
+            f"(e.g. 1), or with --steps-per-dispatch 1 for {ones} step(s) (--steps {step + ones}) "
+            f"and then {k}")
 
 
 def _damaged(ckpt: Checkpointer, err: Exception) -> RunDirError:
@@ -204,7 +198,13 @@ def train(config: TrainConfig, *, until_step: int | None = None, devices=None,
     if not isinstance(config, TrainConfig):
         raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
     cfg = config
+    k = cfg.steps_per_dispatch
+    if until_step is not None and (isinstance(until_step, bool) or not isinstance(until_step, int)
+                                   or until_step < 1 or until_step % k):
+        raise ValueError(f"until_step={until_step!r} must be a positive multiple of "
+                         f"steps_per_dispatch={k}")
     target = cfg.steps if until_step is None else min(until_step, cfg.steps)
+    created = cfg.run_dir is None or not os.path.exists(cfg.run_dir)
     run_dir = cfg.run_dir or _default_run_dir(cfg)
     prepare_run_dir(run_dir, resume=cfg.resume, overwrite=cfg.overwrite)
     ckpt = None
@@ -212,6 +212,7 @@ def train(config: TrainConfig, *, until_step: int | None = None, devices=None,
         if cfg.resume:  # before building anything: a mismatch fails in milliseconds
             ckpt = Checkpointer(run_dir, keep=cfg.keep_checkpoints)
             _check_resume_shape(run_dir, cfg, ckpt)
+            _check_dispatch_alignment(ckpt.latest_step(), k, ckpt.directory)
         cfg, task, trainer, _ = build_fitting_run(cfg, devices)  # resolves remat="auto"
         if cfg.overwrite:  # only now: a bad flag above has cost the old run nothing
             clear_run_dir(run_dir)
@@ -223,8 +224,14 @@ def train(config: TrainConfig, *, until_step: int | None = None, devices=None,
             ckpt = Checkpointer(run_dir, keep=cfg.keep_checkpoints)
         if cfg.resume:
             trainer.state = _restore(ckpt, trainer.state)
-        _write_config(run_dir, cfg, task)
+        else:  # a resume's settings are written with its first checkpoint (_run)
+            _write_config(run_dir, cfg, task)
         return _run(cfg, task, trainer, ckpt, run_dir, target, stream)
+    except BaseException:
+        if created:  # a run refused before it wrote anything leaves no empty folder behind
+            with contextlib.suppress(OSError):
+                os.rmdir(run_dir)  # only if empty
+        raise
     finally:
         if ckpt is not None:
             ckpt.close()
@@ -280,8 +287,10 @@ def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run
     profiler = _make_profiler(cfg, run_dir)
     last_loss = eval_loss = None
     interrupted = False
+    config_written = not cfg.resume  # a resume's settings go to config.json with its first save
     try:
-        with _StopSignal() as stop:
+        with StopSignal() as stop:
+            agreement = StopAgreement(list(trainer.mesh.devices.flat))
             interval = _Interval()
             while step < target:
                 if profiler is not None:
@@ -291,21 +300,31 @@ def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run
                 interval.add(trainer.step(batch), k)
                 step += k
                 logger.advance(k)
-                done = step >= target or stop.received is not None
-                evaluate = done or (cfg.eval_every and step % cfg.eval_every == 0)
-                if done or step % cfg.log_every == 0 or evaluate:
+                # One process's signal stops every process, at the same step (stop.py).
+                stopping = agreement.update(stop.received)
+                finished = step >= target
+                if stopping:  # the checkpoint first: a second signal or SIGKILL may follow soon
+                    config_written |= _save(ckpt, step, trainer, meta, run_dir, cfg, task,
+                                            config_written)
+                evaluate = not stopping and (finished or (cfg.eval_every and step % cfg.eval_every == 0))
+                if finished or stopping or step % cfg.log_every == 0 or evaluate:
                     summary = interval.summary()
                     if evaluate:
                         eval_loss = _evaluate(trainer, task, cfg.eval_batches)
                     last_loss = _log(cfg, task, trainer, logger, summary, step, peak,
                                      eval_loss if evaluate else None, monitor)
                     interval = _Interval()
-                if done or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-                    ckpt.save(step, trainer.state, meta)
-                if stop.received is not None:
-                    ckpt.save(step, trainer.state, meta)  # no-op if this step is saved already
+                if finished or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+                    config_written |= _save(ckpt, step, trainer, meta, run_dir, cfg, task,
+                                            config_written)
+                # One process acts on a signal that came during the log or the eval at once;
+                # several act only on what they agreed after the dispatch.
+                stopping = stopping or (agreement.local_only and stop.received is not None)
+                if stopping:
+                    config_written |= _save(ckpt, step, trainer, meta, run_dir, cfg, task,
+                                            config_written)  # a no-op if saved above
                     interrupted = True
-                    name = signal.Signals(stop.received).name
+                    name = signal.Signals(agreement.signal or stop.received).name
                     logger.message(f"{name} received: saved a checkpoint at step {step} in "
                                    f"{ckpt.directory}; continue with --resume --run-dir {run_dir}")
                     break
@@ -323,6 +342,18 @@ def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run
                 logger.close()
     return TrainResult(run_dir=run_dir, step=step, final_loss=last_loss, eval_loss=eval_loss,
                        interrupted=interrupted, trainer=trainer)
+
+
+def _save(ckpt: Checkpointer, step: int, trainer: Trainer, meta: dict, run_dir: str,
+          cfg: TrainConfig, task: Task, config_written: bool) -> bool:
+    """Saves a checkpoint at `step` (a no-op if saved already); then, on a resume's first
+    save, config.json. Only then: a resume that dies before its first checkpoint must
+    leave the settings of the checkpoints on disk, not its own. True once written."""
+    ckpt.save(step, trainer.state, meta)
+    if not config_written:
+        ckpt.wait()  # once per resume: the checkpoint is on disk before the settings change
+        _write_config(run_dir, cfg, task)
+    return True
 
 
 def _log(cfg: TrainConfig, task: Task, trainer: Trainer, logger: MetricsLogger,

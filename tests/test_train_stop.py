@@ -1,0 +1,100 @@
+"""Stopping and resuming safely: a signal saves before anything else, an unaligned resume or a
+resume that dies early changes nothing on disk, a refused run leaves no empty folder.
+
+(Several processes agreeing on the stop step: tests/test_multiprocess.py.)
+"""
+
+import dataclasses
+import json
+import os
+import signal
+
+import pytest
+
+from jaxopt_train.train import RunDirError, Trainer, train
+from jaxopt_train.train import loop as loop_lib
+from jaxopt_train.train.checkpoint import existing_checkpoint_steps
+from jaxopt_train.runtime import read_jsonl
+
+from test_train import _tiny
+
+pytestmark = pytest.mark.usefixtures("jax_compile_cache")
+
+
+def _saved_config(run_dir):
+    with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
+        return json.load(f)["config"]
+
+
+def test_a_signal_saves_the_checkpoint_and_skips_the_eval_it_would_have_run(tmp_path, monkeypatch):
+    real = loop_lib.dispatch_batch
+
+    def signal_before_step_1(task, step, k):
+        if step == 1:  # arrives while step 2's boundary, an eval point, is still ahead
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(task, step, k)
+
+    monkeypatch.setattr(loop_lib, "dispatch_batch", signal_before_step_1)
+    cfg = _tiny(tmp_path, eval_every=2)
+    result = train(cfg)
+    assert result.interrupted and result.step == 2
+    assert result.eval_loss is None  # no eval between the signal and the save
+    assert existing_checkpoint_steps(cfg.run_dir) == [2]
+    records = read_jsonl(os.path.join(cfg.run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [2] and "eval_loss" not in records[0]
+
+
+def test_until_step_must_be_a_multiple_of_steps_per_dispatch(tmp_path):
+    cfg = _tiny(tmp_path, steps_per_dispatch=2)
+    for bad in (3, 0, 2.0, True):
+        with pytest.raises(ValueError, match=r"until_step=.* must be a positive multiple of "
+                                             r"steps_per_dispatch=2"):
+            train(cfg, until_step=bad)
+    assert not os.path.exists(cfg.run_dir)
+
+
+def test_resume_at_a_step_off_the_dispatch_size_is_refused_before_anything_changes(tmp_path):
+    cfg = _tiny(tmp_path)
+    train(cfg, until_step=3)
+    files = sorted(os.listdir(cfg.run_dir))
+    resume = dataclasses.replace(cfg, resume=True, steps_per_dispatch=2)
+    with pytest.raises(RunDirError, match=r"is at step 3, which is not a multiple of "
+                                          r"steps_per_dispatch=2; resume with a "
+                                          r"--steps-per-dispatch that divides 3 \(e.g. 1\), or "
+                                          r"with --steps-per-dispatch 1 for 1 step\(s\) \(--steps 4\)"):
+        train(resume)
+    assert sorted(os.listdir(cfg.run_dir)) == files
+    assert _saved_config(cfg.run_dir)["steps_per_dispatch"] == 1
+    assert existing_checkpoint_steps(cfg.run_dir) == [3]
+
+
+def test_a_resume_that_dies_before_its_first_checkpoint_keeps_the_saved_settings(tmp_path, monkeypatch):
+    cfg = _tiny(tmp_path)
+    train(cfg, until_step=2)
+    assert _saved_config(cfg.run_dir)["lr"] == cfg.lr
+    changed = dataclasses.replace(cfg, resume=True, lr=cfg.lr / 2)
+
+    def interrupted_compile(self, batch):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "compile", interrupted_compile)
+        with pytest.raises(KeyboardInterrupt):
+            train(changed)
+    assert _saved_config(cfg.run_dir)["lr"] == cfg.lr  # what the checkpoint at step 2 ran with
+    train(changed, until_step=4)  # this resume saves a checkpoint: its settings are the run's now
+    assert _saved_config(cfg.run_dir)["lr"] == cfg.lr / 2
+    assert existing_checkpoint_steps(cfg.run_dir) == [2, 4]
+    assert not os.path.exists(os.path.join(cfg.run_dir, "config.json.tmp"))
+
+
+def test_a_run_refused_while_building_leaves_no_empty_folder(tmp_path):
+    cfg = _tiny(tmp_path, name="fresh", data=str(tmp_path / "missing.txt"))
+    with pytest.raises(FileNotFoundError):
+        train(cfg)
+    assert not os.path.exists(cfg.run_dir)
+    existing = tmp_path / "mine"
+    existing.mkdir()
+    with pytest.raises(FileNotFoundError):
+        train(dataclasses.replace(cfg, run_dir=str(existing)))
+    assert existing.is_dir()  # a folder the user made stays, even empty
