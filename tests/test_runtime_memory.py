@@ -60,6 +60,18 @@ def test_memory_env_bytes_through_nvml_uses_smallest_visible_gpu(monkeypatch):
     assert fake.calls["init"] == fake.calls["shutdown"] == 2
 
 
+def test_memory_env_bytes_refuses_a_mig_slice(monkeypatch):
+    # NVML's total is the whole GPU's; XLA's fraction would be of the slice.
+    install_fake_nvml(monkeypatch, make_fake_nvml([FakeGPU(mig=1)]))
+    with pytest.raises(RuntimeError, match=r"cannot size a MIG slice.*Pass fraction=\.\.\."):
+        memory_env(bytes="10GiB")
+    install_fake_nvml(monkeypatch, make_fake_nvml([FakeGPU()]))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-5c89a1f0-0000-0000-0000-000000000000")
+    with pytest.raises(RuntimeError, match="cannot size a MIG slice"):
+        memory_env(bytes="10GiB")
+    assert memory_env(bytes="9GiB", total_bytes="18GiB") == {"XLA_CLIENT_MEM_FRACTION": "0.5000"}
+
+
 def test_memory_env_bytes_without_nvml_says_what_to_do(monkeypatch):
     install_fake_nvml(monkeypatch, make_fake_nvml([], init_error=True))
     with pytest.raises(RuntimeError, match=r"Pass fraction=\.\.\. or total_bytes="):

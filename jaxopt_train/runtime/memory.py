@@ -66,13 +66,29 @@ def _gpu_total_bytes() -> int:
                 f"limit_memory(bytes=...) needs the GPU's total memory to turn bytes into the "
                 f"fraction XLA takes, but {reason}. Pass fraction=... or total_bytes=... instead.")
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        # Under MIG, XLA takes its fraction of the slice it sees, while NVML's total here is
+        # the whole GPU's: 10 GiB of an H200 would come out ~1.3 GiB of an 18 GiB slice.
+        mig = visible is not None and "MIG-" in visible
         indices = None
         if visible and all(part.strip().isdigit() for part in visible.split(",")):
             indices = [int(part) for part in visible.split(",")]
         handles = device_handles(nvml, indices)
         if not handles:
             raise RuntimeError("limit_memory(bytes=...): NVML sees no GPU; pass fraction=... instead")
+        mig = mig or any(_mig_on(nvml, h) for _, h in handles)
+        if mig:
+            raise RuntimeError(
+                "limit_memory(bytes=...) cannot size a MIG slice: NVML gives the whole GPU's "
+                "memory, and XLA's fraction is of the slice. Pass fraction=... (a share of the "
+                "slice) or total_bytes=<the slice's memory, from nvidia-smi -L>")
         return min(int(nvml.nvmlDeviceGetMemoryInfo(h).total) for _, h in handles)
+
+
+def _mig_on(nvml, handle) -> bool:
+    try:
+        return bool(nvml.nvmlDeviceGetMigMode(handle)[0])
+    except Exception:  # noqa: BLE001 - not supported (pre-Ampere) or an older binding
+        return False
 
 
 def memory_env(*, fraction: float | None = None, bytes: int | str | None = None,  # noqa: A002
