@@ -120,6 +120,8 @@ def _combine_aux(aux, how: str, accum_dtype):
         return aux
 
     def one(x):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return x[-1]  # a PRNG key (a model's RNG stream) has no sum or mean: the last one
         if x.dtype == np.dtype(np.bool_):
             # A boolean in bool dtype sums to "any"; under "mean" a predicate over
             # the batch (jnp.all(...), all_finite) holds for the full batch only if

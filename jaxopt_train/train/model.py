@@ -95,29 +95,36 @@ def nnx_model_fns(model, loss_fn: Callable, policy: Policy) -> ModelFns:
 
     `model.train()` / `model.eval()` are called before the loss, so Dropout and
     BatchNorm switch modes; a `loss_fn` with a `train` keyword also gets it.
-    Note: RNG streams held by the module (`nnx.Rngs`) are not advanced between
-    steps (they are part of the static graph here), so Dropout masks repeat.
+    RNG streams the module holds (`nnx.Rngs`, e.g. in `nnx.Dropout`) are model
+    state: they advance every step and are checkpointed. Every device and every
+    micro-batch of one step draws from the same stream position (each on its own
+    data), as data-parallel replicas seeded alike do. Variables the loss sows
+    (`nnx.Intermediate`) are dropped after each call.
     """
     from flax import nnx  # noqa: PLC0415
 
     if not isinstance(model, nnx.Module):
         raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}")
     check_loss_fn(loss_fn)
-    graphdef, params, rng_state, model_state = nnx.split(model, nnx.Param, nnx.RngState, ...)
+    # RNG streams go with the rest of the model state: captured outside the step's
+    # trace, Dropout's draw (which advances the stream's count) was refused in it.
+    graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
     params = policy.cast_to_param(params)
 
     def merge(params, model_state):
-        return nnx.merge(graphdef, params, rng_state, model_state)
+        return nnx.merge(graphdef, params, model_state)
 
     def loss(params, model_state, batch, train):
         # tree.map rebuilds the Variables inside the current trace, so BatchNorm
-        # may update its statistics here (NNX refuses mutating outer-trace ones).
+        # may update its statistics and Dropout advance its RNG count here (NNX
+        # refuses mutating outer-trace ones).
         fresh_state = jax.tree.map(lambda x: x, model_state)
-        module = nnx.merge(graphdef, policy.cast_to_compute(params), rng_state, fresh_state)
+        module = nnx.merge(graphdef, policy.cast_to_compute(params), fresh_state)
         module.train() if train else module.eval()
         with policy.matmul_scope():
             value = _call_loss(loss_fn, module, policy.cast_to_compute(batch), train)
-        _, _, _, new_state = nnx.split(module, nnx.Param, nnx.RngState, ...)
+        # Sown values (nnx.Intermediate) are outputs of this call, not state to carry.
+        _, _, _, new_state = nnx.split(module, nnx.Param, nnx.Intermediate, ...)
         return value, _cast_like(new_state, model_state)
 
     return ModelFns(params, model_state, loss, merge)

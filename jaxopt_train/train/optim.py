@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxopt_train.precision import cast_floating
@@ -42,8 +43,11 @@ def low_precision_state(inner: optax.GradientTransformation, dtype: Any = jnp.bf
                         ) -> optax.GradientTransformation:
     """`inner` with its floating state stored in `dtype` between steps.
 
-    Integer leaves (step counts) keep their dtype. Updates are computed in f32
-    from the widened state, so only storage precision changes. With
+    Integer leaves (step counts) and floating scalars keep their dtype: a scalar
+    is a hyperparameter or a statistic (optax.inject_hyperparams' b2=0.999 rounds
+    to 1.0 in bf16, and Adam's bias correction then divides by zero), and costs
+    nothing to keep wide. Updates are computed in f32 from the widened state, so
+    only storage precision changes. With
     ``dtype=float32`` this returns `inner` unchanged.
 
     Args:
@@ -60,11 +64,18 @@ def low_precision_state(inner: optax.GradientTransformation, dtype: Any = jnp.bf
     # buffer could not fit in under a 16 GiB cap (H200, BENCHMARKS.md).
     @jax.jit
     def init(params):
-        return cast_floating(inner.init(params), dtype)
+        return _narrow(inner.init(params), dtype)
 
     def update(updates, state, params=None):
         wide = cast_floating(state, jnp.float32)
         updates, wide = inner.update(updates, wide, params)
-        return updates, cast_floating(wide, dtype)
+        return updates, _narrow(wide, dtype)
 
     return optax.GradientTransformation(init, update)
+
+
+def _narrow(state, dtype):
+    """`state`'s floating arrays of rank >= 1 in `dtype`; scalars and integers as they are."""
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if (isinstance(x, (jax.Array, np.ndarray)) and x.ndim
+                                      and jnp.issubdtype(x.dtype, jnp.floating)) else x, state)

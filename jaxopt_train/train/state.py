@@ -40,8 +40,10 @@ class TrainState(NamedTuple):
 
 def init_train_state(params, model_state, optimizer: optax.GradientTransformation,
                      loss_scale, grad_error=None) -> TrainState:
+    # Jitted: an eager init may keep the params' own buffers in its state (optax.contrib's
+    # prodigy keeps params0=params), and the donated state would then hold one buffer twice.
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
-                      opt_state=optimizer.init(params), loss_scale=loss_scale,
+                      opt_state=jax.jit(optimizer.init)(params), loss_scale=loss_scale,
                       nonfinite_streak=jnp.zeros((), jnp.int32), grad_error=grad_error)
 
 

@@ -44,6 +44,21 @@ def _pmean_floating(tree):
         lambda x: lax.pmean(x, AXIS) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
+def combine_counts(new, old, microbatches: int):
+    """The model state's integer leaves (call counters, RNG counts) after K micro-batches.
+
+    Each micro-batch starts from `old`, and the accumulation sums integer leaves, so
+    `new` holds sum_k(new_k): the step's value is old + sum_k(new_k - old), i.e.
+    new - (K - 1) * old (modular, as the counters are). Floating leaves (BatchNorm
+    statistics) keep the micro-batches' mean.
+    """
+    if microbatches == 1:
+        return new
+    return jax.tree.map(
+        lambda n, o: n - (microbatches - 1) * o if jnp.issubdtype(n.dtype, jnp.integer) else n,
+        new, old)
+
+
 def make_step_body(loss: Callable, optimizer: optax.GradientTransformation, *,
                    microbatches: int, num_devices: int, grad_sync: str = "psum",
                    grad_compression: str | None = None,
@@ -79,6 +94,7 @@ def make_step_body(loss: Callable, optimizer: optax.GradientTransformation, *,
         grad_fn = accumulate_gradients(scaled_loss, microbatches, has_aux=True)
         params = state.params if grad_cast is None else grad_cast(state.params)
         (_, (value, model_state)), grads = grad_fn(params, batch, state.model_state)
+        model_state = combine_counts(model_state, state.model_state, microbatches)
         # The one cross-device reduction of this optimizer step. (Error feedback
         # holds loss-scaled units: a changed fp16 scale mis-weights one step's
         # correction by the same factor, a bounded and transient error.)

@@ -129,7 +129,12 @@ class Trainer:
       devices: devices of the data mesh (default: all).
       init_args: example inputs for a Linen module's `init`.
       seed: PRNG seed for Linen init.
-      lr, total_steps, warmup, weight_decay, clip_norm: the default optimizer.
+      lr, total_steps, warmup, weight_decay: the default optimizer (defaults
+        1e-3, 1000, 0, 0.0); given with `optimizer=` they are refused, since that
+        optimizer would silently ignore them.
+      clip_norm: global-norm clip of the gradients (default 1.0 for the default
+        optimizer). With `optimizer=` it is off unless given: then it is applied
+        before that optimizer (at zero > 0 by the step, over the whole gradient).
       verbose: print the compiled step's memory analysis.
     """
 
@@ -137,9 +142,10 @@ class Trainer:
                  precision: str | Policy = "fp32", microbatches: int = 1, grad_sync: str = "psum",
                  grad_compression: str | None = None, steps_per_dispatch: int = 1, zero: int = 0,
                  grad_dtype: str = "param", opt_state_dtype: str = "f32",
-                 devices=None, init_args: tuple | None = None, seed: int = 0, lr: float = 1e-3,
-                 total_steps: int = 1000, warmup: int = 0, weight_decay: float = 0.0,
-                 clip_norm: float = 1.0, verbose: bool = False):
+                 devices=None, init_args: tuple | None = None, seed: int = 0,
+                 lr: float | None = None, total_steps: int | None = None, warmup: int | None = None,
+                 weight_decay: float | None = None, clip_norm: float | None = None,
+                 verbose: bool = False):
         import flax.linen as nn  # noqa: PLC0415
 
         policy = get_policy(precision)
@@ -150,12 +156,27 @@ class Trainer:
         else:
             fns = nnx_model_fns(model, loss_fn, policy)
         check_zero(zero, grad_sync, grad_compression)
+        schedule = {"lr": lr, "total_steps": total_steps, "warmup": warmup,
+                    "weight_decay": weight_decay}
         if optimizer is None:
+            defaults = {"lr": 1e-3, "total_steps": 1000, "warmup": 0, "weight_decay": 0.0}
             optimizer, zero_clip_norm = build_optimizer(
-                zero, opt_state_dtype, clip_norm=clip_norm, lr=lr, total_steps=total_steps,
-                warmup=warmup, weight_decay=weight_decay)
+                zero, opt_state_dtype, clip_norm=1.0 if clip_norm is None else clip_norm,
+                **{k: defaults[k] if v is None else v for k, v in schedule.items()})
         else:
-            optimizer, zero_clip_norm = low_precision_state(optimizer, opt_state_dtype), 0.0
+            given = {k: v for k, v in schedule.items() if v is not None}
+            if given:
+                raise ValueError(
+                    f"{', '.join(f'{k}={v!r}' for k, v in given.items())} configure the default "
+                    "optimizer, but optimizer= was given and would ignore them; put them in "
+                    "that optimizer (e.g. optax.adamw(optax.warmup_cosine_decay_schedule(...)))")
+            # A clip the user asked for is kept: before their optimizer, or by the ZeRO step
+            # over the whole gradient (a clip inside a sharded optimizer would see one shard).
+            clip = clip_norm or 0.0
+            if clip and not zero:
+                optimizer = optax.chain(optax.clip_by_global_norm(clip), optimizer)
+            optimizer = low_precision_state(optimizer, opt_state_dtype)
+            zero_clip_norm = clip if zero else 0.0
         # Linen's variables are created here, by module.init: the state can own them.
         self._setup(fns, optimizer, policy, microbatches=microbatches, grad_sync=grad_sync,
                     grad_compression=grad_compression, steps_per_dispatch=steps_per_dispatch,

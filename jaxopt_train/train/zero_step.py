@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 from jaxopt_train.accumulation import accumulate_gradients
 from jaxopt_train.precision import all_finite, select_tree
 from jaxopt_train.train.state import TrainState
+from jaxopt_train.train.step import combine_counts
 from jaxopt_train.zero import (elementwise_mismatch, gather_leaves, leaf_specs,
                                opt_state_leaf_specs, place_leaves, reduce_scatter_leaves, spec_dim)
 
@@ -83,7 +84,7 @@ def _scaled_gradients(loss: Callable, state: TrainState, params, batch, microbat
 
     grad_fn = accumulate_gradients(scaled_loss, microbatches, has_aux=True)
     (_, (value, model_state)), grads = grad_fn(params, batch, state.model_state)
-    return value, model_state, grads
+    return value, combine_counts(model_state, state.model_state, microbatches), grads
 
 
 def _clip(grads, norm, clip_norm: float):

@@ -1,0 +1,125 @@
+"""The Trainer with models and optimizers beyond the plain MLP + AdamW: Dropout's RNG stream,
+counters under micro-batching, sown intermediates, optimizers whose state holds scalars or
+the params themselves, and the default optimizer's settings next to a user optimizer."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxopt_train.train import Trainer
+
+pytestmark = pytest.mark.usefixtures("jax_compile_cache")
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs, dropout: float = 0.0, sow: bool = False):
+        self.l1, self.l2 = nnx.Linear(8, 32, rngs=rngs), nnx.Linear(32, 1, rngs=rngs)
+        self.drop = nnx.Dropout(dropout, rngs=rngs) if dropout else None
+        self.sow_it = sow
+
+    def __call__(self, x):
+        h = jax.nn.relu(self.l1(x))
+        if self.sow_it:
+            self.sow(nnx.Intermediate, "hidden", h)
+        return self.l2(self.drop(h) if self.drop is not None else h)
+
+
+class Counter(nnx.Variable):
+    pass
+
+
+class CountingMLP(MLP):
+    def __init__(self, rngs):
+        super().__init__(rngs)
+        self.calls = Counter(jnp.array(0, jnp.int32))
+
+    def __call__(self, x):
+        self.calls[...] = self.calls[...] + 1
+        return super().__call__(x)
+
+
+def loss_fn(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def _batch(n=64, seed=0):
+    x = np.random.default_rng(seed).standard_normal((n, 8)).astype(np.float32)
+    return {"x": x, "y": x.sum(1, keepdims=True)}
+
+
+def test_dropout_draws_a_new_mask_every_step():
+    batch = _batch()
+    trainer = Trainer(MLP(nnx.Rngs(0), dropout=0.5), loss_fn, optimizer=optax.sgd(0.0))
+    losses = [float(trainer.step(batch)["loss"][0]) for _ in range(3)]
+    assert len(set(losses)) == 3, losses  # same params (lr 0), same batch: only the masks differ
+    plain = Trainer(MLP(nnx.Rngs(0)), loss_fn, optimizer=optax.sgd(0.0))
+    assert len({float(plain.step(batch)["loss"][0]) for _ in range(2)}) == 1
+    assert np.isfinite(trainer.evaluate(batch))  # eval mode: no mask, no draw
+
+
+@pytest.mark.parametrize("options", [{}, {"microbatches": 4}, {"zero": 1, "microbatches": 4}])
+def test_integer_model_state_counts_every_micro_batch_once(options):
+    trainer = Trainer(CountingMLP(nnx.Rngs(0)), loss_fn, optimizer=optax.sgd(1e-2), **options)
+    calls = []
+    for _ in range(3):
+        trainer.step(_batch())
+        calls.append(int(trainer.model.calls[...]))
+    per_step = options.get("microbatches", 1)
+    assert calls == [per_step, 2 * per_step, 3 * per_step]  # was 4, 20, 84 with 4 micro-batches
+
+
+def test_a_model_that_sows_trains_like_one_that_does_not():
+    batch = _batch()
+    runs = [Trainer(MLP(nnx.Rngs(0), sow=sow), loss_fn, optimizer=optax.sgd(1e-2)) for sow in (False, True)]
+    for trainer in runs:
+        for _ in range(2):
+            trainer.step(batch)
+    jax.tree.map(np.testing.assert_array_equal, *(nnx.to_pure_dict(nnx.state(t.model, nnx.Param))
+                                                  for t in runs))
+
+
+def test_bf16_optimizer_state_keeps_scalar_hyperparameters_wide():
+    # optax.inject_hyperparams stores b2=0.999 in the state; in bf16 it is 1.0 and Adam's
+    # bias correction divides by zero.
+    optimizer = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2, b2=0.999)
+    trainer = Trainer(MLP(nnx.Rngs(0)), loss_fn, optimizer=optimizer, opt_state_dtype="bf16")
+    for _ in range(3):
+        assert bool(trainer.step(_batch())["finite"][0])
+    hyper = trainer.state.opt_state.hyperparams
+    assert hyper["b2"].dtype == jnp.float32 and float(hyper["b2"]) == pytest.approx(0.999)
+    moments = [x for x in jax.tree.leaves(trainer.state.opt_state) if jnp.ndim(x) >= 1]
+    assert moments and all(x.dtype == jnp.bfloat16 for x in moments)
+    assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(nnx.state(trainer.model, nnx.Param)))
+
+
+def test_an_optimizer_holding_the_params_in_its_state_steps():
+    # prodigy keeps params0=params: an eager init put the params' buffers in the state twice.
+    trainer = Trainer(MLP(nnx.Rngs(0)), loss_fn, optimizer=optax.contrib.prodigy(1.0),
+                      devices=jax.devices()[:1])
+    assert np.isfinite(trainer.step(_batch())["loss"][0])
+
+
+def test_default_optimizer_settings_next_to_a_user_optimizer():
+    with pytest.raises(ValueError, match=r"lr=0.5, warmup=3 configure the default optimizer, but "
+                                         r"optimizer= was given"):
+        Trainer(MLP(nnx.Rngs(0)), loss_fn, optimizer=optax.sgd(1e-2), lr=0.5, warmup=3)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_clip_norm_with_a_user_optimizer_clips(zero):
+    batch = _batch()
+
+    def params_after(clip_norm):
+        trainer = Trainer(MLP(nnx.Rngs(0)), loss_fn, optimizer=optax.sgd(1e-2), zero=zero,
+                          clip_norm=clip_norm)
+        trainer.step(batch)
+        return nnx.to_pure_dict(nnx.state(trainer.model, nnx.Param))
+
+    start = nnx.to_pure_dict(nnx.state(MLP(nnx.Rngs(0)), nnx.Param))
+    free, clipped = params_after(None), params_after(1e-3)
+    moved = lambda params: float(optax.global_norm(jax.tree.map(jnp.subtract, params, start)))  # noqa: E731
+    assert moved(clipped) == pytest.approx(1e-2 * 1e-3, rel=1e-3)  # lr x the clipped norm
+    assert moved(free) > 100 * moved(clipped)
