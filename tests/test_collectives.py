@@ -221,7 +221,7 @@ X = jnp.zeros((8 * 4, 2), jnp.float32)
     (lambda x: grouped_all_reduce(x, "data", True), "group_size=True"),
     (lambda x: ring_all_reduce(x, ()), r"axis_name=\(\) must be one mesh axis name or a tuple"),
     (lambda x: ring_all_reduce(x, ("data", "data")), "tuple of distinct names"),
-    (lambda x: ring_all_reduce(x, "data", ring_order=[0.5, 1, 2, 3, 4, 5, 6, 7]), "sequence of int axis indices"),
+    (lambda x: ring_all_reduce(x, "data", ring_order=[0.5, 1, 2, 3, 4, 5, 6, 7]), "a sequence of ints"),
     (lambda x: ring_all_reduce(x, "data", num_chunks=True), "num_chunks=True must be a positive int"),
 ])
 def test_bad_input_gives_clear_errors(fn, match):

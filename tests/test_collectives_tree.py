@@ -19,6 +19,7 @@ from jaxopt_train.collectives import (
     plan_buckets,
     ring_order,
 )
+from jaxopt_train.collectives._axis import check_ring_order
 from jaxopt_train.collectives.compression import INT8_BLOCK, ErrorFeedbackState, decode, encode
 
 N = 8
@@ -303,3 +304,65 @@ def test_num_chunks_with_compression_is_refused_not_ignored(mesh, method, codec)
                                          group_size=4 if method == "hierarchical" else None),
                mesh, P("data"), P("data"))
     np.testing.assert_array_equal(np.asarray(ok(jnp.ones((N, 16), jnp.float32))["w"]), np.full((N, 16), N))
+
+
+@pytest.mark.parametrize("method", ["psum", "ring", "hierarchical"])
+@pytest.mark.parametrize("codec", ["bf16", "int8"])
+def test_a_list_axis_name_under_compression_is_the_name(mesh, method, codec):
+    # ["data"] used to reach lax.all_to_all / ppermute unhashable and fail there.
+    g = jax.random.normal(jax.random.key(11), (N, 3 * INT8_BLOCK), jnp.float32)
+    run = lambda axis: _smap(lambda x: all_reduce_tree(x, axis, method=method, compression=codec),  # noqa: E731
+                             mesh, P("data"), P("data"))(g)
+    np.testing.assert_array_equal(np.asarray(run(["data"])), np.asarray(run("data")))
+
+
+@pytest.mark.parametrize("axis", [["a", "b"], ("a", "b")])
+def test_compression_over_two_axes_is_refused_for_a_list_too(axis):
+    mesh2 = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    fn = _smap(lambda x: all_reduce_tree(x, axis, compression="int8"), mesh2, P(("a", "b")), P(("a", "b")))
+    with pytest.raises(ValueError, match=r"compression runs over one axis; got axis_name=\('a', 'b'\)"):
+        fn.trace(jnp.ones((N, 16), jnp.float32))
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8"])
+def test_group_size_with_compression_is_refused_not_ignored(mesh, codec):
+    # The float buckets went over the flat ring whatever group_size said.
+    fn = _smap(lambda g: all_reduce_tree(g, "data", method="hierarchical", compression=codec, group_size=2),
+               mesh, P("data"), P("data"))
+    with pytest.raises(ValueError, match=f"got group_size=2 with compression='{codec}' "
+                                         r"\(drop group_size or compression\)"):
+        fn.trace(jnp.ones((N, 16), jnp.float32))
+    # group_size alone, or compression alone, is accepted.
+    for kwargs in ({"group_size": 2}, {"compression": codec}):
+        ok = _smap(lambda g: all_reduce_tree(g, "data", method="hierarchical", **kwargs), mesh, P("data"), P("data"))
+        np.testing.assert_allclose(np.asarray(ok(jnp.ones((N, 16), jnp.float32))), N)
+
+
+@pytest.mark.parametrize("order", [[1.0, 0.0, 2.0], [2.9, 0.1, 1], [True, False, 2], "102", b"\x01\x00\x02", 3])
+def test_topology_refuses_what_ring_order_refuses(order):
+    # int(i) used to truncate floats and pass bools and digit strings in ring_order / describe_ring.
+    devices = [SimpleNamespace(id=i, process_index=0) for i in range(3)]
+    messages = []
+    for call, name in [(lambda: ring_order(devices, override=order), "override"),
+                       (lambda: describe_ring(devices, order), "order"),
+                       (lambda: check_ring_order(order, 3), "ring_order")]:
+        with pytest.raises(ValueError) as info:
+            call()
+        messages.append(str(info.value).removeprefix(f"{name}="))
+    assert messages[0] == messages[1] == messages[2]
+    assert messages[0].endswith("must be a permutation of 0..2 (one index per device), a sequence of ints")
+    assert ring_order(devices, override=np.array([2, 0, 1])) == (2, 0, 1)  # numpy integers are ints
+
+
+def test_compressed_psum_is_typed_varying_as_documented(mesh):
+    """No public all_gather_invariant in this JAX: the compressed psum stays typed varying, as documented."""
+    g = jax.random.normal(jax.random.key(12), (N, 300), jnp.float32)
+    strict = lambda out_specs: jax.jit(jax.shard_map(  # noqa: E731 (check_vma on, as users run it)
+        lambda x: all_reduce_tree(x[0], "data", compression="int8"), mesh=mesh, in_specs=P("data"),
+        out_specs=out_specs))
+    with pytest.raises(ValueError, match="could not infer replication"):
+        strict(P())(g)
+    rows = np.asarray(strict(P("data"))(g)).reshape(N, -1)  # the documented spec works, every row the same
+    assert (rows == rows[0]).all()
+    assert "every method with `compression`" in all_reduce_tree.__doc__
+    assert '`out_specs=P()` fails with "could not infer replication"' in all_reduce_tree.__doc__

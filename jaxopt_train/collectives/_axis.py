@@ -40,6 +40,24 @@ def axis_names(axis_name: AxisName) -> tuple[AxisName, ...]:
     return names
 
 
+def check_permutation(name: str, order: Sequence[int], size: int) -> tuple[int, ...]:
+    """`order` as a tuple of ints if it is a permutation of `0..size-1`, else a ValueError naming `name`.
+
+    Only ints and numpy integers count as indices: `int(i)` would truncate a
+    float and let a bool or a digit string through. Shared by the collectives'
+    `ring_order=` and `topology`, so both refuse the same inputs the same way.
+    """
+    try:
+        items = None if isinstance(order, (str, bytes)) else tuple(order)  # bytes iterate as ints
+    except TypeError:  # not iterable
+        items = None
+    if (items is None or not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in items)
+            or sorted(int(i) for i in items) != list(range(size))):
+        raise ValueError(f"{name}={order!r} must be a permutation of 0..{size - 1} (one index per device), "
+                         f"a sequence of ints")
+    return tuple(int(i) for i in items)
+
+
 def check_ring_order(ring_order: Sequence[int] | None, size: int) -> tuple[int, ...]:
     """Validates an explicit ring: a permutation of the axis indices `0..size-1`.
 
@@ -47,14 +65,4 @@ def check_ring_order(ring_order: Sequence[int] | None, size: int) -> tuple[int, 
     """
     if ring_order is None:
         return tuple(range(size))
-    if isinstance(ring_order, (str, bytes)) or not all(
-            isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ring_order):
-        raise ValueError(f"{ring_order=} must be a sequence of int axis indices, a permutation of "
-                         f"0..{size - 1}")
-    order = tuple(int(i) for i in ring_order)
-    if sorted(order) != list(range(size)):
-        raise ValueError(
-            f"{ring_order=} must be a permutation of the axis indices 0..{size - 1} "
-            f"(the axis has {size} devices)"
-        )
-    return order
+    return check_permutation("ring_order", ring_order, size)

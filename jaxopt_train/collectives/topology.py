@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from jaxopt_train.collectives._axis import check_permutation
 from jaxopt_train.runtime.nvml import as_text, nvml_session
 
 
@@ -56,17 +57,6 @@ def nvlink_counts(devices: Sequence[Any]) -> list[list[int]] | None:
             return None
 
 
-def _check_permutation(name: str, order: Sequence[int], n: int) -> tuple[int, ...]:
-    """`order` as a tuple if it is a permutation of range(n), else a ValueError naming `name`."""
-    try:
-        checked = tuple(int(i) for i in order)
-    except (TypeError, ValueError):
-        checked = None
-    if checked is None or sorted(checked) != list(range(n)):
-        raise ValueError(f"{name}={order!r} must be a permutation of 0..{n - 1} (one index per device)")
-    return checked
-
-
 def _greedy_by_links(indices: list[int], counts: list[list[int]]) -> list[int]:
     """Walks from the first device, always to the unvisited neighbour with the most links."""
     order, rest = [indices[0]], list(indices[1:])
@@ -94,7 +84,7 @@ def ring_order(devices: Sequence[Any], *, override: Sequence[int] | None = None,
     """
     n = len(devices)
     if override is not None:
-        return _check_permutation("override", override, n)
+        return check_permutation("override", override, n)
     by_process: dict[int, list[int]] = {}
     for i, device in enumerate(devices):
         by_process.setdefault(getattr(device, "process_index", 0), []).append(i)
@@ -122,7 +112,7 @@ def describe_ring(devices: Sequence[Any], order: Sequence[int] | None = None) ->
     Example output: `ring over 8 devices (2 processes, 2 cross-process hops):`
     followed by `  0: TFRT_CPU_0 [p0] -> TFRT_CPU_1 [p0]` lines.
     """
-    order = tuple(range(len(devices))) if order is None else _check_permutation("order", order, len(devices))
+    order = tuple(range(len(devices))) if order is None else check_permutation("order", order, len(devices))
     n = len(order)
     processes = {getattr(devices[i], "process_index", 0) for i in order}
     lines, crossings = [], 0

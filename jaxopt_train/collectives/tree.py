@@ -11,7 +11,7 @@ from jax import lax
 
 from jaxopt_train.collectives import buckets as buckets_lib
 from jaxopt_train.collectives import compression as compression_lib
-from jaxopt_train.collectives._axis import AxisName, axis_size
+from jaxopt_train.collectives._axis import AxisName, axis_names, axis_size
 from jaxopt_train.collectives.hierarchical import group_rings
 from jaxopt_train.collectives.peer import DTYPES as PEER_DTYPES
 from jaxopt_train.collectives.peer import peer_all_reduce
@@ -65,6 +65,12 @@ def _check_method_options(method: str, ring_order, group_size, num_chunks, compr
         raise ValueError(f"num_chunks= pipelines the uncompressed ring methods; the compressed exchange sends "
                          f"each bucket whole; got {num_chunks=} with {compression=} "
                          f"(drop num_chunks or compression)")
+    # The compressed exchange goes over the flat ring of the whole axis; groups
+    # would shape only the integer buckets, leaving group_size meaningless for the gradients.
+    if group_size is not None and compression is not None:
+        raise ValueError(f"group_size= groups the uncompressed hierarchical reduction; the compressed exchange "
+                         f"runs over the whole axis; got {group_size=} with {compression=} "
+                         f"(drop group_size or compression)")
     if ring_order is not None and method in ("psum", "peer"):
         raise ValueError(f"ring_order= applies to the ring methods ('ring', 'ring_bidir', 'hierarchical'); "
                          f"got {ring_order=} with {method=} (drop ring_order or pick a ring method)")
@@ -109,8 +115,11 @@ def all_reduce_tree(tree: Any, axis_name: AxisName, *, method: str = "psum", buc
     each bucket is one reduction, and bucket size changes only which elements
     travel together, never an element's sum.
 
-    Ring methods return values typed as varying over the axis: in
-    `jax.shard_map` use `out_specs=P(axis)` for them or `check_vma=False`.
+    Ring methods, and every method with `compression` ("psum" included: its
+    all-to-all and all-gather are per-device collectives), return values typed
+    as varying over the axis, though every device holds the same bits: in
+    `jax.shard_map` use `out_specs=P(axis)` for them or `check_vma=False`
+    (`out_specs=P()` fails with "could not infer replication").
 
     Args:
       tree: pytree of floating or integer arrays (e.g. gradients).
@@ -133,7 +142,7 @@ def all_reduce_tree(tree: Any, axis_name: AxisName, *, method: str = "psum", buc
       ring_order: axis indices in ring order for the ring methods (refused
         with "psum" and "peer", which would ignore it).
       group_size: devices per group for "hierarchical" on one axis (refused
-        with the other methods).
+        with the other methods, and with `compression`, which would ignore it).
       num_chunks: pipelined rings per shard for the ring methods (refused
         with "psum" and "peer", and with `compression`, which would ignore it).
 
@@ -143,8 +152,14 @@ def all_reduce_tree(tree: Any, axis_name: AxisName, *, method: str = "psum", buc
     """
     if method not in METHODS:
         raise ValueError(f"{method=} must be one of {METHODS}")
+    # One hashable name or a tuple from here on: a list would slip past the
+    # tuple checks below and then fail inside lax.all_to_all / ppermute.
+    names = axis_names(axis_name)
+    axis_name = names[0] if len(names) == 1 else names
     compression_lib.check_codec(compression)
     _check_method_options(method, ring_order, group_size, num_chunks, compression)
+    if compression is not None and len(names) > 1:
+        raise ValueError(f"compression runs over one axis; got {axis_name=}")
     if error_state is not None and compression is None:
         raise ValueError("error_state= is only used with compression='bf16' or 'int8'; got compression=None")
     if method in ("ring", "ring_bidir", "peer") and isinstance(axis_name, tuple):
@@ -158,11 +173,8 @@ def all_reduce_tree(tree: Any, axis_name: AxisName, *, method: str = "psum", buc
     errors = None if error_state is None else _error_leaves(error_state, treedef, leaves)
     reduce_flat = _reducer(method, axis_name, ring_order=ring_order, group_size=group_size, num_chunks=num_chunks)
     exchange_ring = None
-    if compression is not None:
-        if isinstance(axis_name, tuple):
-            raise ValueError(f"compression runs over one axis; got {axis_name=}")
-        if method not in ("psum", "peer"):  # "hierarchical" exchanges over the flat ring
-            exchange_ring = single_ring(axis_name, ring_order)
+    if compression is not None and method not in ("psum", "peer"):  # "hierarchical" exchanges over the flat ring
+        exchange_ring = single_ring(axis_name, ring_order)
     out: list = [None] * len(leaves)
     new_errors: list = [None] * len(leaves)
     for bucket in buckets_lib.plan_buckets(leaves, bucket_mb, first_bucket_mb):
