@@ -53,14 +53,14 @@ def test_config_column_names_the_layout_knobs():
     (["--quick", "--backends", "mosaic,xla"], "unknown \\['mosaic'\\]"),
     (["--quick", "--calls", "0"], "--calls must be >= 1"),
     (["--quick", "--input-sets", "0"], "--input-sets must be >= 1"),
-    (["--quick", "--warmup-s", "-1"], "--warmup-s must be >= 0"),
+    (["--quick", "--warmup-s", "-1"], "--warmup-s must be a finite number >= 0"),
+    (["--quick", "--warmup-s", "nan"], "--warmup-s must be a finite number >= 0; got nan"),
     (["--quick", "--launches-per-dispatch", "0"], "--launches-per-dispatch must be >= 1"),
     (["--input-sets", "4", "--launches-per-dispatch", "3"], "3 must divide --input-sets 4"),
     (["--quick", "--shapes", "16x16"], "--shapes='16x16' must be a comma list of MxNxK"),
     (["--quick", "--shapes", "16x0x16"], "positive dims"),
     (["--quick", "--shapes", "16xax16"], "must be a comma list of MxNxK"),
-    (["--quick", "--json", "/nonexistent-folder/matmul.json"], "--json .*cannot write there"),
-    (["--quick", "--json", "/"], "give a file path in an existing folder"),
+    (["--quick", "--json", "/"], "--json /: '/' is a folder"),
 ])
 def test_bad_arguments_are_refused_with_the_expected_values(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -134,3 +134,12 @@ def test_layer_rows_keep_or_recompute_the_preactivation_as_named():
     launches = {name: bench._layer_fn(name, cotangent).lower(a, b, bias).as_text()
                 .count("call @_launch") for name in ("interpret", "interpret+saved")}
     assert launches == {"interpret": 4, "interpret+saved": 3}, launches
+
+
+def test_an_existing_json_is_kept_unless_overwrite(tmp_path, capsys):
+    path = tmp_path / "matmul.json"
+    path.write_text("KEEP")
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--quick", "--json", str(path)])
+    assert exc.value.code == 2 and "already exists (pass --overwrite to replace it)" in capsys.readouterr().err
+    assert path.read_text() == "KEEP"

@@ -14,6 +14,8 @@ from jaxopt_train.train import mfu as mfu_lib
     ("NVIDIA H200", "fp32", 67.0),
     ("NVIDIA H200", "tf32", 494.0),
     ("NVIDIA H100 PCIe", "bf16", 756.0),
+    ("NVIDIA H100 NVL", "bf16", 835.0),  # not the SXM parts' 989
+    ("NVIDIA H200 NVL", "bf16", 835.0),
     ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
     ("TPU v4", "bf16", 275.0),
     ("TPU v5 lite", "bf16", 197.0),

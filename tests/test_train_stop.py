@@ -98,3 +98,24 @@ def test_a_run_refused_while_building_leaves_no_empty_folder(tmp_path):
     with pytest.raises(FileNotFoundError):
         train(dataclasses.replace(cfg, run_dir=str(existing)))
     assert existing.is_dir()  # a folder the user made stays, even empty
+
+
+def test_a_resume_may_not_change_the_weights_dtype(tmp_path):
+    cfg = _tiny(tmp_path)
+    train(cfg, until_step=2)
+    with pytest.raises(RunDirError, match=r"param_dtype: saved 'float32', now 'bfloat16'"):
+        train(dataclasses.replace(cfg, resume=True, precision="bf16-pure"))
+    assert existing_checkpoint_steps(cfg.run_dir) == [2]
+    # bf16 compute keeps f32 weights: the same shape, resumable.
+    assert (dataclasses.replace(cfg, precision="bf16").model_shape()
+            == cfg.model_shape())
+
+
+def test_runs_saved_before_the_weights_dtype_was_recorded_still_resume(tmp_path):
+    class _OldMeta:
+        def read_meta(self):
+            shape = _tiny(tmp_path).model_shape()
+            shape.pop("param_dtype")
+            return {"model_shape": shape}
+
+    loop_lib._check_resume_shape(str(tmp_path), _tiny(tmp_path), _OldMeta())  # no RunDirError

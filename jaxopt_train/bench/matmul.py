@@ -229,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxopt-train bench matmul", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, interpret backend (CPU)")
     parser.add_argument("--json", metavar="PATH", help="write every figure as JSON")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
     parser.add_argument("--backends", help="comma list (default: every available one)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     # None: not given, so --quick may pick its own value (explicit values always win).
@@ -257,15 +258,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("calls", "bursts", "input_sets", "launches_per_dispatch"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
-    if args.warmup_s < 0:
-        parser.error(f"--warmup-s must be >= 0; got {args.warmup_s}")
-    if args.json:
-        try:  # now, not after the whole benchmark has run
-            with open(args.json, "a"):
-                pass
-        except OSError as err:
-            parser.error(f"--json {args.json}: cannot write there ({type(err).__name__}: "
-                         f"{err.strerror or err}); give a file path in an existing folder")
+    if not 0 <= args.warmup_s < float("inf"):  # NaN fails this too
+        parser.error(f"--warmup-s must be a finite number >= 0; got {args.warmup_s}")
+    if args.json:  # now, not after the whole benchmark has run
+        from jaxopt_train.bench.train_report import output_file_problem  # noqa: PLC0415
+
+        problem = output_file_problem(args.json, overwrite=args.overwrite)
+        if problem:
+            parser.error(f"--json {args.json}: {problem}")
     if args.input_sets % args.launches_per_dispatch:
         parser.error(f"--launches-per-dispatch {args.launches_per_dispatch} must divide "
                      f"--input-sets {args.input_sets} (each launch of a dispatch reads its own set)")

@@ -156,50 +156,50 @@ def _parse(argv):
                  "steps_per_dispatch"):
         low = 0 if name == "warmup" else 1
         if getattr(args, name) < low:
-            raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= {low}")
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= {low}")
     if not 0 <= args.warmup_s < math.inf:
-        raise SystemExit(f"--warmup-s={args.warmup_s} must be a finite number of seconds >= 0")
+        parser.error(f"--warmup-s={args.warmup_s} must be a finite number of seconds >= 0")
     try:
         args.compare = [int(k) for k in args.compare_dispatch.split(",")] if args.compare_dispatch else []
     except ValueError:
-        raise SystemExit(f"--compare-dispatch {args.compare_dispatch!r}: expected a comma list of "
-                         "steps per dispatch, e.g. 1,4,16") from None
+        parser.error(f"--compare-dispatch {args.compare_dispatch!r}: expected a comma list of "
+                     "steps per dispatch, e.g. 1,4,16")
     if any(k < 1 for k in args.compare):
-        raise SystemExit(f"--compare-dispatch {args.compare_dispatch!r}: every k must be >= 1")
+        parser.error(f"--compare-dispatch {args.compare_dispatch!r}: every k must be >= 1")
     if args.devices is not None and args.devices < 1:
-        raise SystemExit(f"--devices={args.devices} must be >= 1")
+        parser.error(f"--devices={args.devices} must be >= 1")
     for name in ("peak_tflops", "dataset_tokens"):
         value = getattr(args, name)
         if value is not None and not value > 0:
-            raise SystemExit(f"--{name.replace('_', '-')}={value} must be > 0")
+            parser.error(f"--{name.replace('_', '-')}={value} must be > 0")
     if not args.gpu_hour_usd >= 0:
-        raise SystemExit(f"--gpu-hour-usd={args.gpu_hour_usd} must be >= 0")
+        parser.error(f"--gpu-hour-usd={args.gpu_hour_usd} must be >= 0")
     if args.memory_budget:
         from jaxopt_train.runtime import parse_bytes  # noqa: PLC0415
 
         try:
             budget = parse_bytes(args.memory_budget)
         except ValueError as err:
-            raise SystemExit(f"--memory-budget: {err}") from None
+            parser.error(f"--memory-budget: {err}")
         if budget <= 0:
-            raise SystemExit(f"--memory-budget {args.memory_budget!r} must be more than 0 bytes")
+            parser.error(f"--memory-budget {args.memory_budget!r} must be more than 0 bytes")
     args.matmuls = [m.strip() for m in args.compare_matmul.split(",")] if args.compare_matmul else []
     from jaxopt_train.train.config import MATMULS  # noqa: PLC0415
 
     bad = [m for m in args.matmuls if m not in MATMULS or m == "xla"]
     if bad:
-        raise SystemExit(f"--compare-matmul {args.compare_matmul!r}: expected a comma list of "
-                         f"{[m for m in MATMULS if m != 'xla']} (xla is the optimised row itself)")
+        parser.error(f"--compare-matmul {args.compare_matmul!r}: expected a comma list of "
+                     f"{[m for m in MATMULS if m != 'xla']} (xla is the optimised row itself)")
     if args.matmuls and not args.model.startswith("gpt"):
-        raise SystemExit(f"--compare-matmul applies to GPT models, not --model {args.model}")
+        parser.error(f"--compare-matmul applies to GPT models, not --model {args.model}")
     if args.compare_plain and not args.model.startswith("gpt"):
-        raise SystemExit(f"--compare-plain applies to GPT models, not --model {args.model}")
+        parser.error(f"--compare-plain applies to GPT models, not --model {args.model}")
     for flag in ("split_qkv", "fuse_mlp_activation"):
         if getattr(args, flag) and not args.model.startswith("gpt"):  # None, False: nothing asked
-            raise SystemExit(f"--{flag.replace('_', '-')} applies to GPT models, not --model {args.model}")
+            parser.error(f"--{flag.replace('_', '-')} applies to GPT models, not --model {args.model}")
     if args.compute_copy and args.grad_dtype != "compute":
-        raise SystemExit(f"--compute-copy is the copy the step differentiates: it needs "
-                         f"--grad-dtype compute, got --grad-dtype {args.grad_dtype}")
+        parser.error(f"--compute-copy is the copy the step differentiates: it needs "
+                     f"--grad-dtype compute, got --grad-dtype {args.grad_dtype}")
     if args.compute_copy is None:
         args.compute_copy = args.grad_dtype == "compute"
     return args

@@ -248,6 +248,9 @@ class TrainConfig:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
+    def _param_dtype_name(self) -> str:
+        return _param_dtype_name_of(self.precision)
+
     def model_shape(self) -> dict[str, Any]:
         """The fields that determine parameter shapes (compared on resume)."""
         shape = {name: getattr(self, name) for name in MODEL_SHAPE_FIELDS}
@@ -256,6 +259,9 @@ class TrainConfig:
             shape["zero"] = self.zero
         if self.opt_state_dtype != "f32":  # so do its dtypes
             shape["opt_state_dtype"] = self.opt_state_dtype
+        # A resume must not narrow (or widen) the saved weights: --precision bf16-pure on an
+        # fp32 run loaded its checkpoint into bf16 params without a word.
+        shape["param_dtype"] = self._param_dtype_name()
         shape["model_overrides"] = shape_overrides(self.model_overrides)
         if self.is_vision:
             shape.pop("model_overrides")
@@ -264,6 +270,12 @@ class TrainConfig:
             shape.pop("num_classes")
             shape.pop("image_size")
         return shape
+
+
+def _param_dtype_name_of(precision: str) -> str:
+    from jaxopt_train.precision import get_policy  # noqa: PLC0415
+
+    return jnp_dtype_name(get_policy(precision).param_dtype)
 
 
 def jnp_dtype_name(dtype) -> str:

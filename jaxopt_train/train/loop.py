@@ -139,7 +139,10 @@ def _check_resume_shape(run_dir: str, cfg: TrainConfig, ckpt: Checkpointer) -> N
     if saved is not None:
         if isinstance(saved.get("model_overrides"), dict):  # runs saved before remat was left out
             saved = {**saved, "model_overrides": shape_overrides(saved["model_overrides"])}
-        check_same_model(saved, json.loads(json.dumps(cfg.model_shape())), run_dir)
+        current = json.loads(json.dumps(cfg.model_shape()))
+        if "param_dtype" not in saved:  # saved before it was recorded: cannot be checked
+            current.pop("param_dtype")
+        check_same_model(saved, current, run_dir)
 
 
 def dispatch_batch(task: Task, step: int, steps_per_dispatch: int) -> dict[str, np.ndarray]:

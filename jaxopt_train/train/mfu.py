@@ -21,6 +21,9 @@ import numpy as np
 # (more specific names first: "h100 pcie" before "h100", "v5 lite" before "v5").
 PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     ("h100 pcie", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0}),
+    # The NVL (PCIe, 350-600 W) parts: half of the datasheets' sparse 1,671 / 835 TFLOP/s.
+    ("h100 nvl", {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0}),
+    ("h200 nvl", {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0}),
     ("h100", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0}),
     ("h200", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0}),
     ("a100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
