@@ -123,3 +123,23 @@ def test_clip_norm_with_a_user_optimizer_clips(zero):
     moved = lambda params: float(optax.global_norm(jax.tree.map(jnp.subtract, params, start)))  # noqa: E731
     assert moved(clipped) == pytest.approx(1e-2 * 1e-3, rel=1e-3)  # lr x the clipped norm
     assert moved(free) > 100 * moved(clipped)
+
+
+def test_a_dropout_models_state_checkpoints_and_restores(tmp_path):
+    from jaxopt_train.train.checkpoint import Checkpointer, as_abstract
+
+    trainer = Trainer(MLP(nnx.Rngs(0), dropout=0.5), loss_fn, optimizer=optax.sgd(1e-2),
+                      devices=jax.devices()[:1])
+    trainer.step(_batch())
+    ckpt = Checkpointer(str(tmp_path), async_save=False)
+    assert ckpt.save(1, trainer.state, {})
+    restored, _ = ckpt.restore(jax.tree.map(as_abstract, trainer.state))
+    ckpt.close()
+    def plain(state):  # keys as their data, so numpy can compare them
+        return [jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+                else x for x in jax.tree.leaves(state.model_state)]
+
+    assert any(jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+               for x in jax.tree.leaves(trainer.state.model_state))  # the stream is in the state
+    for got, want in zip(plain(restored), plain(trainer.state), strict=True):
+        np.testing.assert_array_equal(got, want)

@@ -91,7 +91,7 @@ class Checkpointer:
         saved = _saved_shapes(os.path.join(self.directory, str(step), "state"))
         if saved is None:  # no readable metadata: orbax's own shape check still applies
             return
-        expected = {_path_name(path): tuple(leaf.shape)
+        expected = {_path_name(path): _stored_shape(leaf)
                     for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]}
         # One saved array where this run has a tree of them (stage 3's old flat params).
         found = [f"{name}: expected a tree of arrays, found one array of shape {shape}"
@@ -123,6 +123,15 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def _stored_shape(leaf) -> tuple[int, ...]:
+    """The shape orbax stores `leaf` with: a typed PRNG key (a model's RNG stream, e.g.
+    nnx.Dropout's) is stored as its key data, one trailing axis longer."""
+    shape = tuple(leaf.shape)
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        shape += jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), leaf.dtype)).shape
+    return shape
 
 
 def as_abstract(x):
