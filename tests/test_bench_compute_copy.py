@@ -7,6 +7,8 @@ per-leaf ZeRO-1 on 2 of the 8 emulated devices, over a scan of 2 steps per dispa
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,13 +62,15 @@ def test_the_step_reads_the_copy_not_the_master_weights():
     assert not np.allclose(np.asarray(honest), np.asarray(zeroed))
 
 
-def test_compute_copy_is_validated():
+def test_compute_copy_is_validated(capsys):
     with pytest.raises(ValueError, match="needs grad_dtype='compute' and accumulation='scan'"):
         train_steps.RunConfig("x", policy="bf16", accumulation="scan", compute_copy=True)
     with pytest.raises(ValueError, match="policy 'fp32' computes in float32"):
         train_steps.RunConfig("x", accumulation="scan", grad_dtype="compute", compute_copy=True)
-    with pytest.raises(SystemExit, match="--compute-copy .* needs --grad-dtype compute"):
+    with pytest.raises(SystemExit) as exc:  # a usage error: status 2, the reason on stderr
         train._parse(["--quick", "--compute-copy", "--grad-dtype", "param"])
+    assert exc.value.code == 2
+    assert re.search("--compute-copy .* needs --grad-dtype compute", capsys.readouterr().err)
 
 
 def test_compute_copy_defaults_on_with_compute_gradients():
