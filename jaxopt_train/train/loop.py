@@ -291,6 +291,18 @@ def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run
     last_loss = eval_loss = None
     interrupted = False
     config_written = not cfg.resume  # a resume's settings go to config.json with its first save
+
+    def save():
+        """A checkpoint at `step` (a no-op if saved already); then, on a resume's first save,
+        config.json. Only then: a resume that dies before its first checkpoint must leave
+        the settings of the checkpoints on disk, not its own."""
+        nonlocal config_written
+        ckpt.save(step, trainer.state, meta)
+        if not config_written:
+            ckpt.wait()  # once per resume: the checkpoint is on disk before the settings change
+            _write_config(run_dir, cfg, task)
+            config_written = True
+
     try:
         with StopSignal() as stop:
             agreement = StopAgreement(list(trainer.mesh.devices.flat))
@@ -307,8 +319,7 @@ def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run
                 stopping = agreement.update(stop.received)
                 finished = step >= target
                 if stopping:  # the checkpoint first: a second signal or SIGKILL may follow soon
-                    config_written |= _save(ckpt, step, trainer, meta, run_dir, cfg, task,
-                                            config_written)
+                    save()
                 evaluate = not stopping and (finished or (cfg.eval_every and step % cfg.eval_every == 0))
                 if finished or stopping or step % cfg.log_every == 0 or evaluate:
                     summary = interval.summary()
@@ -318,14 +329,12 @@ def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run
                                      eval_loss if evaluate else None, monitor)
                     interval = _Interval()
                 if finished or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-                    config_written |= _save(ckpt, step, trainer, meta, run_dir, cfg, task,
-                                            config_written)
+                    save()
                 # One process acts on a signal that came during the log or the eval at once;
                 # several act only on what they agreed after the dispatch.
                 stopping = stopping or (agreement.local_only and stop.received is not None)
                 if stopping:
-                    config_written |= _save(ckpt, step, trainer, meta, run_dir, cfg, task,
-                                            config_written)  # a no-op if saved above
+                    save()  # a no-op if saved above
                     interrupted = True
                     name = signal.Signals(agreement.signal or stop.received).name
                     logger.message(f"{name} received: saved a checkpoint at step {step} in "
@@ -345,18 +354,6 @@ def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run
                 logger.close()
     return TrainResult(run_dir=run_dir, step=step, final_loss=last_loss, eval_loss=eval_loss,
                        interrupted=interrupted, trainer=trainer)
-
-
-def _save(ckpt: Checkpointer, step: int, trainer: Trainer, meta: dict, run_dir: str,
-          cfg: TrainConfig, task: Task, config_written: bool) -> bool:
-    """Saves a checkpoint at `step` (a no-op if saved already); then, on a resume's first
-    save, config.json. Only then: a resume that dies before its first checkpoint must
-    leave the settings of the checkpoints on disk, not its own. True once written."""
-    ckpt.save(step, trainer.state, meta)
-    if not config_written:
-        ckpt.wait()  # once per resume: the checkpoint is on disk before the settings change
-        _write_config(run_dir, cfg, task)
-    return True
 
 
 def _log(cfg: TrainConfig, task: Task, trainer: Trainer, logger: MetricsLogger,

@@ -55,11 +55,10 @@ class StopAgreement:
     """
 
     def __init__(self, devices=None):
-        self._multi = jax.process_count() > 1
-        self.local_only = not self._multi  # one process: its own signal decides, at any time
+        self.local_only = jax.process_count() == 1  # its own signal decides, at any time
         self._pending = None  # the max over devices of the previous dispatch's flags
         self.signal: int | None = None
-        if not self._multi:
+        if self.local_only:
             return
         from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: PLC0415
 
@@ -73,7 +72,7 @@ class StopAgreement:
 
     def update(self, received: int | None) -> bool:
         """Call once after each dispatch with the local signal (None: none): True to stop now."""
-        if not self._multi:
+        if self.local_only:
             self.signal = received
             return received is not None
         flag = np.int32(received or 0)
