@@ -60,6 +60,35 @@ def test_dropout_draws_a_new_mask_every_step():
     assert np.isfinite(trainer.evaluate(batch))  # eval mode: no mask, no draw
 
 
+class DropoutProbe(nnx.Module):
+    """loss = mean(dropout(w) * x) on x of ones: d loss / d w[j] counts the rows that kept unit j."""
+
+    def __init__(self, rngs, width: int):
+        self.w = nnx.Param(jnp.ones((width,), jnp.float32))
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(jnp.broadcast_to(self.w[...], x.shape)) * x
+
+
+@pytest.mark.parametrize("devices, options", [(8, {}), (8, {"microbatches": 2}), (1, {"microbatches": 8}),
+                                              (8, {"zero": 1, "microbatches": 2})])
+def test_dropout_masks_differ_across_devices_and_micro_batches(devices, options):
+    width = 64
+    rows = 8 * options.get("microbatches", 1) if devices == 8 else 8  # one row per device and micro-batch
+    trainer = Trainer(DropoutProbe(nnx.Rngs(0), width), lambda model, batch: jnp.mean(model(batch["x"])),
+                      optimizer=optax.sgd(1.0), devices=jax.devices()[:devices], **options)
+    trainer.step({"x": np.ones((rows, width), np.float32)})
+    grad = 1.0 - np.asarray(nnx.state(trainer.model, nnx.Param)["w"][...])
+    kept = grad * rows * width * 0.5  # rows keeping unit j (Dropout scales kept units by 2)
+    np.testing.assert_allclose(kept, np.round(kept), atol=1e-4)
+    # One mask shared by every device and micro-batch makes each unit kept by all rows or
+    # by none; independent masks keep most units in some rows only (P(0 or all) = 2 / 2**8
+    # per unit with one row per device or micro-batch).
+    partly = np.mean((kept > 0.5) & (kept < rows - 0.5))
+    assert partly > 0.8, kept
+
+
 @pytest.mark.parametrize("options", [{}, {"microbatches": 4}, {"zero": 1, "microbatches": 4}])
 def test_integer_model_state_counts_every_micro_batch_once(options):
     trainer = Trainer(CountingMLP(nnx.Rngs(0)), loss_fn, optimizer=optax.sgd(1e-2), **options)

@@ -96,9 +96,9 @@ def nnx_model_fns(model, loss_fn: Callable, policy: Policy) -> ModelFns:
     `model.train()` / `model.eval()` are called before the loss, so Dropout and
     BatchNorm switch modes; a `loss_fn` with a `train` keyword also gets it.
     RNG streams the module holds (`nnx.Rngs`, e.g. in `nnx.Dropout`) are model
-    state: they advance every step and are checkpointed. Every device and every
-    micro-batch of one step draws from the same stream position (each on its own
-    data), as data-parallel replicas seeded alike do. Variables the loss sows
+    state: they advance every step and are checkpointed; the train step salts
+    them per device and per micro-batch (`train.step.local_gradients`), so each
+    draws its own masks. Variables the loss sows
     (`nnx.Intermediate`) are dropped after each call.
     """
     from flax import nnx  # noqa: PLC0415

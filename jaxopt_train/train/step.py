@@ -59,6 +59,48 @@ def combine_counts(new, old, microbatches: int):
         new, old)
 
 
+def _is_key(x) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _salt_rng_streams(model_state, salt: jax.Array):
+    """`model_state` with every typed PRNG key (an `nnx.Rngs` stream's key) folded with
+    bits of the typed key `salt`."""
+    bits = jax.random.bits(salt, dtype=jnp.uint32)
+    return jax.tree.map(lambda x: jax.random.fold_in(x, bits) if _is_key(x) else x, model_state)
+
+
+def local_gradients(loss: Callable, state: TrainState, params, batch, microbatches: int):
+    """(mean loss, new model state, loss-scaled gradients w.r.t. `params`) of this
+    device's batch, accumulated over `microbatches` with `lax.scan`; call inside
+    shard_map over "data".
+
+    RNG streams in the model state (Dropout's) draw a different mask on every
+    device and every micro-batch: for each call their keys are folded with a salt
+    made of the device's index along "data" (split once more per micro-batch by
+    `accumulate_gradients`), and the carried state keeps the unsalted keys, whose
+    counts advance once per step. Without it every replica and micro-batch of a
+    step would drop the same units of its own examples, i.e. fewer independent
+    masks than examples. Models without RNG streams compile as before.
+    """
+    salted = any(_is_key(x) for x in jax.tree.leaves(state.model_state))
+
+    def scaled_loss(params, micro_batch, model_state, *salt):
+        call_state = _salt_rng_streams(model_state, salt[0]) if salt else model_state
+        value, new_model_state = loss(params, call_state, micro_batch, True)
+        # The salted keys are this call's only: carry the stream's own key.
+        new_model_state = jax.tree.map(lambda new, old: old if _is_key(old) else new,
+                                       new_model_state, model_state)
+        return state.loss_scale.scale(value), (value, new_model_state)
+
+    extra = ()
+    if salted:
+        extra = (jax.random.fold_in(jax.random.key(0), lax.axis_index(AXIS)),)
+    grad_fn = accumulate_gradients(scaled_loss, microbatches, has_aux=True)
+    (_, (value, model_state)), grads = grad_fn(params, batch, state.model_state, *extra)
+    return value, combine_counts(model_state, state.model_state, microbatches), grads
+
+
 def make_step_body(loss: Callable, optimizer: optax.GradientTransformation, *,
                    microbatches: int, num_devices: int, grad_sync: str = "psum",
                    grad_compression: str | None = None,
@@ -87,14 +129,8 @@ def make_step_body(loss: Callable, optimizer: optax.GradientTransformation, *,
         return all_reduce_tree(grads, AXIS, method=grad_sync, error_state=grad_error, **sync_kwargs)
 
     def one_step(state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        def scaled_loss(params, micro_batch, model_state):
-            value, new_model_state = loss(params, model_state, micro_batch, True)
-            return state.loss_scale.scale(value), (value, new_model_state)
-
-        grad_fn = accumulate_gradients(scaled_loss, microbatches, has_aux=True)
         params = state.params if grad_cast is None else grad_cast(state.params)
-        (_, (value, model_state)), grads = grad_fn(params, batch, state.model_state)
-        model_state = combine_counts(model_state, state.model_state, microbatches)
+        value, model_state, grads = local_gradients(loss, state, params, batch, microbatches)
         # The one cross-device reduction of this optimizer step. (Error feedback
         # holds loss-scaled units: a changed fp16 scale mis-weights one step's
         # correction by the same factor, a bounded and transient error.)

@@ -42,10 +42,9 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxopt_train.accumulation import accumulate_gradients
 from jaxopt_train.precision import all_finite, select_tree
 from jaxopt_train.train.state import TrainState
-from jaxopt_train.train.step import combine_counts
+from jaxopt_train.train.step import local_gradients
 from jaxopt_train.zero import (elementwise_mismatch, gather_leaves, leaf_specs,
                                opt_state_leaf_specs, place_leaves, reduce_scatter_leaves, spec_dim)
 
@@ -74,17 +73,6 @@ def zero_state_specs(opt_specs, params_spec=P()) -> TrainState:
     """shard_map specs of a ZeRO TrainState: stage 1 params P(), stage 3 the per-leaf specs."""
     return TrainState(step=P(), params=params_spec, model_state=P(), opt_state=opt_specs,
                       loss_scale=P(), nonfinite_streak=P(), grad_error=None)
-
-
-def _scaled_gradients(loss: Callable, state: TrainState, params, batch, microbatches: int):
-    """(mean loss, new model state, loss-scaled gradients w.r.t. `params`) of this device's batch."""
-    def scaled_loss(params, micro_batch, model_state):
-        value, new_model_state = loss(params, model_state, micro_batch, True)
-        return state.loss_scale.scale(value), (value, new_model_state)
-
-    grad_fn = accumulate_gradients(scaled_loss, microbatches, has_aux=True)
-    (_, (value, model_state)), grads = grad_fn(params, batch, state.model_state)
-    return value, combine_counts(model_state, state.model_state, microbatches), grads
 
 
 def _clip(grads, norm, clip_norm: float):
@@ -252,7 +240,7 @@ def make_zero_step_body(loss: Callable, optimizer: optax.GradientTransformation,
         else:
             own = own_shards(state.params, param_specs, num_devices)
             full = cast(state.params)
-        value, model_state, grads = _scaled_gradients(loss, state, full, batch, microbatches)
+        value, model_state, grads = local_gradients(loss, state, full, batch, microbatches)
         new_own, opt_state, finite, norm = _update_shards(state, grads, own, **update)
         params = new_own if zero == 3 else gather_leaves(new_own, param_specs, AXIS)
         return _finish_step(state, params, opt_state, model_state, finite, value, norm)
