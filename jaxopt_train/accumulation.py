@@ -133,9 +133,22 @@ def _combine_aux(aux, how: str, accum_dtype):
     return jax.tree.map(one, aux)
 
 
+def batch_weight(weight_fn: Callable[[Any], Any], batch) -> jax.Array:
+    """`weight_fn(batch)` checked to be a real scalar (see `accumulate_gradients`), in f32."""
+    weight = weight_fn(batch)
+    shape = np.shape(weight)
+    dtype = weight.dtype if hasattr(weight, "dtype") else np.asarray(weight).dtype
+    if shape != () or not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+                           or dtype == np.dtype(np.bool_)):
+        raise ValueError(f"weight_fn(batch) must return a real scalar (e.g. the number of tokens "
+                         f"that count); it returned shape={shape} dtype={dtype}")
+    return jnp.asarray(weight).astype(jnp.float32)
+
+
 def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
                          accum_dtype=jnp.float32, has_aux: bool = False,
-                         aux_combine: str = "mean") -> Callable[..., Any]:
+                         aux_combine: str = "mean",
+                         weight_fn: Callable[[Any], Any] | None = None) -> Callable[..., Any]:
     """Wraps `jax.value_and_grad(loss_fn, has_aux=...)` to run over micro-batches.
 
     Args:
@@ -154,6 +167,16 @@ def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
         get a leading axis of size K, also when K is 1). Stack a flag that
         says whether something happened anywhere (`jnp.any(...)`) and reduce
         it yourself.
+      weight_fn: `weight_fn(batch) -> scalar >= 0`, what the loss is a mean over,
+        summed over the batch's examples (e.g. `batch["mask"].sum()`, the tokens
+        that count). `loss_fn` stays a mean over that weight on its micro-batch;
+        micro-batch k then counts in proportion to its weight w_k (loss and
+        gradients are sum_k w_k * x_k / sum_k w_k), which is the full batch's
+        weighted mean when micro-batches hold different numbers of tokens
+        (without it each micro-batch counts equally: a mean of means). A
+        micro-batch of weight 0 adds nothing, even where its mean is NaN; a
+        batch of total weight 0 gives NaN loss and gradients, as its full-batch
+        mean would. Aux values are combined as `aux_combine` says, unweighted.
 
     Returns:
       `grad_fn(params, batch, *extra)` returning `(loss, grads)` or
@@ -180,6 +203,9 @@ def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
     if aux_combine not in AUX_COMBINE:
         raise ValueError(f"{aux_combine=}; expected one of {AUX_COMBINE}")
     accum_dtype = as_float_dtype(accum_dtype, "accum_dtype")  # "f32", "bf16" or a dtype
+    if weight_fn is not None and not callable(weight_fn):
+        raise TypeError(f"weight_fn={weight_fn!r} is not callable; expected weight_fn(batch) -> "
+                        "a scalar weight >= 0 (e.g. lambda batch: batch['mask'].sum())")
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
     num_microbatches = int(num_microbatches)
 
@@ -194,6 +220,8 @@ def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
         # Inside shard_map (check_vma=True) keep each device's gradients local
         # until the caller's one reduction after the scan; a no-op elsewhere.
         params = _to_varying(params, _varying_axes_of_tree((batch, extra)))
+        if num_microbatches == 1 and weight_fn is not None:
+            batch_weight(weight_fn, batch)  # the same checks as with K > 1
         if num_microbatches == 1:
             out, grads = value_and_grad(params, batch, *extra)
             if has_aux and aux_combine == "stack":  # as documented: a leading axis of size K
@@ -212,15 +240,23 @@ def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
                 args[i] = key
             out, grads = value_and_grad(params, micro_batch, *args)
             loss, aux = out if has_aux else (out, None)
+            weight = jnp.ones((), accum_dtype)
+            if weight_fn is not None:
+                weight = batch_weight(weight_fn, micro_batch).astype(accum_dtype)
+                # Weight 0 adds nothing (not NaN * 0 from a mean over no tokens).
+                grads = jax.tree.map(
+                    lambda g: jnp.where(weight > 0, weight * g.astype(accum_dtype), 0), grads)
             grad_sum = jax.tree.map(lambda s, g: s + g.astype(accum_dtype), grad_sum, grads)
-            return grad_sum, (loss, aux)
+            return grad_sum, (loss, weight, aux)
 
         zeros = jax.tree.map(lambda p: _zeros_like(p, accum_dtype), params)
-        grad_sum, (losses, aux) = lax.scan(body, zeros, (micro, keys))
-        loss = jnp.mean(losses.astype(accum_dtype)).astype(losses.dtype)
+        grad_sum, (losses, weights, aux) = lax.scan(body, zeros, (micro, keys))
+        # Without weight_fn every weight is 1: the mean over the K micro-batches.
+        total = jnp.sum(weights)
+        terms = jnp.where(weights > 0, weights * losses.astype(accum_dtype), 0)
+        loss = (jnp.sum(terms) / total).astype(losses.dtype)
         # A gradient has its primal's dtype: cast the f32 means back to it.
-        grads = jax.tree.map(lambda s, p: (s / num_microbatches).astype(jnp.result_type(p)),
-                             grad_sum, params)
+        grads = jax.tree.map(lambda s, p: (s / total).astype(jnp.result_type(p)), grad_sum, params)
         if has_aux:
             return (loss, _combine_aux(aux, aux_combine, accum_dtype)), grads
         return loss, grads
@@ -296,24 +332,50 @@ def _to_varying(tree, axis_names: str | tuple[str, ...]):
 
 def data_parallel_value_and_grad(loss_fn: Callable[..., Any], num_microbatches: int,
                                  axis_name: str = "data", *, accum_dtype=jnp.float32,
-                                 has_aux: bool = False, aux_combine: str = "mean"):
+                                 has_aux: bool = False, aux_combine: str = "mean",
+                                 weight_fn: Callable[[Any], Any] | None = None):
     """`accumulate_gradients` for use inside `jax.shard_map` over `axis_name`.
 
     Each device accumulates its local micro-batches with `lax.scan`; then one
     `lax.pmean` of `(loss, grads)` runs after the scan, so the step has a single
     all-reduce however many micro-batches there are. Aux values (with
-    `has_aux`) stay per-device.
+    `has_aux`) stay per-device. With `weight_fn` (see `accumulate_gradients`)
+    devices count in proportion to their batch's weight too (`weighted_share`:
+    one more, scalar, `lax.psum`, of the weights).
 
     Returns:
       `fn(params, local_batch, *extra) -> (loss, grads)` (or
       `((loss, aux), grads)`), loss and grads averaged over devices.
     """
     local = accumulate_gradients(loss_fn, num_microbatches, accum_dtype=accum_dtype,
-                                 has_aux=has_aux, aux_combine=aux_combine)
+                                 has_aux=has_aux, aux_combine=aux_combine, weight_fn=weight_fn)
 
     def fn(params, batch, *extra):
         out, grads = local(_to_varying(params, axis_name), batch, *extra)
         loss, aux = out if has_aux else (out, None)
+        if weight_fn is not None:
+            loss, grads = weighted_share((loss, grads), batch_weight(weight_fn, batch), axis_name)
         loss, grads = lax.pmean((loss, grads), axis_name)
         return ((loss, aux), grads) if has_aux else (loss, grads)
     return fn
+
+
+def weighted_share(tree, weight: jax.Array, axis_name) -> Any:
+    """This device's `tree` scaled so that its mean over `axis_name` is the weighted mean.
+
+    Call inside `jax.shard_map`: each leaf x becomes x * n * w / sum(w) (n devices,
+    w this device's `weight`, the sum a scalar `lax.psum`), so the usual
+    `pmean` (or sum / n) that follows gives sum(w * x) / sum(w). The factor is about
+    1, so loss-scaled fp16 or bf16 gradients keep their range; it is applied in f32
+    and the leaf keeps its dtype. A device of weight 0 contributes 0 (its own mean
+    over no tokens may be NaN); a total weight of 0 makes every leaf NaN.
+    """
+    weight = jnp.asarray(weight, jnp.float32)
+    total = lax.psum(weight, axis_name)
+    n = lax.psum(1, axis_name)
+    factor = weight * n / total
+
+    def one(x):
+        scaled = jnp.where(weight > 0, x.astype(jnp.float32) * factor, 0)
+        return jnp.where(total > 0, scaled, jnp.nan).astype(x.dtype)
+    return jax.tree.map(one, tree)

@@ -214,6 +214,66 @@ def test_check_divisible():
         check_divisible(16, 4, 0)
 
 
+# ----------------------------------------------------------------------------- token-weighted
+
+
+def _masked_loss(params, batch):
+    """Mean squared error over the tokens whose mask is 1: 0/0 = NaN on a micro-batch of none."""
+    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+    err = jnp.sum((h @ params["w2"] - batch["y"]) ** 2, axis=-1)
+    return jnp.sum(err * batch["mask"]) / jnp.sum(batch["mask"])
+
+
+def _token_weight(batch):
+    return jnp.sum(batch["mask"])
+
+
+def _masked_problem(batch=16, tokens=5, empty_rows=()):
+    keys = jax.random.split(jax.random.key(7), 5)
+    params = {"w1": jax.random.normal(keys[0], (6, 16)), "b1": jnp.zeros((16,)),
+              "w2": jax.random.normal(keys[1], (16, 3))}
+    lengths = jax.random.randint(keys[2], (batch,), 1, tokens + 1).at[jnp.asarray(empty_rows, int)].set(0)
+    data = {"x": jax.random.normal(keys[3], (batch, tokens, 6)),
+            "y": jax.random.normal(keys[4], (batch, tokens, 3)),
+            "mask": (jnp.arange(tokens)[None, :] < lengths[:, None]).astype(jnp.float32)}
+    return params, data
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 4])
+def test_token_weighted_micro_batches_match_the_full_batch(num_microbatches):
+    # Micro-batch 3 (rows 3, 7, 11, 15) has no tokens: its own mean is 0/0.
+    params, batch = _masked_problem(empty_rows=[3, 7, 11, 15] if num_microbatches == 4 else [3])
+    want_loss, want_grads = jax.jit(jax.value_and_grad(_masked_loss))(params, batch)
+    fn = accumulate_gradients(_masked_loss, num_microbatches, weight_fn=_token_weight)
+    loss, grads = jax.jit(fn)(params, batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    _assert_trees_close(grads, want_grads, rtol=1e-5, atol=1e-6)
+    if num_microbatches > 1:  # a mean of means is NaN here, and wrong without the empty rows
+        assert np.isnan(jax.jit(accumulate_gradients(_masked_loss, num_microbatches))(params, batch)[0])
+        params, batch = _masked_problem()
+        want = jax.value_and_grad(_masked_loss)(params, batch)[0]
+        plain = accumulate_gradients(_masked_loss, num_microbatches)(params, batch)[0]
+        weighted = accumulate_gradients(_masked_loss, num_microbatches, weight_fn=_token_weight)(
+            params, batch)[0]
+        assert abs(float(plain - want)) > 1e-3 and float(weighted) == pytest.approx(float(want), rel=1e-5)
+
+
+def test_a_batch_of_no_tokens_is_nan_like_its_full_batch_mean():
+    params, batch = _masked_problem(empty_rows=list(range(16)))
+    loss, grads = accumulate_gradients(_masked_loss, 4, weight_fn=_token_weight)(params, batch)
+    assert np.isnan(loss) and all(np.isnan(g).all() for g in jax.tree.leaves(grads))
+
+
+def test_weight_fn_bad_inputs():
+    params, batch = _masked_problem()
+    with pytest.raises(TypeError, match=r"weight_fn=3 is not callable; expected weight_fn\(batch\)"):
+        accumulate_gradients(_masked_loss, 4, weight_fn=3)
+    for k in (1, 4):
+        with pytest.raises(ValueError, match=r"weight_fn\(batch\) must return a real scalar .* "
+                                             r"it returned shape=\(\d+,\) dtype=float32"):
+            accumulate_gradients(_masked_loss, k, weight_fn=lambda b: b["mask"].sum(1))(params, batch)
+
+
 # ----------------------------------------------------------------------------- HLO: one all-reduce
 
 
@@ -285,6 +345,24 @@ def _assert_one_reduction_and_full_batch(step, sharded_problem):
     assert (total, in_loops) == (1, 0)
     want_loss, want_grads = jax.jit(jax.value_and_grad(_mlp_loss))(params, batch)
     loss, grads = step(sharded_params, sharded_batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    _assert_trees_close(grads, want_grads, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 2])
+def test_data_parallel_token_weighting_matches_the_full_batch(num_microbatches):
+    # 64 rows over 8 devices: device 5 (rows 40-47) has no tokens at all.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    params, batch = _masked_problem(batch=64, empty_rows=list(range(40, 48)))
+    step = jax.jit(jax.shard_map(
+        data_parallel_value_and_grad(_masked_loss, num_microbatches, "data", weight_fn=_token_weight),
+        mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+    args = (jax.device_put(params, NamedSharding(mesh, P())),
+            jax.device_put(batch, NamedSharding(mesh, P("data"))))
+    # The gradients' one all-reduce, and one of the scalar weights; none in the scan.
+    assert _all_reduce_counts(step.lower(*args).compile().as_text()) == (2, 0)
+    want_loss, want_grads = jax.jit(jax.value_and_grad(_masked_loss))(params, batch)
+    loss, grads = step(*args)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     _assert_trees_close(grads, want_grads, rtol=1e-5, atol=1e-6)
 
