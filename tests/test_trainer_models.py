@@ -172,3 +172,44 @@ def test_a_dropout_models_state_checkpoints_and_restores(tmp_path):
                for x in jax.tree.leaves(trainer.state.model_state))  # the stream is in the state
     for got, want in zip(plain(restored), plain(trainer.state), strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+def _masked_loss(model, batch):
+    err = jnp.sum((model(batch["x"]) - batch["y"]) ** 2, axis=-1)
+    return jnp.sum(err * batch["mask"]) / jnp.sum(batch["mask"])
+
+
+def _masked_batch(rows=32, tokens=6):
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(1, tokens + 1, rows)
+    lengths[8:12] = 0  # device 2 of 8 has no tokens at all
+    x = rng.standard_normal((rows, tokens, 8)).astype(np.float32)
+    return {"x": x, "y": x.sum(-1, keepdims=True),
+            "mask": (np.arange(tokens)[None] < lengths[:, None]).astype(np.float32)}
+
+
+@pytest.mark.parametrize("options", [{"microbatches": 2}, {"zero": 1, "microbatches": 2}, {"zero": 3}])
+def test_token_weighted_steps_match_the_whole_batch_token_mean(options):
+    batch = _masked_batch()
+    graphdef, params, rest = nnx.split(MLP(nnx.Rngs(0)), nnx.Param, ...)
+    want_loss, want_grads = jax.value_and_grad(
+        lambda p: _masked_loss(nnx.merge(graphdef, p, rest), batch))(params)
+    trainer = Trainer(MLP(nnx.Rngs(0)), _masked_loss, optimizer=optax.sgd(1.0),
+                      weight_fn=lambda b: b["mask"].sum(), **options)
+    assert trainer.evaluate(batch) == pytest.approx(float(want_loss), rel=1e-5)
+    metrics = trainer.step(batch)
+    assert float(metrics["loss"][0]) == pytest.approx(float(want_loss), rel=1e-5)
+    moved = jax.tree.map(jnp.subtract, nnx.to_pure_dict(params),
+                         nnx.to_pure_dict(nnx.state(trainer.model, nnx.Param)))
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-6),
+                 moved, nnx.to_pure_dict(want_grads))
+    unweighted = Trainer(MLP(nnx.Rngs(0)), _masked_loss, optimizer=optax.sgd(1.0), **options)
+    assert not np.isfinite(unweighted.step(batch)["loss"][0])  # device 2's mean over no tokens
+
+
+def test_weight_fn_must_be_callable_and_return_a_scalar():
+    with pytest.raises(TypeError, match=r"weight_fn='mask' is not callable; expected weight_fn\(batch\)"):
+        Trainer(MLP(nnx.Rngs(0)), _masked_loss, weight_fn="mask")
+    trainer = Trainer(MLP(nnx.Rngs(0)), _masked_loss, weight_fn=lambda b: b["mask"].sum(-1))
+    with pytest.raises(ValueError, match=r"weight_fn\(batch\) must return a real scalar"):
+        trainer.step(_masked_batch())

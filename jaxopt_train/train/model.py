@@ -30,6 +30,10 @@ class ModelFns(NamedTuple):
     model_state: Any
     loss: Callable[[Any, Any, Any, bool], tuple[jax.Array, Any]]
     merge: Callable[[Any, Any], Any]  # (params, model_state) -> the user's model object
+    # weight(batch) -> scalar: what the loss is a mean over (tokens that count), so micro-
+    # batches and devices count in proportion to it (accumulation.accumulate_gradients'
+    # weight_fn); None: every example counts alike.
+    weight: Callable[[Any], Any] | None = None
 
 
 def _cast_like(tree, reference):

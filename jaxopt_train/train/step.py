@@ -23,7 +23,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxopt_train.accumulation import accumulate_gradients
+from jaxopt_train.accumulation import accumulate_gradients, batch_weight, weighted_share
 from jaxopt_train.collectives import all_reduce_tree, init_error_feedback
 from jaxopt_train.precision import all_finite, select_tree
 from jaxopt_train.train.state import TrainState
@@ -70,10 +70,15 @@ def _salt_rng_streams(model_state, salt: jax.Array):
     return jax.tree.map(lambda x: jax.random.fold_in(x, bits) if _is_key(x) else x, model_state)
 
 
-def local_gradients(loss: Callable, state: TrainState, params, batch, microbatches: int):
+def local_gradients(loss: Callable, state: TrainState, params, batch, microbatches: int,
+                    weight_fn: Callable | None = None):
     """(mean loss, new model state, loss-scaled gradients w.r.t. `params`) of this
     device's batch, accumulated over `microbatches` with `lax.scan`; call inside
     shard_map over "data".
+
+    With `weight_fn` (`ModelFns.weight`) micro-batches count by their weight, and
+    loss and gradients come back as `accumulation.weighted_share`s: their plain mean
+    over devices (the step's pmean, or its sum / n) is the weighted mean.
 
     RNG streams in the model state (Dropout's) draw a different mask on every
     device and every micro-batch: for each call their keys are folded with a salt
@@ -96,15 +101,20 @@ def local_gradients(loss: Callable, state: TrainState, params, batch, microbatch
     extra = ()
     if salted:
         extra = (jax.random.fold_in(jax.random.key(0), lax.axis_index(AXIS)),)
-    grad_fn = accumulate_gradients(scaled_loss, microbatches, has_aux=True)
-    (_, (value, model_state)), grads = grad_fn(params, batch, state.model_state, *extra)
+    grad_fn = accumulate_gradients(scaled_loss, microbatches, has_aux=True, weight_fn=weight_fn)
+    (scaled, (value, model_state)), grads = grad_fn(params, batch, state.model_state, *extra)
+    if weight_fn is not None:
+        # The aux `value` is a plain mean over the micro-batches; the loss output is weighted.
+        value = state.loss_scale.unscale(scaled)
+        value, grads = weighted_share((value, grads), batch_weight(weight_fn, batch), AXIS)
     return value, combine_counts(model_state, state.model_state, microbatches), grads
 
 
 def make_step_body(loss: Callable, optimizer: optax.GradientTransformation, *,
                    microbatches: int, num_devices: int, grad_sync: str = "psum",
                    grad_compression: str | None = None,
-                   grad_cast: Callable | None = None) -> Callable:
+                   grad_cast: Callable | None = None,
+                   weight_fn: Callable | None = None) -> Callable:
     """Returns `one_step(state, batch) -> (state, metrics)` for use inside shard_map.
 
     `loss(params, model_state, batch, train)` is a `ModelFns.loss`. With
@@ -118,6 +128,8 @@ def make_step_body(loss: Callable, optimizer: optax.GradientTransformation, *,
     halves their memory, the optimizer's read of them and the bytes of the
     cross-device reduction. They are widened to the params' dtype right after
     the reduction, before averaging, unscaling and the optimizer.
+
+    `weight_fn`: see `local_gradients`.
     """
     sync_kwargs: dict[str, Any] = {}
     if grad_compression not in (None, "none"):
@@ -130,7 +142,8 @@ def make_step_body(loss: Callable, optimizer: optax.GradientTransformation, *,
 
     def one_step(state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
         params = state.params if grad_cast is None else grad_cast(state.params)
-        value, model_state, grads = local_gradients(loss, state, params, batch, microbatches)
+        value, model_state, grads = local_gradients(loss, state, params, batch, microbatches,
+                                                    weight_fn)
         # The one cross-device reduction of this optimizer step. (Error feedback
         # holds loss-scaled units: a changed fp16 scale mis-weights one step's
         # correction by the same factor, a bounded and transient error.)
@@ -179,18 +192,19 @@ def init_sharded_error_feedback(params, mesh: jax.sharding.Mesh):
 def build_train_step(loss: Callable, optimizer: optax.GradientTransformation,
                      mesh: jax.sharding.Mesh, *, microbatches: int = 1, grad_sync: str = "psum",
                      grad_compression: str | None = None, steps_per_dispatch: int = 1,
-                     error_feedback: bool = False, grad_cast: Callable | None = None) -> Callable:
+                     error_feedback: bool = False, grad_cast: Callable | None = None,
+                     weight_fn: Callable | None = None) -> Callable:
     """A jitted `step(state, batches) -> (state, metrics)` with the state donated.
 
     `batches` leaves have shape [steps_per_dispatch, global_batch, ...], sharded
     `P(None, "data")`; metrics leaves have shape [steps_per_dispatch].
     `error_feedback=True` means `state.grad_error` is set (see `state_specs`);
-    `grad_cast`: see `make_step_body`.
+    `grad_cast`, `weight_fn`: see `make_step_body`.
     """
     num_devices = mesh.shape[AXIS]
     one_step = make_step_body(loss, optimizer, microbatches=microbatches, num_devices=num_devices,
                               grad_sync=grad_sync, grad_compression=grad_compression,
-                              grad_cast=grad_cast)
+                              grad_cast=grad_cast, weight_fn=weight_fn)
     return jit_steps(one_step, state_specs(error_feedback), mesh, steps_per_dispatch)
 
 
@@ -211,16 +225,19 @@ def jit_steps(one_step: Callable, specs: TrainState, mesh: jax.sharding.Mesh,
 
 
 def build_eval_step(loss: Callable, mesh: jax.sharding.Mesh, *, params_spec=P(),
-                    gather: Callable | None = None) -> Callable:
+                    gather: Callable | None = None, weight_fn: Callable | None = None) -> Callable:
     """A jitted `eval_step(params, model_state, batch) -> mean loss` (batch leaves [global_batch, ...]).
 
     `params_spec` and `gather`: params held sharded (ZeRO stage 3: the per-leaf specs, and
     the function that gathers them inside the step); by default they are replicated.
+    `weight_fn`: devices count by their batch's weight (see `local_gradients`).
     """
     def per_device(params, model_state, batch):
         if gather is not None:
             params = gather(params)
         value, _ = loss(params, model_state, batch, False)
+        if weight_fn is not None:
+            value = weighted_share(value, batch_weight(weight_fn, batch), AXIS)
         return lax.pmean(value, AXIS)
 
     sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(params_spec, P(), P(AXIS)),

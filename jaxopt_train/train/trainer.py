@@ -135,6 +135,14 @@ class Trainer:
       clip_norm: global-norm clip of the gradients (default 1.0 for the default
         optimizer). With `optimizer=` it is off unless given: then it is applied
         before that optimizer (at zero > 0 by the step, over the whole gradient).
+      weight_fn: `weight_fn(batch) -> scalar`, what `loss_fn` is a mean over, summed
+        over the batch (e.g. `lambda b: b["mask"].sum()`: the tokens that count).
+        Micro-batches and devices then count in proportion to it, so the step's
+        loss and gradients are the whole batch's token mean, as without
+        accumulation on one device; by default each micro-batch's mean counts
+        alike (a mean of means). A micro-batch or device with weight 0 adds
+        nothing; a step with none at all has NaN gradients and is skipped.
+        Evaluation weights the same way.
       verbose: print the compiled step's memory analysis.
     """
 
@@ -145,7 +153,7 @@ class Trainer:
                  devices=None, init_args: tuple | None = None, seed: int = 0,
                  lr: float | None = None, total_steps: int | None = None, warmup: int | None = None,
                  weight_decay: float | None = None, clip_norm: float | None = None,
-                 verbose: bool = False):
+                 weight_fn: Callable | None = None, verbose: bool = False):
         import flax.linen as nn  # noqa: PLC0415
 
         policy = get_policy(precision)
@@ -155,6 +163,11 @@ class Trainer:
             fns = linen_model_fns(model, loss_fn, policy, init_args, jax.random.key(seed))
         else:
             fns = nnx_model_fns(model, loss_fn, policy)
+        if weight_fn is not None:
+            if not callable(weight_fn):
+                raise TypeError(f"weight_fn={weight_fn!r} is not callable; expected weight_fn(batch) "
+                                "-> a scalar weight >= 0 (e.g. lambda batch: batch['mask'].sum())")
+            fns = fns._replace(weight=weight_fn)
         check_zero(zero, grad_sync, grad_compression)
         schedule = {"lr": lr, "total_steps": total_steps, "warmup": warmup,
                     "weight_decay": weight_decay}
@@ -242,7 +255,7 @@ class Trainer:
         self._train_step = build_train_step(
             fns.loss, optimizer, self.mesh, microbatches=microbatches, grad_sync=grad_sync,
             grad_compression=grad_compression, steps_per_dispatch=steps_per_dispatch,
-            error_feedback=error_feedback, grad_cast=grad_cast)
+            error_feedback=error_feedback, grad_cast=grad_cast, weight_fn=fns.weight)
         self._finish_setup()
 
     def _setup_zero(self, fns: ModelFns, optimizer, grad_sync: str, clip_norm: float,
@@ -255,7 +268,8 @@ class Trainer:
         one_step = make_zero_step_body(fns.loss, optimizer, param_specs, zero=self.zero,
                                        microbatches=self.microbatches,
                                        num_devices=self.num_devices, grad_sync=grad_sync,
-                                       clip_norm=clip_norm, grad_cast=grad_cast)
+                                       clip_norm=clip_norm, grad_cast=grad_cast,
+                                       weight_fn=fns.weight)
         specs = zero_state_specs(opt_specs, param_specs if self.zero == 3 else P())
         self._train_step = jit_steps(one_step, specs, self.mesh, self.steps_per_dispatch)
         if self.zero == 3:
@@ -266,7 +280,8 @@ class Trainer:
     def _finish_setup(self, **eval_params) -> None:
         # eval_params: at zero=3 the per-leaf specs and the gather the eval step does itself
         # (a replicated f32 copy per eval batch would need more memory than a train step).
-        self._eval_step = build_eval_step(self.fns.loss, self.mesh, **eval_params)
+        self._eval_step = build_eval_step(self.fns.loss, self.mesh, weight_fn=self.fns.weight,
+                                          **eval_params)
         self._compiled = None
         self._compiled_shapes = None
         self.compile_seconds: float | None = None

@@ -213,7 +213,8 @@ def zero3_gather(param_specs, grad_cast: Callable | None = None) -> Callable:
 
 def make_zero_step_body(loss: Callable, optimizer: optax.GradientTransformation, param_specs, *,
                         zero: int, microbatches: int, num_devices: int, grad_sync: str,
-                        clip_norm: float = 0.0, grad_cast: Callable | None = None) -> Callable:
+                        clip_norm: float = 0.0, grad_cast: Callable | None = None,
+                        weight_fn: Callable | None = None) -> Callable:
     """`one_step(state, batch) -> (state, metrics)` of per-leaf ZeRO stage `zero`, inside shard_map.
 
     `state.opt_state` holds this device's shards (`zero_specs`); `state.params`
@@ -225,6 +226,7 @@ def make_zero_step_body(loss: Callable, optimizer: optax.GradientTransformation,
     reduction. `grad_sync` ("psum" or "ring") is the all-reduce of the
     replicated leaves; sharded leaves always use XLA's reduce-scatter and
     all-gather, which XLA can schedule against the backward and forward.
+    `weight_fn`: see `train.step.local_gradients`.
     """
     if zero not in (1, 3):
         raise ValueError(f"{zero=}: the per-leaf ZeRO step implements stages 1 and 3")
@@ -240,7 +242,8 @@ def make_zero_step_body(loss: Callable, optimizer: optax.GradientTransformation,
         else:
             own = own_shards(state.params, param_specs, num_devices)
             full = cast(state.params)
-        value, model_state, grads = local_gradients(loss, state, full, batch, microbatches)
+        value, model_state, grads = local_gradients(loss, state, full, batch, microbatches,
+                                                    weight_fn)
         new_own, opt_state, finite, norm = _update_shards(state, grads, own, **update)
         params = new_own if zero == 3 else gather_leaves(new_own, param_specs, AXIS)
         return _finish_step(state, params, opt_state, model_state, finite, value, norm)
