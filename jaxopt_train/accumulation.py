@@ -276,7 +276,8 @@ def multi_steps(optimizer, every_k: int, *, skip_non_finite: bool = True):
     accumulated, not counted toward `every_k`; params and the state's
     accumulators stay unchanged). The state's `mini_step` is 0 right after
     an optimizer step. Accumulators have the params' dtype (keep f32 master
-    weights).
+    weights). Every micro-step counts alike (optax.MultiSteps takes a plain mean):
+    for a loss over masked tokens use `accumulate_gradients(..., weight_fn=...)`.
     """
     import optax  # noqa: PLC0415
 
