@@ -264,8 +264,9 @@ averaged. `jaxopt_train.accumulation` offers two ways:
   host; the inner optimizer steps every K calls.
 
 For a loss that is a mean over examples both give the full-batch gradient. We show that
-(max abs difference), time one optimizer step of each, and run the data-parallel version
-(`data_parallel_value_and_grad`: per-device scan, one `pmean` after it).
+(max abs difference), time one optimizer step of each, run the data-parallel version
+(`data_parallel_value_and_grad`: per-device scan, one `pmean` after it), and weight a
+masked loss's micro-batches by the tokens they hold (`weight_fn=`).
 """, [
     md("## A small model and a batch"),
     code('''
@@ -416,6 +417,36 @@ loss_dp, g_dp = dp_grad(replicated, sharded_batch)
 print(f"{n} devices x {K} micro-batches of {BATCH // (n * K)} rows")
 print(f"max |data parallel - full| = {max_abs_diff(g_dp, g_full):.3e}   loss {float(loss_dp):.6f}")
 assert max_abs_diff(g_dp, g_full) <= TOL
+'''),
+    md("""
+## A masked loss: micro-batches weighted by what they hold
+
+A loss that is a mean over *tokens that count* (padding masked out) is not a mean over
+examples: micro-batches hold different numbers of tokens, and the mean of their means
+over-weights the short ones. `weight_fn(batch)` says what the loss is a mean over; each
+micro-batch (and, data-parallel, each device) then counts by it, which gives the full
+batch's masked mean again. Here each row keeps a random share of its 16 outputs.
+"""),
+    code('''
+T = 16
+mask = (np.arange(T)[None] < rng.integers(1, T + 1, (BATCH, 1))).astype(np.float32)
+masked = {"x": batch["x"], "y": np.repeat(batch["y"], T, axis=1), "mask": mask}
+
+
+def masked_loss(params, batch):
+    """Squared error over the unmasked outputs only: a mean over tokens, not rows."""
+    h = jax.nn.gelu(batch["x"] @ params["w1"] + params["b1"])
+    err = (h @ params["w2"] + params["b2"] - batch["y"]) ** 2  # [rows, T]
+    return jnp.sum(err * batch["mask"]) / jnp.sum(batch["mask"])
+
+
+_, g_masked = jax.jit(jax.value_and_grad(masked_loss))(params, masked)
+_, g_means = jax.jit(accumulation.accumulate_gradients(masked_loss, K))(params, masked)
+_, g_weighted = jax.jit(accumulation.accumulate_gradients(
+    masked_loss, K, weight_fn=lambda b: b["mask"].sum()))(params, masked)
+print(f"mean of micro-batch means: max |diff| = {max_abs_diff(g_means, g_masked):.3e}")
+print(f"token-weighted:            max |diff| = {max_abs_diff(g_weighted, g_masked):.3e}")
+assert max_abs_diff(g_weighted, g_masked) <= TOL < max_abs_diff(g_means, g_masked)
 '''),
 ])
 
