@@ -48,9 +48,35 @@ def test_bad_flags_are_refused_with_the_reason(argv, message, capsys):
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_indivisible_batch_exits_2(capsys):
-    assert bench.main(["--quick", "--batch", "30", "--microbatches", "4"]) == 2
-    assert "not divisible" in capsys.readouterr().err
+def test_indivisible_batch_exits_2_naming_the_flags(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--quick", "--microbatches", "3", "--json", str(tmp_path / "nodir" / "a.json")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert "--batch=128 must be divisible by --microbatches=3 (equal micro-batches), e.g. --batch 129" in err
+    assert not (tmp_path / "nodir").exists()  # refused before the --json folder is made
+
+
+def test_an_existing_json_is_kept_unless_overwrite(tmp_path, capsys):
+    path = tmp_path / "acc.json"
+    path.write_text("KEEP")
+    with pytest.raises(SystemExit) as exc:
+        bench._parse(["--quick", "--json", str(path)])
+    assert exc.value.code == 2
+    assert "already exists (pass --overwrite to replace it)" in capsys.readouterr().err
+    assert path.read_text() == "KEEP"
+    assert bench._parse(["--quick", "--json", str(path), "--overwrite"]).overwrite
+
+
+def test_a_diverged_loss_is_written_as_null_in_strict_json(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "_time", lambda *a, **k: ([1e-3, 2e-3], 5e-3, float("nan")))
+    out = tmp_path / "acc.json"
+    assert bench.main(["--quick", "--width", "8", "--json", str(out)]) == 0
+
+    def refuse(name):
+        raise ValueError(f"non-finite {name} in the JSON")
+    results = json.loads(out.read_text(), parse_constant=refuse)["results"]
+    assert [r["final_loss"] for r in results.values()] == [None] * 3
 
 
 def test_json_folder_is_created_and_checked_before_the_run(tmp_path, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -143,3 +144,30 @@ def test_an_existing_json_is_kept_unless_overwrite(tmp_path, capsys):
         bench.main(["--quick", "--json", str(path)])
     assert exc.value.code == 2 and "already exists (pass --overwrite to replace it)" in capsys.readouterr().err
     assert path.read_text() == "KEEP"
+
+
+def test_a_backend_this_machine_lacks_is_refused_before_the_sweep(tmp_path, monkeypatch, capsys):
+    """It ran the whole sweep with an ERROR row and exited 0 (1 under --quick)."""
+    monkeypatch.setattr(bench, "_measure", lambda *a, **k: pytest.fail("measured"))
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--quick", "--backends", "xla,mosaic_gpu", "--json", str(tmp_path / "no" / "m.json")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert "--backends mosaic_gpu: matmul backend 'mosaic_gpu' is unavailable: needs a GPU" in err
+    assert "expected some of ['interpret', 'xla', 'xla_dot'] here" in err
+    assert not (tmp_path / "no").exists()  # refused before the --json folder is made
+
+
+def test_a_kernel_with_non_finite_output_gets_an_error_row_and_strict_json(tmp_path, monkeypatch):
+    real = bench._plain_fn
+    monkeypatch.setattr(bench, "_plain_fn", lambda backend: real(backend) if backend == "xla_dot"
+                        else jax.jit(lambda a, b, bias: jnp.dot(a, b) * jnp.nan))
+    path = tmp_path / "matmul.json"
+    assert bench.main(["--quick", "--shapes", "24x40x8", "--no-fused", "--no-layer", "--backends",
+                       "xla", "--json", str(path)]) == 1  # --quick: an ERROR row fails the run
+
+    def refuse(name):
+        raise ValueError(f"non-finite {name} in the JSON")
+    xla_dot, xla = json.loads(path.read_text(), parse_constant=refuse)["plain"]
+    assert "error" not in xla_dot and "max_rel_error" not in xla
+    assert xla["error"] == "FloatingPointError: non-finite output (max_rel_error=nan)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import time
@@ -85,6 +86,37 @@ def test_quick_bench_scaling_and_outputs(quick_run):
 
     height, width, _ = matplotlib.image.imread(out / "train_bench.png").shape
     assert height > 300 and width > 300
+
+
+def _strict_json(text: str):
+    """json.loads that refuses NaN and Infinity, as strict parsers (jq, JavaScript) do."""
+    def refuse(name):
+        raise ValueError(f"non-finite {name} in the JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_quick_bench_json_is_strict_and_lists_the_defaulted_flags(quick_run):
+    """`args.defaulted` was a set, written by default=str as "{'steps', ...}" in set order."""
+    out, result = quick_run
+    for name in ("train_bench.json", "raw.json"):
+        assert _strict_json((out / name).read_text())["args"]["defaulted"] == sorted(train.QUICK)
+
+
+def test_report_json_refuses_non_finite_figures_before_writing(tmp_path):
+    args = argparse.Namespace(json=str(tmp_path / "raw.json"), out=None)
+    with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
+        train_report.write_outputs(args, {"epoch_hours": math.inf}, "table")
+    assert not (tmp_path / "raw.json").exists()  # not a half-written report
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dataset-tokens", "inf"], "--dataset-tokens=inf must be > 0 and finite"),
+    (["--dataset-tokens", "nan"], "--dataset-tokens=nan must be > 0 and finite"),
+    (["--peak-tflops", "inf"], "--peak-tflops=inf must be > 0 and finite"),
+    (["--gpu-hour-usd", "inf"], "--gpu-hour-usd=inf must be >= 0 and finite"),
+])
+def test_non_finite_figures_are_refused(argv, message, capsys):
+    assert message in _refused(["--quick", *argv], capsys)
 
 
 def test_quick_bench_compares_the_pallas_matmul(quick_run):
@@ -336,12 +368,12 @@ def test_bad_flags_exit(argv):
     (["--gpu-hour-usd", "-1"], "--gpu-hour-usd=-1.0 must be >= 0"),
 ])
 def test_bad_values_exit_with_the_reason(argv, message, capsys):
-    # Refused before anything is compiled or timed (the device count is checked first thing);
-    # flag values as usage errors (status 2), the device checks after the backend with status 1.
+    # Refused before anything is compiled or timed, as usage errors (status 2): the flag
+    # values at once, the device count and batch split once the backend has started.
     with pytest.raises(SystemExit) as exc:
         train.main(["--quick", "--xla-preset", "none", *argv])
-    assert message in str(exc.value) + capsys.readouterr().err
-    assert exc.value.code == 2 or "device" in message or "divisible" in message
+    assert message in capsys.readouterr().err
+    assert exc.value.code == 2
 
 
 @pytest.mark.gpu
@@ -371,12 +403,22 @@ def test_gpt_layout_flags_are_for_gpt_models_only(flag, capsys):
 
 
 @pytest.mark.parametrize("argv, want", [
-    (["--model", "gpt-124m"], None), (["--model", "gpt-124m", "--no-fuse-mlp-activation"], False),
-    (["--model", "gpt-124m", "--fuse-mlp-activation"], True),
-    (["--model", "resnet50"], None), (["--model", "resnet50", "--no-fuse-mlp-activation"], False)])
+    (["--model", "gpt-124m"], None), (["--model", "resnet50"], None),
+    (["--model", "gpt-124m", "--compare-matmul", "pallas", "--no-fuse-mlp-activation"], False),
+    (["--model", "gpt-124m", "--compare-matmul", "pallas", "--fuse-mlp-activation"], True)])
 def test_fuse_mlp_activation_flag_is_three_way(argv, want):
     """Default None: GPT fuses where the kernel applies the GELU itself (Mosaic GPU, Triton)."""
     assert train._parse(argv).fuse_mlp_activation is want
+
+
+@pytest.mark.parametrize("model, flag", [  # (--fuse-mlp-activation on resnet50: not GPT, above)
+    ("gpt-124m", "--fuse-mlp-activation"), ("gpt-124m", "--no-fuse-mlp-activation"),
+    ("resnet50", "--no-fuse-mlp-activation")])
+def test_fuse_mlp_activation_needs_compare_matmul(model, flag, capsys):
+    """It sets only the --compare-matmul rows: alone it did nothing, yet the JSON said it was on."""
+    err = _refused(["--model", model, flag], capsys)
+    assert f"{flag} sets the GPT rows of --compare-matmul pallas|triton" in err
+    assert f"add --compare-matmul or drop {flag}" in err
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -533,26 +575,41 @@ def _exit_2(capsys, call, *args) -> str:
     return err
 
 
+def _checked(argv) -> list:
+    """Every check `bench train` makes before its first row, the output paths last."""
+    return train.run_devices(train._parse(argv))
+
+
 def test_output_paths_are_checked_before_the_run(tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("x")
-    err = _exit_2(capsys, train._parse, ["--quick", "--out", str(afile)])
+    err = _exit_2(capsys, _checked, ["--quick", "--out", str(afile)])
     assert "--out" in err and "exists and is not a folder" in err
-    err = _exit_2(capsys, train._parse, ["--quick", "--json", str(tmp_path)])
+    err = _exit_2(capsys, _checked, ["--quick", "--json", str(tmp_path)])
     assert "--json" in err and "is a folder" in err
-    args = train._parse(["--quick", "--json", str(tmp_path / "new" / "deeper" / "x.json")])
-    assert (tmp_path / "new" / "deeper").is_dir() and args.json.endswith("x.json")
+    _checked(["--quick", "--json", str(tmp_path / "new" / "deeper" / "x.json")])
+    assert (tmp_path / "new" / "deeper").is_dir()
 
 
 def test_existing_reports_are_replaced_only_with_overwrite(tmp_path, capsys):
     (tmp_path / "train_bench.md").write_text("an earlier report")
     (tmp_path / "raw.json").write_text("{}")
-    err = _exit_2(capsys, train._parse, ["--quick", "--out", str(tmp_path)])
+    err = _exit_2(capsys, _checked, ["--quick", "--out", str(tmp_path)])
     assert "already holds train_bench.md" in err and "--overwrite" in err
-    err = _exit_2(capsys, train._parse, ["--quick", "--json", str(tmp_path / "raw.json")])
+    err = _exit_2(capsys, _checked, ["--quick", "--json", str(tmp_path / "raw.json")])
     assert "already exists" in err and "--overwrite" in err
-    train._parse(["--quick", "--out", str(tmp_path), "--json", str(tmp_path / "raw.json"),
-                  "--overwrite"])
+    _checked(["--quick", "--out", str(tmp_path), "--json", str(tmp_path / "raw.json"), "--overwrite"])
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--compare-matmul", "triton"],
+                                  ["--devices", "99"], ["--global-batch", "3", "--microbatches", "2"]])
+def test_a_refused_run_leaves_no_output_folder(argv, tmp_path, monkeypatch):
+    """The folders were made while the flags were read, before the checks that then refused."""
+    monkeypatch.setattr(train.Bench, "measure", lambda *a, **k: pytest.fail("measured a row"))
+    with pytest.raises(SystemExit):
+        train.main(["--quick", "--xla-preset", "none", "--out", str(tmp_path / "out" / "deep"),
+                    "--json", str(tmp_path / "raw" / "r.json"), *argv])
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
-import sys
 import time
 from typing import Any, Callable
 
@@ -151,6 +151,7 @@ def _parse(argv):
     parser.add_argument("--repeats", type=int, default=None, help="timed bursts (median reported)")
     parser.add_argument("--quick", action="store_true", help="small sizes for a CPU smoke run")
     parser.add_argument("--json", type=str, default=None, help="write raw figures to this path")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
     args = parser.parse_args(argv)
     gpt = args.model != "mlp"
     for name in ("batch", "microbatches", "width", "seq_len", "steps", "repeats"):
@@ -175,10 +176,14 @@ def _parse(argv):
         parser.error(f"--precision: {err}")
     args.steps = args.steps or (3 if args.quick else 10)
     args.repeats = args.repeats or (3 if args.quick else 7)
-    if args.json:  # checked (and its folder created) now, not after the timing
+    if args.batch % args.microbatches:
+        parser.error(f"--batch={args.batch} must be divisible by --microbatches="
+                     f"{args.microbatches} (equal micro-batches), e.g. --batch "
+                     f"{-(-args.batch // args.microbatches) * args.microbatches}")
+    if args.json:  # checked (and its folder created) last, once nothing else is refused
         from jaxopt_train.bench.train_report import output_file_problem  # noqa: PLC0415
 
-        problem = output_file_problem(args.json)
+        problem = output_file_problem(args.json, overwrite=args.overwrite)
         if problem:
             parser.error(f"--json {args.json!r}: expected a writable file path; {problem}")
     return args
@@ -187,14 +192,9 @@ def _parse(argv):
 def main(argv: list[str] | None = None) -> int:
     import optax  # noqa: PLC0415
 
-    from jaxopt_train.accumulation import check_divisible, multi_steps  # noqa: PLC0415
+    from jaxopt_train.accumulation import multi_steps  # noqa: PLC0415
 
     args = _parse(argv)
-    try:
-        check_divisible(args.batch, args.microbatches)
-    except ValueError as err:
-        print(f"bench accumulation: {err}", file=sys.stderr)
-        return 2
     if args.model == "mlp":
         loss_fn, params, batch, tokens = _mlp_problem(args.batch, args.width, args.precision)
     else:
@@ -214,8 +214,10 @@ def main(argv: list[str] | None = None) -> int:
                 else _temp_bytes(steps[name], p, state, batch))
         per_step, first, loss = _time(steps[name], p, state, data, warmup=2, steps=args.steps,
                                       repeats=args.repeats)
+        # A diverged run's loss is nan/inf, which strict JSON cannot hold: null there.
         results[name] = {"median_s": statistics.median(per_step), "per_step_s": per_step,
-                         "first_call_s": first, "temp_bytes": temp, "final_loss": loss}
+                         "first_call_s": first, "temp_bytes": temp,
+                         "final_loss": loss if math.isfinite(loss) else None}
     base = results["full"]["median_s"]
     print(f"model={args.model} batch={args.batch} microbatches={k} precision={args.precision} "
           f"tokens/step={tokens} device={jax.devices()[0].device_kind} jax={jax.__version__}")
@@ -229,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         record = {"args": vars(args), "tokens_per_step": tokens, "jax": jax.__version__,
                   "device": jax.devices()[0].device_kind, "results": results}
         with open(args.json, "w") as f:
-            json.dump(record, f, indent=2)
+            f.write(json.dumps(record, indent=2, allow_nan=False))
     return 0
 
 

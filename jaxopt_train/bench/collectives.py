@@ -9,8 +9,9 @@ step per grad-sync method: step time, compute-only and comm-only times, the
 hidden-communication fraction 1 - (step - compute_only) / comm_only, and the
 throughput against one device at equal per-device batch.
 
-Timing: warm-up calls, then bursts of back-to-back calls with one
-`block_until_ready` at the end; the median over bursts is reported. The
+Timing: one untimed call that compiles, `--warmup` more untimed calls, then
+bursts of back-to-back calls with one `block_until_ready` at the end; the
+median over bursts is reported. The
 inputs are random small integers, exact in every dtype and partial sum, so
 each variant's result must equal psum's: a variant that differs is reported
 (`max_abs_diff_vs_psum`) and the command exits 1.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import sys
@@ -96,11 +98,12 @@ def nvlink_peak(device) -> tuple[float | None, str]:
 def time_burst(fn: Callable, args: tuple, *, warmup: int, iters: int, bursts: int) -> float:
     """Median seconds per call over `bursts` bursts of `iters` back-to-back calls.
 
-    `warmup=0` is allowed: the first burst then also times the compilation.
+    One untimed call always comes first, so no burst times the compilation; `warmup`
+    counts the untimed calls after it (0: the compiling call only).
     """
     import jax  # noqa: PLC0415
 
-    out = None  # blocking on None is a no-op: nothing to wait for without warm-up
+    out = fn(*args)
     for _ in range(warmup):
         out = fn(*args)
     jax.block_until_ready(out)
@@ -229,7 +232,11 @@ def bench_collectives(args, record: Callable[[dict], None]) -> list[dict]:
                 if name == "psum":
                     base, want = row, out
                 # Exact inputs: any difference from psum is a wrong result, not rounding.
-                row["max_abs_diff_vs_psum"] = None if want is None else _max_abs_diff(out, want)
+                diff = None if want is None else _max_abs_diff(out, want)
+                if diff is not None and not math.isfinite(diff):
+                    # nan/inf in the output: no distance strict JSON can hold; null, and flagged
+                    row["non_finite_output"], diff = True, None
+                row["max_abs_diff_vs_psum"] = diff
                 del out
                 row["ratio_to_psum"] = row["busbw_gbs"] / base["busbw_gbs"] if base else None
                 if "wire_bf16" in name or dtype == "bf16":  # in f32-equivalent bytes against psum's f32
@@ -248,9 +255,14 @@ def print_table(rows: list[dict], peak_note: str) -> None:
     for r in rows:
         ratio = f"{r['ratio_to_psum']:.3f}" if r.get("ratio_to_psum") else "-"
         share = f"{100 * r['share_of_nvlink_peak']:.0f}" if r.get("share_of_nvlink_peak") else "-"
-        wrong = "  WRONG RESULT" if r.get("max_abs_diff_vs_psum") else ""
+        wrong = "  WRONG RESULT" if _wrong(r) else ""
         print(f"{r['dtype']:<5} {fmt_size(r['size_bytes']):>6} {r['variant']:<22} {r['time_s'] * 1e6:>10.1f} "
               f"{r['algbw_gbs']:>8.2f} {r['busbw_gbs']:>8.2f} {ratio:>7} {share:>6}{wrong}")
+
+
+def _wrong(row: dict) -> bool:
+    """A variant's result differs from psum's (on exact inputs), or holds nan/inf."""
+    return bool(row.get("max_abs_diff_vs_psum") or row.get("non_finite_output"))
 
 
 def _csv(kind, example: str):
@@ -283,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="variants besides psum: ring,ring_bidir,ring_wire_bf16,hierarchical,peer,peer_wire_bf16 "
                         "(default all; peer ones on 2 Hopper GPUs only)")
     # None: unset, so --quick can pick smaller defaults without overriding a given value.
-    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 3; --quick: 1)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls after the one that compiles "
+                   "(default 3; --quick: 1)")
     p.add_argument("--iters", type=int, default=None, help="calls per timed burst (default 10; --quick: 3)")
     p.add_argument("--bursts", type=int, default=None, help="timed bursts (default 5; --quick: 3)")
     p.add_argument("--peak", type=float, default=None, help="link peak GB/s per direction (default: NVML/table)")
@@ -311,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-mb", type=float, default=None, help="gradient bucket MiB of the GPT step (default 25)")
     p.add_argument("--quick", action="store_true", help="tiny sizes and few calls (CPU smoke run)")
     p.add_argument("--json", default=None, help="write the raw figures here")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
     return p
 
 
@@ -360,12 +374,12 @@ def _check_methods_run(parser: argparse.ArgumentParser, args, n: int, platform_n
             parser.error(f"argument --gpt-methods: 'peer' cannot run here: {err}")
 
 
-def _check_json(parser: argparse.ArgumentParser, path: str | None) -> None:
+def _check_json(parser: argparse.ArgumentParser, path: str | None, overwrite: bool) -> None:
     """Checked (and its folder created) before the sweep, not at its first row."""
     if path:
         from jaxopt_train.bench.train_report import output_file_problem  # noqa: PLC0415
 
-        problem = output_file_problem(path)
+        problem = output_file_problem(path, overwrite=overwrite)
         if problem:
             parser.error(f"argument --json: expected a writable file path; {problem}")
 
@@ -413,10 +427,10 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             print(f"{flag} {bad} unknown; expected some of {list(legal)}", file=sys.stderr)
             return 2
-    for flag in ("peak", "bucket_mb"):
+    for flag in ("peak", "bucket_mb"):  # inf would reach the JSON as Infinity
         value = getattr(args, flag)
-        if value is not None and not value > 0:
-            print(f"--{flag.replace('_', '-')}={value} must be > 0", file=sys.stderr)
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            print(f"--{flag.replace('_', '-')}={value} must be > 0 and finite", file=sys.stderr)
             return 2
     for flag in _COUNT_DEFAULTS:
         value, least = getattr(args, flag), 0 if flag == "warmup" else 1
@@ -425,7 +439,6 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     _check_gpt_flags(parser, args)
     _check_sizes(parser, args.sizes, args.dtypes)
-    _check_json(parser, args.json)
     _apply_defaults(args)
     from jaxopt_train.bench import collectives_gpt  # noqa: PLC0415
 
@@ -441,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"({jax.devices()[0].platform}); on CPU set "
                          "XLA_FLAGS=--xla_force_host_platform_device_count=8")
     _check_methods_run(parser, args, jax.device_count(), device.platform)
+    _check_json(parser, args.json, args.overwrite)  # last: a refused run leaves no folder behind
     peak_note = "--peak given"
     if args.peak is None:
         args.peak, peak_note = nvlink_peak(device)
@@ -454,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     def dump():
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+                f.write(json.dumps(results, indent=1, allow_nan=False))  # strict: no NaN/Infinity
 
     def record(key):
         def add(row):
@@ -482,10 +496,10 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print("bench collectives: every all-reduce variant failed (see the errors above)", file=sys.stderr)
         return 1
-    wrong = sorted({f"{r['variant']} {r['dtype']}" for r in rows if r.get("max_abs_diff_vs_psum")})
+    wrong = sorted({f"{r['variant']} {r['dtype']}" for r in rows if _wrong(r)})
     if wrong:
         print(f"bench collectives: {wrong} differ from lax.psum on exact inputs: their timings are of "
-              "a wrong all-reduce (see max_abs_diff_vs_psum)", file=sys.stderr)
+              "a wrong all-reduce (see max_abs_diff_vs_psum, non_finite_output)", file=sys.stderr)
         return 1
     return 1 if gpt_failed else 0
 

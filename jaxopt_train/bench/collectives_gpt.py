@@ -2,7 +2,8 @@
 
 For each grad-sync method it times the whole step, a compute-only step (no
 reduction) and the reduction alone, and reports the hidden-communication
-fraction 1 - (step - compute_only) / comm_only, the speed against the psum
+fraction 1 - (step - compute_only) / comm_only (clamped to [0, 1]: timing noise
+takes it past either end, and the table marks such rows), the speed against the psum
 step of the same run (psum is always timed, first) and the throughput against
 one device at equal per-device batch. `--gpt-zero1` adds per-leaf ZeRO-1 and
 `--gpt-embedding-exchange` the embedding gradient exchanged as rows;
@@ -132,12 +133,14 @@ def bench_gpt(args, record: Callable[[dict], None]) -> list[dict]:
         comm = time_burst(smap(comm_fn(method, specs), P(), P()), (narrow(replicated),), **timing)
         # An +embx step exchanges the embedding's gradient as rows, which the dense
         # all-reduce timed as `comm` does not model: no hidden fraction for it.
-        hidden = 1.0 - (step - compute_only) / comm if comm > 0 and "+embx" not in name else None
+        hidden, clamped_from = (hidden_fraction(step, compute_only, comm)
+                                if comm > 0 and "+embx" not in name else (None, None))
         row = {"kind": "gpt_step", "config": args.gpt_config, "overrides": overrides,
                "grad_dtype": str(jnp.dtype(grad_dtype or cfg.param_dtype)),
                "devices": n, "per_device_batch": batch, "seq_len": seq, "method": name,
                "step_s": step, "step_vs_psum": psum_step / step, "compute_only_s": compute_only,
                "comm_only_s": comm, "hidden_comm_fraction": hidden,
+               "hidden_comm_fraction_clamped_from": clamped_from,
                "one_device_step_s": one, "throughput_vs_one_device": n * one / step}
         if args.gpt_trace:
             # From the profile: how much reduction time ran alongside compute, how much was
@@ -151,6 +154,17 @@ def bench_gpt(args, record: Callable[[dict], None]) -> list[dict]:
         rows.append(row)
         record(row)
     return rows
+
+
+def hidden_fraction(step: float, compute_only: float, comm: float) -> tuple[float, float | None]:
+    """(1 - (step - compute_only) / comm clamped to [0, 1], the unclamped value or None).
+
+    Outside [0, 1] the three timings disagree by more than they measure (a step faster
+    than its compute alone, or slower than compute plus comm): noise, not overlap, so
+    the clamped value is kept with what it was clamped from."""
+    raw = 1.0 - (step - compute_only) / comm
+    hidden = min(1.0, max(0.0, raw))
+    return hidden, None if hidden == raw else raw
 
 
 def zero1_step_body(graphdef, specs, grad_dtype=None, axis_name="data"):
@@ -255,9 +269,15 @@ def print_gpt(rows: list[dict]) -> None:
           f"{'x 1 dev':>8}")
     for r in rows:
         hidden = f"{r['hidden_comm_fraction']:.2f}" if r["hidden_comm_fraction"] is not None else "-"
+        hidden += "*" if r.get("hidden_comm_fraction_clamped_from") is not None else ""
         print(f"{r['method']:<13} {r['step_s'] * 1e3:>8.2f} {r['step_vs_psum']:>7.3f} "
               f"{r['compute_only_s'] * 1e3:>10.2f} {r['comm_only_s'] * 1e3:>8.2f} {hidden:>7} "
               f"{r['throughput_vs_one_device']:>8.2f}")
+    clamped = [f"{r['method']} {r['hidden_comm_fraction_clamped_from']:.2f}" for r in rows
+               if r.get("hidden_comm_fraction_clamped_from") is not None]
+    if clamped:
+        print(f"* clamped to [0, 1] from {', '.join(clamped)}: the step, compute-only and comm-only "
+              "timings disagree by more than the overlap (noise; time more --gpt-iters)")
     traced = [r for r in rows if r.get("trace")]
     if traced:
         print("\nfrom the profile (ms per step, mean over devices; slowdown = compute time next to the "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 import jax
@@ -26,7 +27,7 @@ import numpy as np
 from jaxopt_train.kernels import available_backends, matmul, matmul_reference
 from jaxopt_train.kernels.autotune import burst_timer, parse_shapes, rotating
 from jaxopt_train.kernels.configs import BACKENDS
-from jaxopt_train.kernels.matmul import resolve_config
+from jaxopt_train.kernels.matmul import resolve_backend, resolve_config
 from jaxopt_train.train.mfu import peak_tflops
 
 LARGE_SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 8192, 2048), (16384, 2048, 8192)]
@@ -167,6 +168,8 @@ def _timed_rows(entries, sets, args, peak, flops: int, rel_error):
         try:
             fn = make(row)
             row["max_rel_error"] = rel_error(fn(*sets[0]))
+            if not math.isfinite(row["max_rel_error"]):  # nan/inf out: a broken kernel, no figure
+                raise FloatingPointError(f"non-finite output (max_rel_error={row.pop('max_rel_error')})")
             seconds = time_fn(fn, sets, calls=args.calls, bursts=args.bursts, warmup_s=args.warmup_s,
                               per_dispatch=args.launches_per_dispatch)
             row["ms"] = seconds * 1e3
@@ -260,12 +263,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if not 0 <= args.warmup_s < float("inf"):  # NaN fails this too
         parser.error(f"--warmup-s must be a finite number >= 0; got {args.warmup_s}")
-    if args.json:  # now, not after the whole benchmark has run
-        from jaxopt_train.bench.train_report import output_file_problem  # noqa: PLC0415
-
-        problem = output_file_problem(args.json, overwrite=args.overwrite)
-        if problem:
-            parser.error(f"--json {args.json}: {problem}")
     if args.input_sets % args.launches_per_dispatch:
         parser.error(f"--launches-per-dispatch {args.launches_per_dispatch} must divide "
                      f"--input-sets {args.input_sets} (each launch of a dispatch reads its own set)")
@@ -273,6 +270,18 @@ def main(argv: list[str] | None = None) -> int:
     known = [b for b in BACKENDS if b != "auto"] + ["xla_dot"]
     if args.backends and (unknown := [b for b in args.backends.split(",") if b not in known]):
         parser.error(f"--backends: unknown {unknown}; expected a comma list of {known}")
+    for backend in [b for b in (args.backends or "").split(",") if b not in ("", "xla_dot")]:
+        try:  # now, not as an ERROR row after the whole sweep
+            resolve_backend(backend)
+        except RuntimeError as err:
+            parser.error(f"--backends {backend}: {err}; expected some of "
+                         f"{available_backends() + ['xla_dot']} here")
+    if args.json:  # last, once nothing else is refused: its folder is created now
+        from jaxopt_train.bench.train_report import output_file_problem  # noqa: PLC0415
+
+        problem = output_file_problem(args.json, overwrite=args.overwrite)
+        if problem:
+            parser.error(f"--json {args.json}: {problem}")
 
     device = jax.devices()[0]
     if args.backends:
@@ -303,8 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {b: _geomean_large(rows, b) for b in backends if b != "xla_dot"}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**header, "plain": rows, "fused": fused_rows, "layer": layer_rows,
-                       "geomean_vs_xla_large": summary}, f, indent=1)
+            f.write(json.dumps({**header, "plain": rows, "fused": fused_rows, "layer": layer_rows,
+                                "geomean_vs_xla_large": summary}, indent=1, allow_nan=False))
     print(f"device: {device.device_kind}  jax {jax.__version__}  dtype {args.dtype}  "
           f"(median of {args.bursts} bursts x {args.calls} calls, {args.input_sets} rotating inputs, "
           f"{args.launches_per_dispatch} per dispatch)")

@@ -143,7 +143,6 @@ def _parse(argv):
             args.defaulted.add(name)
     train_checks.check_shape_flags(parser, args)
     train_checks.check_grad_sync(parser, args)
-    train_checks.check_outputs(parser, args)
     if args.xla_extra is not None:
         from jaxopt_train.runtime.xla_flags import parse_xla_flags  # noqa: PLC0415
 
@@ -168,12 +167,12 @@ def _parse(argv):
         parser.error(f"--compare-dispatch {args.compare_dispatch!r}: every k must be >= 1")
     if args.devices is not None and args.devices < 1:
         parser.error(f"--devices={args.devices} must be >= 1")
-    for name in ("peak_tflops", "dataset_tokens"):
+    for name in ("peak_tflops", "dataset_tokens"):  # inf would reach the JSON as Infinity
         value = getattr(args, name)
-        if value is not None and not value > 0:
-            parser.error(f"--{name.replace('_', '-')}={value} must be > 0")
-    if not args.gpu_hour_usd >= 0:
-        parser.error(f"--gpu-hour-usd={args.gpu_hour_usd} must be >= 0")
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            parser.error(f"--{name.replace('_', '-')}={value} must be > 0 and finite")
+    if not (args.gpu_hour_usd >= 0 and math.isfinite(args.gpu_hour_usd)):
+        parser.error(f"--gpu-hour-usd={args.gpu_hour_usd} must be >= 0 and finite")
     if args.memory_budget:
         from jaxopt_train.runtime import parse_bytes  # noqa: PLC0415
 
@@ -197,6 +196,11 @@ def _parse(argv):
     for flag in ("split_qkv", "fuse_mlp_activation"):
         if getattr(args, flag) and not args.model.startswith("gpt"):  # None, False: nothing asked
             parser.error(f"--{flag.replace('_', '-')} applies to GPT models, not --model {args.model}")
+    if args.fuse_mlp_activation is not None and not args.matmuls:
+        given = "--fuse-mlp-activation" if args.fuse_mlp_activation else "--no-fuse-mlp-activation"
+        parser.error(f"{given} sets the GPT rows of --compare-matmul pallas|triton and does "
+                     "nothing without them (the optimised row uses XLA's dot): add "
+                     f"--compare-matmul or drop {given}")
     if args.compute_copy and args.grad_dtype != "compute":
         parser.error(f"--compute-copy is the copy the step differentiates: it needs "
                      f"--grad-dtype compute, got --grad-dtype {args.grad_dtype}")
@@ -320,17 +324,20 @@ def choose_grad_sync(args, workload, run, devices):
     return min(times, key=times.get), times
 
 
-def run_bench(args, xla_report) -> dict:
+def run_devices(args) -> list:
+    """The devices to run on, after the checks that need them; then the output folders.
+
+    Refuses, before anything compiles, what these devices cannot run. The `--out` and
+    `--json` folders are created last, once nothing is left to refuse, so a refused
+    run leaves no folder behind."""
     import jax  # noqa: PLC0415
 
-    from jaxopt_train.bench import train_report, train_steps  # noqa: PLC0415
-    from jaxopt_train.train.mfu import matmul_dtype_name, resolve_peak_tflops  # noqa: PLC0415
-
+    parser = _parser()  # usage errors (exit 2), like the flag checks before the backend
     if args.devices and args.devices > jax.device_count():
-        raise SystemExit(f"--devices={args.devices}, but only {jax.device_count()} "
-                         f"{jax.default_backend()} device(s) are visible")
+        parser.error(f"--devices={args.devices}, but only {jax.device_count()} "
+                     f"{jax.default_backend()} device(s) are visible")
     devices = jax.devices()[: args.devices] if args.devices else jax.devices()
-    train_checks.check_backends(_parser(), args, devices)
+    train_checks.check_backends(parser, args, devices)
     if "global_batch" in args.defaulted:
         # A defaulted batch must still split over every device and micro-batch
         # (e.g. --quick on 8 emulated devices); an explicit one is validated as given.
@@ -338,11 +345,22 @@ def run_bench(args, xla_report) -> dict:
         args.global_batch = -(-args.global_batch // unit) * unit
     from jaxopt_train.accumulation import check_divisible  # noqa: PLC0415
 
-    try:  # refused here, before anything compiles, rather than from inside the first row
+    try:
         check_divisible(args.global_batch, args.microbatches, len(devices))
     except ValueError as err:
-        raise SystemExit(f"--global-batch {args.global_batch} / --microbatches "
-                         f"{args.microbatches} on {len(devices)} device(s): {err}") from None
+        parser.error(f"--global-batch {args.global_batch} / --microbatches "
+                     f"{args.microbatches} on {len(devices)} device(s): {err}")
+    train_checks.check_outputs(parser, args)
+    return devices
+
+
+def run_bench(args, xla_report) -> dict:
+    import jax  # noqa: PLC0415
+
+    from jaxopt_train.bench import train_report, train_steps  # noqa: PLC0415
+    from jaxopt_train.train.mfu import matmul_dtype_name, resolve_peak_tflops  # noqa: PLC0415
+
+    devices = run_devices(args)
     workload = train_steps.Workload(args.model, args.global_batch, args.microbatches,
                                     seq_len=args.seq_len if args.model.startswith("gpt") else None,
                                     n_layers=args.layers if args.model.startswith("gpt") else None,
@@ -392,7 +410,7 @@ def run_bench(args, xla_report) -> dict:
         "xla_flags": xla_report, "memory_budget_bytes": budget, "remat_trials": remat_trials,
         "grad_sync_ms": sync_times, "rows": rows, "ablations_skipped": skipped,
         "plain_failed": plain_failed,
-        "args": {k: v for k, v in vars(args).items()},
+        "args": {**vars(args), "defaulted": sorted(args.defaulted)},  # a set has no JSON form
     }
     if workload.is_gpt:
         cfg = workload.gpt_config()

@@ -279,16 +279,21 @@ def _zero_note(row) -> str:
 
 def write_outputs(args, result, text) -> None:
     """`--json` and `--out` (train_bench.md, .json, and the .png of baseline, optimised and
-    the plain rows of `--compare-plain`)."""
+    the plain rows of `--compare-plain`).
+
+    Strict JSON: every figure is finite once the flags are (`bench train` refuses inf and
+    nan), so a NaN or Infinity here is a bug, raised before any file is opened rather
+    than written where a strict parser would refuse the whole report."""
+    raw = json.dumps(result, indent=1, default=str, allow_nan=False)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+            f.write(raw)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "train_bench.md"), "w") as f:
             f.write(text + "\n")
         with open(os.path.join(args.out, "train_bench.json"), "w") as f:
-            json.dump(result, f, indent=1, default=str)
+            f.write(raw)
         rows = [r for r in result["rows"]
                 if r["name"] in ("baseline", "optimised") or r["config"].get("plain")]
         save_plot(rows, os.path.join(args.out, "train_bench.png"), result["unit"])
