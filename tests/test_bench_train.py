@@ -612,6 +612,16 @@ def test_a_refused_run_leaves_no_output_folder(argv, tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+def test_an_out_folder_holding_a_report_refuses_before_the_json_folder_is_made(tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "train_bench.md").write_text("KEEP")
+    err = _exit_2(capsys, _checked, ["--quick", "--out", str(tmp_path / "out"),
+                                     "--json", str(tmp_path / "new" / "r.json")])
+    assert "already holds train_bench.md" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert (tmp_path / "out" / "train_bench.md").read_text() == "KEEP"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--compare-matmul", "triton"], "--compare-matmul triton: matmul='triton' is unavailable here"),
     (["--zero", "0", "--grad-sync", "peer", "--devices", "2"], "--grad-sync peer: the peer all-reduce"),

@@ -39,6 +39,13 @@ def check_outputs(parser, args) -> None:
     """Creates the output folders and checks they take files now, not after the run."""
     from jaxopt_train.bench.train_report import REPORT_FILES, output_dir_problem, output_file_problem  # noqa: PLC0415
 
+    # The checks that create nothing first: a run refused for an existing --out report
+    # must not leave --json's new folder behind.
+    if args.out:
+        existing = [name for name in REPORT_FILES if os.path.exists(os.path.join(args.out, name))]
+        if existing and not args.overwrite:
+            parser.error(f"--out {args.out!r} already holds {', '.join(existing)}: pass "
+                         "--overwrite to replace them, or choose another --out folder")
     if args.json:
         problem = output_file_problem(args.json, overwrite=args.overwrite)
         if problem:
@@ -47,10 +54,6 @@ def check_outputs(parser, args) -> None:
         problem = output_dir_problem(args.out)
         if problem:
             parser.error(f"--out {args.out!r}: expected a writable folder; {problem}")
-        existing = [name for name in REPORT_FILES if os.path.exists(os.path.join(args.out, name))]
-        if existing and not args.overwrite:
-            parser.error(f"--out {args.out!r} already holds {', '.join(existing)}: pass "
-                         "--overwrite to replace them, or choose another --out folder")
 
 
 def check_backends(parser, args, devices) -> None:
