@@ -103,6 +103,37 @@ def test_restore_into_other_shapes_names_each_array(tmp_path):
     ckpt.close()
 
 
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int32, jnp.float16])
+def test_restore_into_another_dtype_names_each_array(tmp_path, dtype):
+    """Before: orbax cast silently to the target's dtype (f32 rounded to bf16, truncated to int32)."""
+    state = _state(NoOpLossScale())
+    ckpt = Checkpointer(str(tmp_path), async_save=False)
+    ckpt.save(1, state, {})
+    other = state._replace(params={"w": state.params["w"].astype(dtype), "b": state.params["b"]})
+    name = jnp.dtype(dtype).name
+    with pytest.raises(RunDirError, match=rf"1 array\(s\) have another dtype.*params/w: saved float32, "
+                                          rf"expected {name}.*start a new --run-dir"):
+        ckpt.restore(other)
+    ckpt.close()
+
+
+def test_restore_with_python_scalar_and_prng_key_leaves(tmp_path):
+    """Before: a Python scalar leaf in the target raised AttributeError ('int' has no shape).
+    Typed PRNG keys, stored as uint32 key data, still restore without a dtype complaint."""
+    state = {"w": jnp.arange(3.0), "count": 5, "key": jax.random.key(3),
+             "keys": jax.random.split(jax.random.key(4), 2)}
+    ckpt = Checkpointer(str(tmp_path), async_save=False)
+    ckpt.save(1, state, {})
+    restored, _ = ckpt.restore(state)
+    ckpt.close()
+    assert restored["count"] == 5
+    np.testing.assert_array_equal(restored["w"], state["w"])
+    for name in ("key", "keys"):
+        np.testing.assert_array_equal(jax.random.key_data(restored[name]),
+                                      jax.random.key_data(state[name]))
+
+
 def test_bad_keep():
     with pytest.raises(ValueError, match="keep=0"):
         Checkpointer("/tmp/unused", keep=0)

@@ -125,3 +125,22 @@ def test_one_image_is_refused_saying_how_many_are_needed():
     with pytest.raises(ValueError, match="needs at least 2 examples, one for the 'train' split and one "
                                          "for 'val', got num_examples=1"):
         _image_splits(1)
+
+
+@pytest.mark.parametrize("step_type", [np.int32, np.uint32, np.int64])
+def test_numpy_int_steps_give_the_python_int_batch_past_2_31_stream_items(step_type):
+    """Before: np.int32(4_500_000) * 1024 wrapped in int32 and silently gave an earlier batch."""
+    ds = TokenDataset(np.arange(200_000, dtype=np.uint32), seq_len=8)
+    want = ds.batch(4_500_000, 1024)
+    for batch_size in (1024, np.int32(1024)):
+        got = ds.batch(step_type(4_500_000), batch_size)
+        np.testing.assert_array_equal(got["inputs"], want["inputs"])
+        np.testing.assert_array_equal(got["targets"], want["targets"])
+
+
+@pytest.mark.parametrize("step", [True, False, np.True_])
+def test_bool_steps_are_refused(step):
+    with pytest.raises(ValueError, match=re.escape(f"step={step!r} must be a non-negative int")):
+        TokenDataset(np.arange(1000) % 256, 8).batch(step, 4)
+    with pytest.raises(ValueError, match=re.escape(f"step={step!r} must be a non-negative int")):
+        ImageDataset(np.zeros((10, 4, 4, 3), np.uint8), np.zeros(10, np.int32)).batch(step, 4)

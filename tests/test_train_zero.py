@@ -354,6 +354,11 @@ def test_zero3_accepts_compute_dtype_gradients(make):
 @pytest.mark.parametrize("make, needle", [
     (lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)), "clip_by_global_norm"),
     (lambda: optax.lamb(0.1), "lamb"),
+    # Before: accepted (a warmup from lr 0 made the differences smaller than the check's
+    # absolute floor), and zero=1 trained differently from zero=0.
+    (lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(
+        optax.warmup_cosine_decay_schedule(0.0, 3e-4, 2000, 100_000), weight_decay=0.1)),
+     "clip_by_global_norm"),
 ])
 def test_zero_refuses_an_optimizer_that_is_not_elementwise(zero, make, needle):
     # Before: zero=1 silently trained differently from zero=0 (0.08 for clip + sgd, 0.015 for lamb).
@@ -363,7 +368,15 @@ def test_zero_refuses_an_optimizer_that_is_not_elementwise(zero, make, needle):
                 devices=jax.devices()[:4])
 
 
-def test_zero_accepts_an_elementwise_user_optimizer_with_a_per_leaf_mask():
-    mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731
+_WARMUP = optax.warmup_cosine_decay_schedule(0.0, 3e-4, 2000, 100_000)
+
+
+@pytest.mark.parametrize("optimizer", [
+    optax.adamw(0.1, weight_decay=0.5, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)),
+    # Warmups from lr 0, whose first updates are tiny: still accepted.
+    optax.adamw(_WARMUP, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)),
+    optax.sgd(_WARMUP, momentum=0.9),
+], ids=["masked adamw", "masked adamw warmup", "sgd momentum warmup"])
+def test_zero_accepts_an_elementwise_user_optimizer_with_a_per_leaf_mask(optimizer):
     Trainer(_MLP(nnx.Rngs(0), hidden=32), _mse, zero=1, devices=jax.devices()[:4],
-            optimizer=optax.adamw(0.1, weight_decay=0.5, mask=mask))
+            optimizer=optimizer)

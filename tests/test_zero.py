@@ -1,5 +1,7 @@
 """ZeRO stages 0/1/3: equal results, and per-device memory falling as the compiled analysis shows."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -247,6 +249,80 @@ def test_elementwise_mismatch_tells_shard_safe_optimizers(name, optimizer, flat_
     params = {"w": jnp.zeros((16, 3)), "b": jnp.zeros((16,)), "c": jnp.zeros((3,))}
     assert (elementwise_mismatch(optimizer, params, N) is None) == flat_ok, name
     assert (elementwise_mismatch(optimizer, params, N, leaf_specs(params, N)) is None) == leaf_ok, name
+
+
+
+def _warmup():  # starts at lr 0: update 2 is ~1.5e-7, below the old check's absolute floor
+    return optax.warmup_cosine_decay_schedule(0.0, 3e-4, 2000, 100_000)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("name, make, flat_ok, leaf_ok", [
+    ("adam", lambda: optax.adam(_warmup()), True, True),
+    ("adamw", lambda: optax.adamw(_warmup(), weight_decay=0.1), True, True),
+    ("sgd + momentum", lambda: optax.sgd(_warmup(), momentum=0.9), True, True),
+    ("masked adamw", lambda: optax.adamw(_warmup(), weight_decay=0.1, mask=_MASK), False, True),
+    # optax's default weight decay: a 1e-4 part of each update, at a constant lr
+    ("masked adamw 1e-4", lambda: optax.adamw(1e-3, weight_decay=1e-4, mask=_MASK), False, True),
+    ("clip + adamw", lambda: optax.chain(optax.clip_by_global_norm(0.5),
+                                         optax.adamw(_warmup(), weight_decay=0.1)), False, False),
+    ("clip + sgd + momentum", lambda: optax.chain(optax.clip_by_global_norm(1.0),
+                                                  optax.sgd(_warmup(), momentum=0.9)), False, False),
+    ("lamb", lambda: optax.lamb(_warmup()), False, False),
+])
+def test_elementwise_mismatch_sees_differences_in_the_tiny_updates_of_a_warmup(
+        name, make, flat_ok, leaf_ok, dtype):
+    """Before: differences below 1e-7 passed, so with a warmup from lr 0 a global-norm clip
+    (each shard clipped by its own norm) and a dropped weight-decay mask were accepted."""
+    params = {"w": jnp.zeros((64, 32), dtype), "b": jnp.zeros((32,), dtype), "c": jnp.zeros((3,), dtype)}
+    assert (elementwise_mismatch(make(), params, N) is None) == flat_ok, name
+    assert (elementwise_mismatch(make(), params, N, leaf_specs(params, N)) is None) == leaf_ok, name
+
+
+@pytest.mark.parametrize("name, optimizer", [
+    ("callable mask, optax's default weight decay",
+     optax.adamw(1e-3, weight_decay=1e-4, mask=_MASK)),
+    # Before: a cryptic pytree structure error from vmap, naming no stage and no fix.
+    ("tree-shaped mask", optax.adamw(1e-3, weight_decay=0.01, mask={"w": True, "b": False})),
+])
+def test_flat_stage_1_refuses_any_weight_decay_mask_with_the_fix(mesh, name, optimizer):
+    params, _ = _flat_mask_problem()
+    with pytest.raises(ValueError, match=r"stage=1 runs the optimizer on each device's 1-D slice.*"
+                                         r"AdamW's weight-decay mask.*Use stage=0"):
+        make_zero_step(_flat_mask_loss, optimizer, params, mesh, stage=1, method="psum")
+
+
+def test_elementwise_mismatch_names_the_failure_of_a_shard_run():
+    params = {"w": jnp.zeros((16, 3)), "b": jnp.zeros((16,))}
+    tree_mask = optax.adamw(1e-3, weight_decay=0.01, mask={"w": True, "b": False})
+    assert re.search(r"running it on one shard's parameters fails: ValueError: pytree structure",
+                     elementwise_mismatch(tree_mask, params, N))
+    # The per-leaf layout keeps the tree: there the same mask is shard-safe.
+    assert elementwise_mismatch(tree_mask, params, N, leaf_specs(params, N)) is None
+    broken = optax.adamw(1e-3, weight_decay=0.01, mask={"w": True})  # fails on the whole tree too
+    with pytest.raises(ValueError, match="pytree structure|Dict key mismatch|Custom node type"):
+        elementwise_mismatch(broken, params, N)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_every_stage_runs_on_a_default_explicit_axes_mesh(stage):
+    """jax.make_mesh's default axes are Explicit; before, stage 0's init raised
+    'Length of device assignment 1 is not equal to the size of the mesh 8'."""
+    explicit = jax.make_mesh((N,), ("data",))
+    params, batch = _flat_mask_problem()
+    tx = optax.adam(1e-2)
+    zero = make_zero_step(_flat_mask_loss, tx, params, explicit, stage=stage, method="psum")
+    state = zero.init(params)
+    sharded = jax.device_put(batch, jax.sharding.NamedSharding(explicit, P("data")))
+    ref, ref_state = params, tx.init(params)
+    for _ in range(2):
+        state, _ = zero.step(state, sharded)
+        with jax.numpy_dtype_promotion("standard"):
+            updates, ref_state = tx.update(jax.grad(_flat_mask_loss)(ref, batch), ref_state, ref)
+        ref = optax.apply_updates(ref, updates)
+    # (On a host copy: slicing the vector sharded over Explicit axes needs an out_sharding.)
+    final = zero.layout.unflatten(jax.device_get(state.params)) if stage == 3 else state.params
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), final, ref)
 
 
 def _bad_params():

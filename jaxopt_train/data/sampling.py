@@ -45,9 +45,12 @@ def batch_indices(
       seed: Seed of the permutations.
       rows: Only these rows of the global batch (a process's share).
     """
-    if not isinstance(step, (int, np.integer)) or step < 0:
+    if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step={step!r} must be a non-negative int")
     check_positive_int("batch_size", batch_size)
+    # Python ints: numpy int32 step * batch_size wraps past 2**31 (step 2.1M at B=1024) and
+    # silently repeats an earlier batch.
+    step, batch_size = int(step), int(batch_size)
     stream = step * batch_size + np.arange(batch_size, dtype=np.int64)
     if rows is not None:
         stream = stream[rows]

@@ -18,6 +18,7 @@ import shutil
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -70,44 +71,56 @@ class Checkpointer:
         if step is None:
             raise FileNotFoundError(f"no checkpoint to restore in {self.directory}")
         target = jax.tree.map(as_abstract, abstract_state)
-        self._check_saved_shapes(step, target)
+        self._check_saved_arrays(step, target)
         args = ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                   meta=ocp.args.JsonRestore())
         restored = self._manager.restore(step, args=args)
         return restored["state"], dict(restored["meta"] or {})
 
-    def _check_saved_shapes(self, step: int, target: Any) -> None:
-        """Raises RunDirError naming the arrays whose saved shape differs from `target`'s.
+    def _check_saved_arrays(self, step: int, target: Any) -> None:
+        """Raises RunDirError naming the arrays whose saved shape or dtype differs from `target`'s.
 
-        Orbax refuses such a restore too, but with a message that names no
+        Orbax refuses another shape too, but with a message that names no
         array and suggests padding/truncation. Cases that must not load: a
         zero=1 or zero=3 checkpoint from before the per-leaf layout, whose
         optimizer state holds per-device chunks ([n, ..., chunk]) where the
         moments now have their parameter's shape, and (zero=3) whose params
         are one flat vector where they are now a tree of per-leaf shards.
         (Where the moment shapes coincide, the chunks are the same elements in
-        the same order, so loading them is right.)
+        the same order, so loading them is right.) Another dtype orbax does not
+        refuse: it casts to the target's, silently rounding f32 into bf16 or
+        truncating it into int32.
         """
-        saved = _saved_shapes(os.path.join(self.directory, str(step), "state"))
+        saved = _saved_arrays(os.path.join(self.directory, str(step), "state"))
         if saved is None:  # no readable metadata: orbax's own shape check still applies
             return
-        expected = {_path_name(path): _stored_shape(leaf)
-                    for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]}
+        expected = {_path_name(path): _stored_shape_dtype(leaf)
+                    for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]
+                    if hasattr(leaf, "shape") and hasattr(leaf, "dtype")}  # not Python scalars
         # One saved array where this run has a tree of them (stage 3's old flat params).
         found = [f"{name}: expected a tree of arrays, found one array of shape {shape}"
-                 for name, shape in saved.items() if name not in expected
+                 for name, (shape, _) in saved.items() if name not in expected
                  and any(other.startswith(name + "/") for other in expected)]
-        found += [f"{name}: expected {shape}, found {saved[name]}"
-                  for name, shape in expected.items() if name in saved and saved[name] != shape]
+        found += [f"{name}: expected {shape}, found {saved[name][0]}"
+                  for name, (shape, _) in expected.items() if name in saved and saved[name][0] != shape]
         if found:
-            shown = "; ".join(found[:4]) + (f"; and {len(found) - 4} more" if len(found) > 4 else "")
             raise RunDirError(
                 f"cannot restore the checkpoint at step {step} in {self.directory}: {len(found)} "
-                f"array(s) have another shape than this run's state ({shown}). It was written with "
-                "another layout of the state, e.g. by a zero=1 or zero=3 run from before the "
-                "per-leaf layout (moments stored as per-device chunks; at zero=3 the params as "
-                "one flat vector). Resume it with the version and settings that wrote it, or "
-                "start a new --run-dir.")
+                f"array(s) have another shape than this run's state ({_shown(found)}). It was "
+                "written with another layout of the state, e.g. by a zero=1 or zero=3 run from "
+                "before the per-leaf layout (moments stored as per-device chunks; at zero=3 the "
+                "params as one flat vector). Resume it with the version and settings that wrote "
+                "it, or start a new --run-dir.")
+        found = [f"{name}: saved {saved[name][1]}, expected {dtype}"
+                 for name, (_, dtype) in expected.items()
+                 if name in saved and saved[name][1] is not None and saved[name][1] != dtype]
+        if found:
+            raise RunDirError(
+                f"cannot restore the checkpoint at step {step} in {self.directory}: {len(found)} "
+                f"array(s) have another dtype than this run's state ({_shown(found)}); restoring "
+                "would cast them silently (rounding, or truncating floats to ints). It was written "
+                "with other precision settings (param or optimizer-state dtype). Resume it with "
+                "the settings that wrote it, or start a new --run-dir.")
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
         """The JSON record of a checkpoint, without touching its arrays."""
@@ -125,13 +138,17 @@ class Checkpointer:
         self._manager.close()
 
 
-def _stored_shape(leaf) -> tuple[int, ...]:
-    """The shape orbax stores `leaf` with: a typed PRNG key (a model's RNG stream, e.g.
-    nnx.Dropout's) is stored as its key data, one trailing axis longer."""
-    shape = tuple(leaf.shape)
+def _stored_shape_dtype(leaf) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype orbax stores `leaf` with: a typed PRNG key (a model's RNG stream,
+    e.g. nnx.Dropout's) is stored as its key data, one trailing axis longer and uint32."""
     if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-        shape += jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), leaf.dtype)).shape
-    return shape
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+        return tuple(data.shape), np.dtype(data.dtype)
+    return tuple(leaf.shape), np.dtype(leaf.dtype)
+
+
+def _shown(found: list[str]) -> str:
+    return "; ".join(found[:4]) + (f"; and {len(found) - 4} more" if len(found) > 4 else "")
 
 
 def as_abstract(x):
@@ -154,8 +171,9 @@ def _path_name(path) -> str:
     return "/".join(parts)
 
 
-def _saved_shapes(directory: str) -> dict[str, tuple[int, ...]] | None:
-    """{array path: shape} from a saved state item's metadata, or None if it cannot be read."""
+def _saved_arrays(directory: str) -> dict[str, tuple[tuple[int, ...], np.dtype | None]] | None:
+    """{array path: (shape, dtype)} from a saved state item's metadata, or None if it cannot be
+    read; the dtype is None for a saved Python scalar."""
     handler = ocp.StandardCheckpointHandler()
     try:
         tree = handler.metadata(epath.Path(directory)).tree
@@ -163,9 +181,16 @@ def _saved_shapes(directory: str) -> dict[str, tuple[int, ...]] | None:
         return None
     finally:
         handler.close()
-    return {_path_name(path): tuple(leaf.shape)
+    return {_path_name(path): (tuple(leaf.shape), _saved_dtype(leaf))
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
             if getattr(leaf, "shape", None) is not None}
+
+
+def _saved_dtype(leaf) -> np.dtype | None:
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None or isinstance(leaf, ocp.metadata.ScalarMetadata):
+        return None  # a Python scalar: orbax records it as 64-bit whatever the target
+    return np.dtype(dtype)
 
 
 def existing_checkpoint_steps(run_dir: str) -> list[int]:

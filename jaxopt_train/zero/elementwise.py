@@ -3,9 +3,11 @@
 Stages 1 and 3 run the optimizer on each device's shard on its own, which
 equals the replicated update only if the optimizer's math is per parameter.
 An optax optimizer is opaque (a mask or a global norm hides in a closure), so
-the check runs it: two updates of a small random surrogate of the params,
+the check runs it: two updates of small random surrogates of the params,
 once on the whole tree and once per shard (vmapped, so each call sees one
-shard's shapes, as a device does), and compares them.
+shard's shapes, as a device does), and compares them relative to the updates'
+size (a warmup from lr 0 makes them tiny). An optimizer that fails on a
+shard (a mask shaped like the tree, on a 1-D slice) is reported too.
 """
 
 from __future__ import annotations
@@ -59,9 +61,9 @@ def elementwise_mismatch(optimizer: optax.GradientTransformation, params, num_sh
             jnp.asarray(rng.normal(size=_surrogate_shape(tuple(np.shape(x)), d, num_shards)) * scale,
                         x.dtype) for x, d in zip(leaves, dims)])
 
-    p, grads = draw(1.0), [draw(100.0), draw(100.0)]
+    grads = [draw(100.0), draw(100.0)]
     if specs is None:
-        layout = make_layout(p, num_shards)
+        layout = make_layout(grads[0], num_shards)
         split = lambda t: layout.flatten(t).reshape(num_shards, -1)  # noqa: E731
         join = lambda u: layout.unflatten(u.reshape(-1))  # noqa: E731
     else:
@@ -77,16 +79,39 @@ def elementwise_mismatch(optimizer: optax.GradientTransformation, params, num_sh
         shards = jax.vmap(lambda p, g: _two_updates(optimizer, p, g))(split(p), [split(g) for g in grads])
         return whole, [join(u) for u in shards]
 
-    with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and int32 counts
-        whole, sharded = both(p, grads)
+    # Params near 1 show a global norm or trust ratio; params of ~1e3 make a weight decay of
+    # any usual factor (optax's default 1e-4 too) outweigh rounding, so a per-leaf mask that a
+    # shard sees wrongly shows. The second run reuses the first's compilation.
+    for param_scale in (1.0, 1e3):
+        p = draw(param_scale)
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and int32 counts
+            try:
+                whole, sharded = both(p, grads)
+            except Exception as err:  # noqa: BLE001  (e.g. a mask tree that a 1-D slice cannot match)
+                jax.jit(lambda p, g: _two_updates(optimizer, p, g))(p, grads)  # its own errors raise
+                cause = " ".join(str(err).split())
+                return (f"running it on one shard's parameters fails: {type(err).__name__}: "
+                        f"{cause[:300]}{'...' if len(cause) > 300 else ''}")
+        mismatch = _first_difference(whole, sharded, num_shards, param_scale)
+        if mismatch:
+            return mismatch
+    return None
+
+
+def _first_difference(whole, sharded, num_shards: int, param_scale: float) -> str | None:
     for step, (w, s) in enumerate(zip(whole, sharded)):
         for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(w)[0], jax.tree.leaves(s)):
             rtol = 1e-4 if np.dtype(a.dtype).itemsize >= 4 else 1e-2
             a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
             scale = float(np.max(np.abs(a), initial=0.0))
             diff = float(np.max(np.abs(b - a), initial=0.0))  # b broadcasts for replicated leaves
-            if not diff <= rtol * scale + 1e-7:
-                return (f"on random gradients, update {step + 1} of leaf {jax.tree_util.keystr(path)} "
-                        f"differs by up to {diff:.3g} (updates up to {scale:.3g}) when each of "
-                        f"{num_shards} shards is updated on its own")
+            # Relative to the updates with no absolute floor: a warmup from lr 0 makes them
+            # tiny (update 2 of warmup_cosine_decay_schedule(0, 3e-4, 2000, ...) is ~1e-7),
+            # and a floor would pass the differences below it. Updates of exactly 0 (lr 0) must
+            # match exactly.
+            if not diff <= rtol * scale:
+                return (f"on random gradients and params of size ~{param_scale:g}, update "
+                        f"{step + 1} of leaf {jax.tree_util.keystr(path)} differs by up to "
+                        f"{diff:.3g} (updates up to {scale:.3g}) when each of {num_shards} shards "
+                        "is updated on its own")
     return None

@@ -111,7 +111,11 @@ def make_zero_step(loss_fn: Callable, optimizer: optax.GradientTransformation, p
         layout.check(params)
         if stage == 0:
             replicated = jax.device_put(params, NamedSharding(mesh, P()))
-            return ZeroState(replicated, jax.jit(optimizer.init)(replicated))
+            # out_shardings: Adam's zeros_like moments read no input data, so a bare jit
+            # compiles for one device, which outputs typed on an Explicit-axes mesh
+            # (jax.make_mesh's default) refuse.
+            init_state = jax.jit(optimizer.init, out_shardings=NamedSharding(mesh, P()))
+            return ZeroState(replicated, init_state(replicated))
         flat = jax.device_put(layout.flatten(params), NamedSharding(mesh, P(axis_name)))
         opt_state = smap(optimizer.init, P(axis_name), slice_specs)(flat)
         kept = flat if stage == 3 else jax.device_put(params, NamedSharding(mesh, P()))
