@@ -144,3 +144,14 @@ def test_bool_steps_are_refused(step):
         TokenDataset(np.arange(1000) % 256, 8).batch(step, 4)
     with pytest.raises(ValueError, match=re.escape(f"step={step!r} must be a non-negative int")):
         ImageDataset(np.zeros((10, 4, 4, 3), np.uint8), np.zeros(10, np.int32)).batch(step, 4)
+
+
+@pytest.mark.parametrize("rows", [slice(2, 9), slice(-2, None), slice(0, 4, 2), slice(3, 1), [0, 1]])
+def test_rows_outside_the_batch_are_refused(rows):
+    from jaxopt_train.data.sampling import batch_indices
+
+    with pytest.raises(ValueError, match=r"rows=.* must be a slice start:stop with 0 <= start <= "
+                                         r"stop <= batch_size=4"):
+        batch_indices(0, 4, 100, 0, rows=rows)
+    items, _ = batch_indices(0, 4, 100, 0, rows=slice(1, 3))
+    np.testing.assert_array_equal(items, batch_indices(0, 4, 100, 0)[0][1:3])

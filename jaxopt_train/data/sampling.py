@@ -53,6 +53,11 @@ def batch_indices(
     step, batch_size = int(step), int(batch_size)
     stream = step * batch_size + np.arange(batch_size, dtype=np.int64)
     if rows is not None:
+        if not isinstance(rows, slice) or rows.step not in (None, 1) or not (
+                0 <= (rows.start or 0) <= (batch_size if rows.stop is None else rows.stop) <= batch_size):
+            # Slicing past the end would quietly hand back fewer rows than asked for.
+            raise ValueError(f"rows={rows!r} must be a slice start:stop with 0 <= start <= stop <= "
+                             f"batch_size={batch_size}")
         stream = stream[rows]
     epochs = stream // num_items
     positions = stream % num_items
