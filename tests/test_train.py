@@ -120,6 +120,18 @@ def test_resume_matches_uninterrupted_run(tmp_path):
         train(bad)
     assert sorted(os.listdir(split_cfg.run_dir)) == files
     assert existing_checkpoint_steps(split_cfg.run_dir) == [2, 8]
+    # So does one whose step fails only when it is compiled (the peer all-reduce needs
+    # 2 Hopper GPUs): the old run was deleted before the compile.
+    metrics_before = open(os.path.join(split_cfg.run_dir, "metrics.jsonl")).read()
+    with pytest.raises(ValueError, match="peer"):
+        train(dataclasses.replace(split_cfg, overwrite=True, grad_sync="peer"))
+    assert existing_checkpoint_steps(split_cfg.run_dir) == [2, 8]
+    assert open(os.path.join(split_cfg.run_dir, "metrics.jsonl")).read() == metrics_before
+    # and into a new folder it leaves none (it left config.json and an empty run that
+    # --resume and a plain rerun both refused).
+    with pytest.raises(ValueError, match="peer"):
+        train(dataclasses.replace(split_cfg, run_dir=str(tmp_path / "new"), grad_sync="peer"))
+    assert not os.path.exists(tmp_path / "new")
     # A damaged latest checkpoint is refused by step, pointing at the previous one.
     shutil.rmtree(os.path.join(split_cfg.run_dir, "checkpoints", "8", "state"))
     with pytest.raises(RunDirError, match=r"checkpoint at step 8 .* damaged or incomplete; to "

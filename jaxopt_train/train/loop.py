@@ -217,6 +217,11 @@ def train(config: TrainConfig, *, until_step: int | None = None, devices=None,
             _check_resume_shape(run_dir, cfg, ckpt)
             _check_dispatch_alignment(ckpt.latest_step(), k, ckpt.directory)
         cfg, task, trainer, _ = build_fitting_run(cfg, devices)  # resolves remat="auto"
+        if not cfg.resume and not trainer.compiled:
+            # Before the run dir is touched: a step that cannot compile (too large for the
+            # device, --grad-sync peer on other than 2 GPUs) must cost an --overwrite's old
+            # run nothing and leave no half-made run. (A resume compiles its restored state.)
+            trainer.compile(dispatch_batch(task, 0, k))
         if cfg.overwrite:  # only now: a bad flag above has cost the old run nothing
             clear_run_dir(run_dir)
             if jax.process_count() > 1:  # no process writes before process 0 has cleared
@@ -386,7 +391,8 @@ def _log(cfg: TrainConfig, task: Task, trainer: Trainer, logger: MetricsLogger,
         raise NonFiniteError(
             f"stopping at step {step}: {streak} consecutive steps had non-finite gradients "
             f"(max_nonfinite_steps={cfg.max_nonfinite_steps}); params were left unchanged on those "
-            f"steps and no checkpoint was written after them. Lower --lr, raise --clip-norm, or use "
+            f"steps and no checkpoint was written after them. Lower --lr, clip harder (a lower --clip-norm; "
+            "0 turns clipping off), or use "
             "a precision with a loss scaler (fp16) or more range (bf16/fp32).")
     return metrics["loss"]
 
