@@ -290,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", type=_csv(parse_size, "1M,16M,256M,1G"), default=None,
                    help="bytes per device, e.g. 1M,16M,256M,1G (default 1M..1G by 4x; --quick: 64K,1M)")
     p.add_argument("--dtypes", type=_csv(str, "f32,bf16"), default=["f32", "bf16"], help="f32,bf16")
-    p.add_argument("--chunks", type=_csv(_positive_int, "1,4"), default=None, help="ring pipeline chunks to try (default 1,4)")
+    p.add_argument("--chunks", type=_csv(_positive_int, "1,4"), default=None, help="ring pipeline chunks to try (default 1,4; --quick: 1,2)")
     p.add_argument("--methods", type=_csv(str, "ring,ring_bidir"), default=None,
                    help="variants besides psum: ring,ring_bidir,ring_wire_bf16,hierarchical,peer,peer_wire_bf16 "
                         "(default all; peer ones on 2 Hopper GPUs only)")

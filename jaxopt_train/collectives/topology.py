@@ -110,7 +110,8 @@ def describe_ring(devices: Sequence[Any], order: Sequence[int] | None = None) ->
     e.g. from `ring_order(devices)`.
 
     Example output: `ring over 8 devices (2 processes, 2 cross-process hops):`
-    followed by `  0: TFRT_CPU_0 [p0] -> TFRT_CPU_1 [p0]` lines.
+    followed by lines such as `  0: cpu:0 [p0] -> cpu:1 [p0]`, a hop between processes
+    ending in `   (cross-process)`.
     """
     order = tuple(range(len(devices))) if order is None else check_permutation("order", order, len(devices))
     n = len(order)

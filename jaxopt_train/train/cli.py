@@ -28,13 +28,23 @@ def _bool_flag(parser, name: str, help_: str) -> None:
                         default=getattr(_DEFAULTS, name.replace("-", "_")), help=help_)
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" only where the help does not state its default itself: a flag
+    whose default is None says in words what it falls back to ("default: preset's")."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = _DEFAULTS
     p = argparse.ArgumentParser(
         prog="jaxopt-train train",
         description="Train a GPT or vision preset data-parallel over all devices. With no "
                     "arguments: gpt-tiny on the embedded corpus (Python stdlib sources).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        formatter_class=_DefaultsHelp, allow_abbrev=False)
     m = p.add_argument_group("model and data")
     m.add_argument("--preset", choices=config_lib.PRESETS, default=d.preset, help="model preset")
     m.add_argument("--data", default=None,
