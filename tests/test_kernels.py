@@ -304,6 +304,22 @@ def test_gelu_derivative_matches_autodiff_of_gelu(dtype):
     assert float(got[-4]) == 0.0 and float(got[-3]) == 1.0  # -300: 0, +300: 1
 
 
+def test_gelu_derivative_is_differentiable_everywhere():
+    """A second derivative through the fused epilogue differentiates `gelu_derivative`: its
+    exp overflowed below z ~ -9 and gave NaN there (0 * inf) for a pre-activation as mild
+    as -10. Against the second derivative of jax.nn.gelu (tanh form), finite everywhere."""
+    from jaxopt_train.kernels.epilogue import gelu_derivative
+
+    z = jnp.concatenate([jnp.linspace(-12.0, 12.0, 481),
+                         jnp.array([-300.0, 300.0, -1e30, 1e30, -jnp.inf, jnp.inf])])
+    got = jax.vmap(jax.grad(gelu_derivative))(z)
+    assert bool(jnp.all(jnp.isfinite(got))), z[~jnp.isfinite(got)]
+    want = jax.vmap(jax.grad(jax.grad(lambda x: jax.nn.gelu(x, approximate=True))))(z[:481])
+    # atol: the tanh form's second derivative cancels in f32 at |z| ~ 4 to 5 (~2e-5 off)
+    np.testing.assert_allclose(np.asarray(got[:481]), np.asarray(want), rtol=1e-4, atol=5e-5)
+    np.testing.assert_array_equal(np.asarray(got[481:]), 0.0)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("name,reference", [("relu", jax.nn.relu), ("silu", jax.nn.silu)])
 def test_activation_derivatives_match_jax_nn(name, reference, dtype):
@@ -345,6 +361,115 @@ def test_matmul_gradient_at_activation_edge_points(backend, activation):
         assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))), g
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
                                    rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("activation,with_bias,transpose_b,save", [
+    (None, False, False, False), ("gelu", True, False, False), ("silu", True, True, False),
+    ("gelu", True, False, True), ("relu", False, True, True)])
+def test_second_derivatives_on_a_kernel_backend_match_xla(activation, with_bias, transpose_b, save):
+    """Grad of grad through the kernel backend (its backward differentiated again) used to
+    fail with a bare AssertionError from pallas_call's JVP rule; it now equals the xla
+    backend's, and the reference's within bf16 rounding (dZ is rounded to bf16 at each
+    backward, as XLA's bf16 products do)."""
+    a, b, bias = _operands((2, 9), 12, 10, jnp.bfloat16, seed=6)
+    b = b.T if transpose_b else b
+    bias = bias if with_bias else None
+
+    def grad_norm(fn):  # the squared norm of d(loss)/d(a, b): a gradient penalty
+        def loss(a, b):
+            return jnp.sum(jnp.sin(fn(a, b).astype(jnp.float32)))
+
+        def penalty(a, b):
+            return sum(jnp.sum(g.astype(jnp.float32) ** 2)
+                       for g in jax.grad(loss, argnums=(0, 1))(a, b))
+        return jax.grad(penalty, argnums=(0, 1))
+
+    def ours(backend):
+        return grad_norm(lambda a, b: matmul(a, b, bias=bias, activation=activation,
+                                             backend=backend, out_dtype=jnp.float32,
+                                             transpose_b=transpose_b, save_preactivation=save))
+
+    got = jax.jit(ours("interpret"))(a, b)
+    xla = jax.jit(ours("xla"))(a, b)
+    want = grad_norm(lambda a, b: matmul_reference(
+        a, b.T if transpose_b else b, bias=bias, activation=activation,
+        out_dtype=jnp.float32))(a, b)
+    for g, x, w in zip(got, xla, want):
+        assert g.dtype == w.dtype == jnp.bfloat16 and g.shape == w.shape
+        _assert_close(g, x, jnp.bfloat16)
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=5e-2, atol=5e-2 * float(jnp.max(jnp.abs(w))))
+
+
+@pytest.mark.parametrize("backend", ["interpret", "xla"])
+@pytest.mark.parametrize("activation,out_dtype", [(None, jnp.float32), ("gelu", jnp.float32),
+                                                  ("silu", jnp.bfloat16)])
+def test_float16_gradients_survive_a_cotangent_past_the_float16_range(backend, activation,
+                                                                      out_dtype):
+    """fp16 inputs with a wider output (f32, bf16): the backward rounded the cotangent to
+    fp16, so one above 65504 became inf and made dA, dB and dbias inf, where the reference
+    (and lax.dot_general) give finite gradients. Here dZ = 2e5 x act'(Z) > 65504 (act' is
+    ~0.45 for gelu and silu at Z ~ -0.1), and |dA| <= 2e5 x 0.252, |dB| <= 2e5 x 0.2."""
+    a = jnp.full((2, 4), 0.1, jnp.float16)
+    b = jnp.full((4, 3), 1e-3, jnp.float16).at[0, 0].set(0.25)
+    bias = jnp.full((3,), -0.1, jnp.float32)
+
+    def loss(fn):  # a cotangent of 2e5 on every output
+        return lambda a, b, bias: jnp.sum(fn(a, b, bias).astype(jnp.float32) * 2e5)
+
+    got = jax.jit(jax.grad(loss(lambda a, b, bias: matmul(
+        a, b, bias=bias, activation=activation, backend=backend, out_dtype=out_dtype)),
+        argnums=(0, 1, 2)))(a, b, bias)
+    want = jax.grad(loss(lambda a, b, bias: matmul_reference(
+        a, b, bias=bias, activation=activation, out_dtype=out_dtype)), argnums=(0, 1, 2))(a, b, bias)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))), g
+        _assert_close(g, w, jnp.float16)
+
+
+def test_float16_dot_general_with_float32_output_takes_large_cotangents():
+    """The audit's case: the drop-in's gradient was inf where lax.dot_general's is 300."""
+    x, w = jnp.ones((2, 4), jnp.float16), jnp.full((4, 3), 1e-3, jnp.float16)
+    dims = (((1,), (0,)), ((), ()))
+
+    def grad(dot):
+        return jax.grad(lambda x: jnp.sum(
+            dot(x, w, dims, preferred_element_type=jnp.float32) * 1e5))(x)
+
+    got, want = grad(make_dot_general("interpret")), grad(lax.dot_general)
+    assert bool(jnp.all(jnp.isfinite(got))), got
+    _assert_close(got, want, jnp.float16)
+
+
+@pytest.mark.parametrize("name", ["gelu", "relu", "silu"])
+def test_activation_derivatives_are_finite_at_infinite_preactivations(name):
+    """A pre-activation kept in fp16 (save_preactivation) is +-inf past 65504; silu's
+    derivative there was 0 * inf = NaN. Equal to the derivative's limits: 0 and 1."""
+    from jaxopt_train.kernels.epilogue import ACTIVATION_DERIVATIVES
+
+    z = jnp.array([-jnp.inf, jnp.inf, -70000.0, 70000.0], jnp.float32)
+    for dtype in (jnp.float32, jnp.float16):
+        got = ACTIVATION_DERIVATIVES[name](z.astype(dtype))
+        np.testing.assert_array_equal(np.asarray(got), [0.0, 1.0, 0.0, 1.0])
+
+
+@pytest.mark.parametrize("backend", ["interpret", "xla"])
+@pytest.mark.parametrize("activation", ["gelu", "relu", "silu"])
+def test_saved_float16_preactivation_past_the_range_gives_finite_gradients(backend, activation):
+    """Z = -80000 and +80000 are kept as fp16 -inf and +inf: gradients as the reference's."""
+    a = jnp.stack([jnp.full((4,), -200.0), jnp.full((4,), 200.0)]).astype(jnp.float16)
+    b = jnp.full((4, 3), 100.0, jnp.float16)
+
+    def loss(fn):
+        return lambda a, b: jnp.sum(fn(a, b).astype(jnp.float32))
+
+    got = jax.grad(loss(lambda a, b: matmul(a, b, activation=activation, backend=backend,
+                                            save_preactivation=True)), argnums=(0, 1))(a, b)
+    want = jax.grad(loss(lambda a, b: matmul_reference(a, b, activation=activation)),
+                    argnums=(0, 1))(a, b)
+    for g, w in zip(got, want):
+        assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))), g
+        _assert_close(g, w, jnp.float16)
 
 
 @pytest.mark.parametrize("activation", ["gelu", "relu", "silu", None])

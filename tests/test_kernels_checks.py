@@ -129,3 +129,47 @@ def test_matmul_kernel_backends_refuse_explicitly_sharded_operands_clearly():
     want = jnp.dot(np.asarray(x, np.float32), np.asarray(w, np.float32),
                    precision=lax.Precision.HIGHEST)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("a_shape, a_spec, b_spec, transpose_b, save", [
+    ((8, 16), P("x", None), None, False, False),  # M sharded (b not placed): dB contracts it
+    ((2, 8, 16), P(None, "x", None), P(), False, True),  # a batch dim sharded past the first
+    ((4, 8, 16), P(None, None, "y"), P(), False, False),  # K sharded
+    ((4, 8, 16), P("x", None, None), P(None, "y"), False, True),  # N sharded: dbias too
+    ((4, 8, 16), P("x", None, None), P("y", None), True, False),  # tied head, N sharded
+])
+def test_xla_backend_differentiates_explicitly_sharded_operands(a_shape, a_spec, b_spec,
+                                                                transpose_b, save):
+    """The kernel backends' error sends sharded operands to backend='xla', whose batch-merging
+    reshape and 2-D backward products JAX refused for them ("This reshape is not supported",
+    "Contracting dimensions are sharded", a custom VJP type mismatch), where jnp.dot works.
+    Values and gradients against the reference; the gradients keep the operands' sharding.
+    b_spec None: b is a plain array, typed without a mesh."""
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    keys = jax.random.split(jax.random.key(3), 3)
+    n = 8
+    a = jax.random.normal(keys[0], a_shape, jnp.float32).astype(jnp.bfloat16)
+    b = jax.random.normal(keys[1], (n, 16) if transpose_b else (16, n), jnp.float32)
+    b = b.astype(jnp.bfloat16)
+    bias = jax.random.normal(keys[2], (n,), jnp.float32)
+
+    def loss(fn):
+        return lambda a, b, bias: jnp.sum(jnp.sin(fn(a, b, bias).astype(jnp.float32)))
+
+    ours = loss(lambda a, b, bias: matmul(a, b, bias=bias, activation="gelu", backend="xla",
+                                          out_dtype=jnp.float32, transpose_b=transpose_b,
+                                          save_preactivation=save))
+    ref = loss(lambda a, b, bias: matmul_mod.matmul_reference(
+        a, b.T if transpose_b else b, bias=bias, activation="gelu", out_dtype=jnp.float32))
+    with jax.set_mesh(mesh):
+        a_sh = jax.device_put(a, NamedSharding(mesh, a_spec))
+        b_sh = b if b_spec is None else jax.device_put(b, NamedSharding(mesh, b_spec))
+        value, grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2)))(a_sh, b_sh, bias)
+        assert [jax.typeof(g).sharding.spec for g in grads[:2]] == [
+            jax.typeof(a_sh).sharding.spec, jax.typeof(b_sh).sharding.spec]
+    want_value, want = jax.value_and_grad(ref, argnums=(0, 1, 2))(a, b, bias)
+    np.testing.assert_allclose(float(value), float(want_value), rtol=1e-2)
+    for g, w in zip(grads, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=2e-2, atol=2e-2 * float(jnp.max(jnp.abs(w))))

@@ -24,6 +24,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxopt_train.kernels import configs
 from jaxopt_train.kernels.configs import (ACTIVATIONS, BACKENDS, TRANSPOSING_BACKENDS, MatmulConfig,
@@ -338,20 +339,85 @@ def _forward_with_preactivation(a, b, bias, activation, out_dtype, backend, conf
 
 
 # ----------------------------------------------------------------------------- custom VJP
+# Each forward rule below calls its own custom_vjp function, and each backward computes
+# through custom_vjp functions only: a second derivative (grad of grad) differentiates the
+# forward and backward rules themselves, and a raw Pallas call there fails (pallas_call's
+# JVP rule asserts). Undifferentiated, a custom_vjp call runs its primal function, so the
+# first-order backward launches the same kernels.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
 def _matmul_2d(a, b, bias, activation, out_dtype, backend, config, transpose_b=False,
                save_preactivation=False):
+    """The differentiable product: 2-D operands, or N-D `a` on the xla backend."""
     return _forward(a, b, bias, activation, out_dtype, backend, config, transpose_b)
 
 
 def _matmul_2d_fwd(a, b, bias, activation, out_dtype, backend, config, transpose_b=False,
                    save_preactivation=False):
     if save_preactivation:
-        out, z = _forward_with_preactivation(a, b, bias, activation, out_dtype, backend, config,
-                                             transpose_b)
+        out, z = _matmul_and_preactivation(a, b, bias, activation, out_dtype, backend, config,
+                                           transpose_b)
         return out, (a, b, bias, z)
-    out = _forward(a, b, bias, activation, out_dtype, backend, config, transpose_b)
+    out = _matmul_2d(a, b, bias, activation, out_dtype, backend, config, transpose_b)
     return out, (a, b, bias, None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _matmul_and_preactivation(a, b, bias, activation, out_dtype, backend, config, transpose_b):
+    """(act(Z), Z) (`_forward_with_preactivation`), differentiable in both outputs."""
+    return _forward_with_preactivation(a, b, bias, activation, out_dtype, backend, config,
+                                       transpose_b)
+
+
+def _matmul_and_preactivation_fwd(a, b, bias, activation, out_dtype, backend, config,
+                                  transpose_b):
+    out, z = _matmul_and_preactivation(a, b, bias, activation, out_dtype, backend, config,
+                                       transpose_b)
+    return (out, z), (a, b, bias, z)
+
+
+def _matmul_and_preactivation_bwd(activation, out_dtype, backend, config, transpose_b,
+                                  residuals, cotangents):
+    # Only a higher-order derivative gets here (matmul returns act(Z) alone): Z's cotangent
+    # adds to act(Z)'s pulled through the activation, and the sum is dZ of the product.
+    g, g_z = cotangents
+    a, b, bias, z = residuals
+    dz = (g.astype(jnp.float32) * ACTIVATION_DERIVATIVES[activation](z)
+          + g_z.astype(jnp.float32))
+    return _matmul_2d_bwd(None, out_dtype, backend, config, transpose_b, False,
+                          (a, b, bias, None), dz)
+
+
+_matmul_and_preactivation.defvjp(_matmul_and_preactivation_fwd, _matmul_and_preactivation_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _linear(x, y, transposed, out_dtype, backend, config):
+    """`x @ y`, `x.T @ y` (transposed="a") or `x @ y.T` ("b") on 2-D operands: the
+    backward's products, differentiable again (for second derivatives)."""
+    if transposed is None:
+        return _forward_impl(x, y, None, None, out_dtype, backend, config)
+    return _product_with_transpose(x, y, transposed, out_dtype, backend, config)
+
+
+def _linear_fwd(x, y, transposed, out_dtype, backend, config):
+    return _linear(x, y, transposed, out_dtype, backend, config), (x, y)
+
+
+def _linear_bwd(transposed, out_dtype, backend, config, residuals, g):
+    x, y = residuals
+    g = g.astype(x.dtype)  # the products read the compute dtype, as dZ in `_matmul_2d_bwd`
+    if transposed is None:  # C = x y: dx = g y^T, dy = x^T g
+        return (_linear(g, y, "b", x.dtype, backend, config),
+                _linear(x, g, "a", y.dtype, backend, config))
+    if transposed == "a":  # C = x^T y, x (K, M): dx = y g^T, dy = x g
+        return (_linear(y, g, "b", x.dtype, backend, config),
+                _linear(x, g, None, y.dtype, backend, config))
+    # C = x y^T, y (N, K): dx = g y, dy = g^T x
+    return (_linear(g, y, None, x.dtype, backend, config),
+            _linear(g, x, "a", y.dtype, backend, config))
+
+
+_linear.defvjp(_linear_fwd, _linear_bwd)
 
 
 def _epilogue_backward(activation, z, g, bias, compute_dtype, split_sum=False):
@@ -378,9 +444,53 @@ def _epilogue_backward(activation, z, g, bias, compute_dtype, split_sum=False):
         # platforms (TPU, CPU) were not measured; XLA fuses there as it sees fit.
         dz_compute = jax.lax.optimization_barrier(dz_compute)
     # The column sum of the same rounded dZ the two products read (dbias as precise as dB),
-    # as XLA sums its own bias gradients.
-    dbias = jnp.sum(dz_compute.astype(jnp.float32), axis=0).astype(bias.dtype)
+    # as XLA sums its own bias gradients. Over every leading dim: the xla backend's dZ is N-D.
+    rows = tuple(range(dz_compute.ndim - 1))
+    dbias = jnp.sum(dz_compute.astype(jnp.float32), axis=rows).astype(bias.dtype)
     return dz_compute, dbias
+
+
+def _float16_safe_cotangent(g, compute_dtype):
+    """(g scaled by 2**-shift, shift) so that dZ fits fp16 when the products read fp16 and
+    the cotangent is wider (an f32 or bf16 output): rounding g to fp16 made any |g| > 65504
+    inf, and dA, dB, dbias with it, where lax.dot_general's gradients are finite. The shift
+    (a power of two: exact) takes max|g| below 2**15, leaving room for the activation's
+    derivative (<= 1.13); the products then write f32 and are scaled back there. (None,
+    None) where g already fits: fp16 outputs, and bf16 products (f32's exponent range)."""
+    if jnp.dtype(compute_dtype) != jnp.float16 or g.dtype == jnp.float16:
+        return None, None
+    g = g.astype(jnp.float32)
+    # max|g| < 2**exponent (exponent 0 for 0, inf and NaN: no shift)
+    _, exponent = jnp.frexp(jnp.max(jnp.abs(jax.lax.stop_gradient(g))))
+    shift = jnp.maximum(exponent - 15, 0)
+    return jnp.ldexp(g, -shift), shift
+
+
+def _out_sharding(x):
+    """`out_sharding` for a backward product that makes x's gradient: x's own sharding type,
+    which JAX cannot infer when the product contracts a sharded dim (as JAX's own transpose
+    of dot_general passes it). None without a mesh."""
+    sharding = jax.typeof(x).sharding
+    if not sharding.mesh.empty:
+        return sharding
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty else jax.sharding.NamedSharding(mesh, P(*[None] * x.ndim))
+
+
+def _xla_products(dz, a, b, transpose_b, da_dtype, db_dtype):
+    """dA and dB on the xla backend, for N-D `a` and `dz` as given: merging their leading
+    dims (as the kernels' 2-D operands do) is a reshape JAX refuses for operands typed with
+    explicit sharding, and each product names its output's sharding (`_out_sharding`)."""
+    last, rows = dz.ndim - 1, tuple(range(dz.ndim - 1))
+    da = jax.lax.dot_general(dz, b, (((last,), (0 if transpose_b else 1,)), ((), ())),
+                             preferred_element_type=jnp.float32, out_sharding=_out_sharding(a))
+    lhs, rhs = (dz, a) if transpose_b else (a, dz)  # dB = dZ^T A (N, K) or A^T dZ (K, N)
+    # The transposed copy of the left operand, as the 2-D products take `a.T`: XLA:CPU runs
+    # no bf16 x bf16 -> f32 dot that contracts its left operand's leading dims.
+    lhs = jnp.moveaxis(lhs, -1, 0)
+    db = jax.lax.dot_general(lhs, rhs, ((tuple(range(1, dz.ndim)), rows), ((), ())),
+                             preferred_element_type=jnp.float32, out_sharding=_out_sharding(b))
+    return da.astype(da_dtype), db.astype(db_dtype)
 
 
 def _matmul_2d_bwd(activation, out_dtype, backend, config, transpose_b, save_preactivation,
@@ -389,16 +499,23 @@ def _matmul_2d_bwd(activation, out_dtype, backend, config, transpose_b, save_pre
     if activation is not None and z is None:
         # Recompute the pre-activation instead of storing it (an M x N
         # residual per layer costs memory; this costs one more matmul).
-        z = _forward(a, b, bias, None, jnp.float32, backend, config, transpose_b)
-    dz_compute, dbias = _epilogue_backward(activation, z, g, bias, a.dtype,
-                                           split_sum=backend in ("mosaic_gpu", "triton"))
-    if transpose_b:  # out = a @ b.T with b (N, K): dA = dz @ b, dB = dz.T @ a, both (.., K)
-        da = _forward_impl(dz_compute, b, None, None, a.dtype, backend, config)
-        db = _product_with_transpose(dz_compute, a, "a", b.dtype, backend, config)
+        z = _matmul_2d(a, b, bias, None, jnp.float32, backend, config, transpose_b)
+    scaled, shift = _float16_safe_cotangent(g, a.dtype)
+    dz_compute, dbias = _epilogue_backward(activation, z, g if shift is None else scaled, bias,
+                                           a.dtype, split_sum=backend in ("mosaic_gpu", "triton"))
+    da_dtype, db_dtype = (a.dtype, b.dtype) if shift is None else (jnp.float32, jnp.float32)
+    if backend == "xla":
+        da, db = _xla_products(dz_compute, a, b, transpose_b, da_dtype, db_dtype)
+    elif transpose_b:  # out = a @ b.T with b (N, K): dA = dz @ b, dB = dz.T @ a, both (.., K)
+        da = _linear(dz_compute, b, None, da_dtype, backend, config)
+        db = _linear(dz_compute, a, "a", db_dtype, backend, config)
     else:
-        da = _product_with_transpose(dz_compute, b, "b", a.dtype, backend, config)  # dz @ b.T
-        db = _product_with_transpose(a, dz_compute, "a", b.dtype, backend, config)  # a.T @ dz
-    return da, db, dbias
+        da = _linear(dz_compute, b, "b", da_dtype, backend, config)  # dz @ b.T
+        db = _linear(a, dz_compute, "a", db_dtype, backend, config)  # a.T @ dz
+    if shift is None:
+        return da, db, dbias
+    unscale = lambda x, like: jnp.ldexp(x.astype(jnp.float32), shift).astype(like.dtype)  # noqa: E731
+    return unscale(da, a), unscale(db, b), None if bias is None else unscale(dbias, bias)
 
 
 _matmul_2d.defvjp(_matmul_2d_fwd, _matmul_2d_bwd)
@@ -435,6 +552,14 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
     Returns:
         (..., M, N) array of `out_dtype`.
 
+    Differentiation is reverse-mode (a `jax.custom_vjp`), to any order: `jax.grad`,
+    `jax.vjp`, `jax.jacrev` and their nestings (grad of grad), every backend. Forward mode
+    (`jax.jvp`, `jax.jacfwd`, `jax.hessian`, which is jacfwd of jacrev) raises JAX's
+    "can't apply forward-mode autodiff (jvp) to a custom_vjp function": take a Hessian
+    as `jax.jacrev(jax.jacrev(f))`. The backward's products read dZ rounded to the
+    compute dtype (as XLA's bf16 products do), so a second derivative matches the
+    full-precision reference within that rounding.
+
     Example:
         >>> a = jnp.ones((4, 8), jnp.bfloat16); b = jnp.ones((8, 2), jnp.bfloat16)
         >>> matmul(a, b, backend="xla", out_dtype=jnp.float32)[0, 0].item()
@@ -449,8 +574,10 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
                          "without one the pre-activation is the output itself")
     config = as_config(config)
     backend = resolve_backend(backend)
-    if backend != "xla":
-        _check_unsharded(backend, a=a, b=b, bias=bias)
+    if backend == "xla":  # N-D: no reshape (see `_xla_products`)
+        return _matmul_2d(a.astype(compute), b.astype(compute), bias, activation, out_dtype,
+                          backend, config, transpose_b, save_preactivation)
+    _check_unsharded(backend, a=a, b=b, bias=bias)
     batch_shape, k, n = a.shape[:-1], a.shape[-1], b.shape[0 if transpose_b else 1]
     a2 = a.reshape(int(np.prod(batch_shape)), k).astype(compute)
     out = _matmul_2d(a2, b.astype(compute), bias, activation, out_dtype, backend, config,
