@@ -476,7 +476,7 @@ def test_saved_float16_preactivation_past_the_range_gives_finite_gradients(backe
 def test_epilogue_backward_split_sum_changes_no_value(activation):
     """The GPU backends sum dbias in a pass of its own (an optimization barrier before the
     sum); the values are those of the fused pass the other backends let XLA choose."""
-    from jaxopt_train.kernels.matmul import _epilogue_backward
+    from jaxopt_train.kernels.matmul_vjp import _epilogue_backward
 
     z, g = (jax.random.normal(jax.random.key(i), (48, 40)).astype(jnp.bfloat16) for i in (0, 1))
     bias = jnp.zeros((40,), jnp.float32)

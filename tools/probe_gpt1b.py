@@ -163,7 +163,7 @@ def _force_matmul_config(fields: dict) -> None:
     import dataclasses as dc
     import importlib
 
-    mm = importlib.import_module("jaxopt_train.kernels.matmul")
+    mm = importlib.import_module("jaxopt_train.kernels.matmul_vjp")
     resolve = mm.resolve_config
 
     def forced(backend, m, n, k, dtype, transposed=None):
@@ -173,7 +173,7 @@ def _force_matmul_config(fields: dict) -> None:
 
 
 def _force_epilogue_backward(spec: str) -> None:
-    """Probe-only: the fused MLP's backward (`kernels.matmul._epilogue_backward`) in a given
+    """Probe-only: the fused MLP's backward (`kernels.matmul_vjp._epilogue_backward`) in a given
     formulation, to time it inside the step. SPEC is FORM or FORM+split:
       tanh     GELU's derivative by autodiff of the tanh form in Z's dtype (bf16), the
                fourteenth session's backward;
@@ -189,7 +189,7 @@ def _force_epilogue_backward(spec: str) -> None:
 
     from jaxopt_train.kernels.epilogue import gelu
 
-    mm = importlib.import_module("jaxopt_train.kernels.matmul")
+    mm = importlib.import_module("jaxopt_train.kernels.matmul_vjp")
     shipped = mm._epilogue_backward
     form, _, split = spec.partition("+")
     if form not in ("tanh", "sigmoid") or split not in ("", "split"):
