@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxopt_train._varying import to_varying, varying_axes, varying_axes_of_tree
 from jaxopt_train.precision import as_float_dtype
 
 AUX_COMBINE = ("mean", "sum", "stack")
@@ -97,20 +98,11 @@ def _split_microbatches(batch, num_microbatches: int):
     return jax.tree.map(split, batch)
 
 
-def _varying_axes(x) -> frozenset:
-    """Mesh axes along which `x` varies inside shard_map (empty outside)."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10+
-    if manual is not None:
-        return frozenset(manual.varying)
-    return frozenset(getattr(aval, "vma", ()))  # older spelling
-
-
 def _zeros_like(x, dtype):
     # Inside shard_map a gradient carries its param's varying axes; the scan
     # carry must start with the same ones.
     zeros = jnp.zeros(jnp.shape(x), dtype)
-    vma = tuple(sorted(_varying_axes(x)))
+    vma = tuple(sorted(varying_axes(x)))
     return lax.pcast(zeros, vma, to="varying") if vma else zeros
 
 
@@ -219,7 +211,11 @@ def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
                              "pick a batch size that is a multiple of the number of micro-batches")
         # Inside shard_map (check_vma=True) keep each device's gradients local
         # until the caller's one reduction after the scan; a no-op elsewhere.
-        params = _to_varying(params, _varying_axes_of_tree((batch, extra)))
+        # (Under shard_map's varying-axes checking, differentiating replicated params
+        # against per-device data puts a psum in the backward of every micro-batch, inside
+        # the scan: one all-reduce each, and a caller who then reduces once more gets n
+        # times the gradient. Varying params keep the gradients local until that psum.)
+        params = to_varying(params, varying_axes_of_tree((batch, extra)))
         if num_microbatches == 1 and weight_fn is not None:
             batch_weight(weight_fn, batch)  # the same checks as with K > 1
         if num_microbatches == 1:
@@ -300,37 +296,6 @@ def multi_steps(optimizer, every_k: int, *, skip_non_finite: bool = True):
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-def _varying_axes_of_tree(tree) -> tuple[str, ...]:
-    """Mesh axes along which any array leaf of `tree` varies (empty outside shard_map and
-    under `check_vma=False`, where nothing carries varying axes)."""
-    axes = set()
-    for leaf in jax.tree.leaves(tree):
-        if hasattr(leaf, "dtype"):
-            axes |= _varying_axes(leaf)
-    return tuple(sorted(axes))
-
-
-def _to_varying(tree, axis_names: str | tuple[str, ...]):
-    # Under shard_map's varying-axes checking, differentiating replicated
-    # params against per-device data makes JAX insert a psum into the
-    # backward pass (the transpose of the implicit broadcast to "varying"),
-    # inside the scan: one all-reduce per micro-batch, and a caller who then
-    # reduces once more gets n times the gradient. Marking the params varying
-    # up front keeps the per-device gradients local until the caller's psum.
-    axis_names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
-
-    def one(x):
-        if not hasattr(x, "dtype"):
-            return x
-        missing = tuple(a for a in axis_names if a not in _varying_axes(x))
-        if not missing:
-            return x
-        if hasattr(lax, "pcast"):
-            return lax.pcast(x, missing, to="varying")
-        return lax.pvary(x, missing)  # jax < 0.9 spelling
-    return jax.tree.map(one, tree)
-
-
 def data_parallel_value_and_grad(loss_fn: Callable[..., Any], num_microbatches: int,
                                  axis_name: str = "data", *, accum_dtype=jnp.float32,
                                  has_aux: bool = False, aux_combine: str = "mean",
@@ -352,7 +317,7 @@ def data_parallel_value_and_grad(loss_fn: Callable[..., Any], num_microbatches: 
                                  has_aux=has_aux, aux_combine=aux_combine, weight_fn=weight_fn)
 
     def fn(params, batch, *extra):
-        out, grads = local(_to_varying(params, axis_name), batch, *extra)
+        out, grads = local(to_varying(params, axis_name), batch, *extra)
         loss, aux = out if has_aux else (out, None)
         if weight_fn is not None:
             loss, grads = weighted_share((loss, grads), batch_weight(weight_fn, batch), axis_name)

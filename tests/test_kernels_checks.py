@@ -17,7 +17,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxopt_train.kernels import MatmulConfig, configs, make_dot_general, matmul
+from jaxopt_train.kernels import MatmulConfig, configs, make_dot_general, matmul, matmul_reference
 
 matmul_mod = importlib.import_module("jaxopt_train.kernels.matmul")
 S = jax.ShapeDtypeStruct
@@ -173,3 +173,28 @@ def test_xla_backend_differentiates_explicitly_sharded_operands(a_shape, a_spec,
         assert g.dtype == w.dtype and g.shape == w.shape
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
                                    rtol=2e-2, atol=2e-2 * float(jnp.max(jnp.abs(w))))
+
+
+def test_xla_backend_differentiates_a_replicated_operand_inside_shard_map():
+    # check_vma=True (shard_map's default): a per-device a times a replicated b gave a
+    # per-device dB, which the custom VJP could not return for an invariant b.
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:4])
+    keys = jax.random.split(jax.random.key(0), 3)
+    a = jax.random.normal(keys[0], (8, 16), jnp.bfloat16)
+    b = jax.random.normal(keys[1], (16, 4), jnp.bfloat16)
+    bias = jax.random.normal(keys[2], (4,), jnp.float32)
+
+    def grads(product):
+        def loss(b, bias, a):
+            return jax.lax.psum(jnp.sum(product(a, b, bias) ** 2), "d")
+        return jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1)), mesh=mesh,
+                                     in_specs=(P(), P(), P("d")), out_specs=P()))(b, bias, a)
+
+    got = grads(lambda a, b, bias: matmul(a, b, bias=bias, activation="gelu", backend="xla",
+                                          out_dtype=jnp.float32))
+    want = grads(lambda a, b, bias: matmul_reference(a, b, bias=bias, activation="gelu",
+                                                     out_dtype=jnp.float32))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=2e-2, atol=2e-2 * float(np.max(np.abs(np.asarray(w, np.float32)))))

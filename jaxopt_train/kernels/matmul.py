@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxopt_train._varying import to_varying, varying_axes_of_tree
 from jaxopt_train.kernels import configs
 from jaxopt_train.kernels.configs import (ACTIVATIONS, BACKENDS, TRANSPOSING_BACKENDS, MatmulConfig,
                                           as_config)
@@ -393,6 +394,11 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
 
     config = as_config(config)
     backend = resolve_backend(backend)
+    # Inside shard_map with varying-axes checking, a replicated `b` times a per-device `a`
+    # gives a per-device dB, which a custom VJP may not return for an invariant `b`: cast
+    # the operands to vary alike first (differentiating the cast psums dB back, as jnp.dot's
+    # own gradient does). A no-op elsewhere.
+    a, b, bias = to_varying((a, b, bias), varying_axes_of_tree((a, b, bias)))
     if backend == "xla":  # N-D: no reshape (see `matmul_vjp._xla_products`)
         return _matmul_2d(a.astype(compute), b.astype(compute), bias, activation, out_dtype,
                           backend, config, transpose_b, save_preactivation)

@@ -1,0 +1,48 @@
+"""Varying mesh axes inside `jax.shard_map` (its `check_vma` typing), read and set.
+
+Under varying-axes checking each value is typed with the mesh axes along which it
+may differ between devices. Differentiating a replicated (invariant) value against
+varying data makes JAX insert a psum in the backward pass, and a custom VJP must
+return cotangents typed like its inputs; both are handled by casting values to
+"varying" up front. Outside shard_map, and under `check_vma=False`, nothing carries
+varying axes and these are no-ops.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+
+def varying_axes(x) -> frozenset:
+    """Mesh axes along which `x` varies inside shard_map (empty outside)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10+
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))  # older spelling
+
+
+def varying_axes_of_tree(tree) -> tuple[str, ...]:
+    """Mesh axes along which any array leaf of `tree` varies, sorted."""
+    axes = set()
+    for leaf in jax.tree.leaves(tree):
+        if hasattr(leaf, "dtype"):
+            axes |= varying_axes(leaf)
+    return tuple(sorted(axes))
+
+
+def to_varying(tree, axis_names: str | tuple[str, ...]):
+    """Every array leaf of `tree` cast to vary along `axis_names` too (`lax.pcast`)."""
+    axis_names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+
+    def one(x):
+        if not hasattr(x, "dtype"):
+            return x
+        missing = tuple(a for a in axis_names if a not in varying_axes(x))
+        if not missing:
+            return x
+        if hasattr(lax, "pcast"):
+            return lax.pcast(x, missing, to="varying")
+        return lax.pvary(x, missing)  # jax < 0.9 spelling
+    return jax.tree.map(one, tree)
