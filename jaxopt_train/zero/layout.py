@@ -87,6 +87,13 @@ class FlatLayout:
         if np.shape(flat) not in ((self.size,), (self.padded_size,)):
             raise ValueError(f"flat vector of shape {np.shape(flat)}; expected ({self.padded_size},) "
                              f"(padded) or ({self.size},) for this layout")
+        spec = getattr(getattr(jax.typeof(flat), "sharding", None), "spec", None)
+        if spec is not None and any(p is not None for p in spec):
+            # Typed with explicit sharding (jax.make_mesh's default axes), its slices would
+            # each need an out_sharding: gather the vector first, as the leaves are whole.
+            whole = jax.sharding.NamedSharding(jax.typeof(flat).sharding.mesh,
+                                               jax.sharding.PartitionSpec())
+            flat = jax.sharding.reshard(flat, whole)
         leaves, offset = [], 0
         for shape in self.shapes:
             size = math.prod(shape)
