@@ -231,6 +231,7 @@ def test_ring_order_groups_processes_and_snakes_tpu_coords():
     text = describe_ring(gpus, ring_order(gpus))
     assert text.startswith("ring over 8 devices (2 processes, 2 cross-process hops)")
     assert text.count("(cross-process)") == 2
+    assert describe_ring(gpus[:1]).startswith("ring over 1 device (1 process, 0 cross-process hops)")
 
 
 @pytest.mark.parametrize("order", [[0, 1, 9], [0, 1, 1, 2], [0, 1, 2], ["a", 1, 2, 3]])

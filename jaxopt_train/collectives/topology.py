@@ -123,5 +123,7 @@ def describe_ring(devices: Sequence[Any], order: Sequence[int] | None = None) ->
         cross = pa != pb
         crossings += cross
         lines.append(f"  {pos}: {a} [p{pa}] -> {b} [p{pb}]" + ("   (cross-process)" if cross else ""))
-    head = f"ring over {n} devices ({len(processes)} processes, {crossings} cross-process hops):"
+    plural = lambda count, word: f"{count} {word}{'' if count == 1 else 'es' if word.endswith('s') else 's'}"  # noqa: E731
+    head = (f"ring over {plural(n, 'device')} ({plural(len(processes), 'process')}, "
+            f"{plural(crossings, 'cross-process hop')}):")
     return "\n".join([head] + lines)
