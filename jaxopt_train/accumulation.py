@@ -216,10 +216,14 @@ def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
         # the scan: one all-reduce each, and a caller who then reduces once more gets n
         # times the gradient. Varying params keep the gradients local until that psum.)
         params = to_varying(params, varying_axes_of_tree((batch, extra)))
-        if num_microbatches == 1 and weight_fn is not None:
-            batch_weight(weight_fn, batch)  # the same checks as with K > 1
         if num_microbatches == 1:
             out, grads = value_and_grad(params, batch, *extra)
+            if weight_fn is not None:  # the same checks as with K > 1, and NaN at weight 0
+                weight = batch_weight(weight_fn, batch)
+                loss, aux = out if has_aux else (out, None)
+                loss, grads = jax.tree.map(lambda x: jnp.where(weight > 0, x, jnp.nan).astype(x.dtype),
+                                           (loss, grads))
+                out = (loss, aux) if has_aux else loss
             if has_aux and aux_combine == "stack":  # as documented: a leading axis of size K
                 loss, aux = out
                 out = loss, jax.tree.map(lambda x: jnp.expand_dims(jnp.asarray(x), 0), aux)
@@ -229,30 +233,46 @@ def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
         keys = [jax.random.split(extra[i], num_microbatches) for i in key_positions]
         micro = _split_microbatches(batch, num_microbatches)
 
+        if weight_fn is None:
+            shares = jnp.full((num_microbatches,), 1.0 / num_microbatches, jnp.float32)
+            total = jnp.float32(num_microbatches)
+        else:
+            # Each micro-batch's share w_k / sum(w), in f32 before the scan: the accumulator
+            # then holds a gradient's magnitude, not one times a token count (an f16
+            # accumulator overflowed past 65,504 tokens).
+            weights = jax.vmap(lambda mb: batch_weight(weight_fn, mb))(micro)
+            total = jnp.sum(weights)
+            shares = weights / total
+
         def body(grad_sum, xs):
-            micro_batch, micro_keys = xs
+            micro_batch, micro_keys, share = xs
             args = list(extra)
             for i, key in zip(key_positions, micro_keys):
                 args[i] = key
             out, grads = value_and_grad(params, micro_batch, *args)
             loss, aux = out if has_aux else (out, None)
-            weight = jnp.ones((), accum_dtype)
-            if weight_fn is not None:
-                weight = batch_weight(weight_fn, micro_batch).astype(accum_dtype)
-                # Weight 0 adds nothing (not NaN * 0 from a mean over no tokens).
+            if weight_fn is None:
+                grads = jax.tree.map(lambda g: g.astype(accum_dtype), grads)
+            else:  # a share of 0 adds nothing (not NaN * 0 from a mean over no tokens)
                 grads = jax.tree.map(
-                    lambda g: jnp.where(weight > 0, weight * g.astype(accum_dtype), 0), grads)
-            grad_sum = jax.tree.map(lambda s, g: s + g.astype(accum_dtype), grad_sum, grads)
-            return grad_sum, (loss, weight, aux)
+                    lambda g: jnp.where(share > 0, g.astype(jnp.float32) * share, 0).astype(accum_dtype),
+                    grads)
+            grad_sum = jax.tree.map(lambda s, g: s + g, grad_sum, grads)
+            return grad_sum, (loss, aux)
 
         zeros = jax.tree.map(lambda p: _zeros_like(p, accum_dtype), params)
-        grad_sum, (losses, weights, aux) = lax.scan(body, zeros, (micro, keys))
-        # Without weight_fn every weight is 1: the mean over the K micro-batches.
-        total = jnp.sum(weights)
-        terms = jnp.where(weights > 0, weights * losses.astype(accum_dtype), 0)
-        loss = (jnp.sum(terms) / total).astype(losses.dtype)
+        grad_sum, (losses, aux) = lax.scan(body, zeros, (micro, keys, shares))
         # A gradient has its primal's dtype: cast the f32 means back to it.
-        grads = jax.tree.map(lambda s, p: (s / total).astype(jnp.result_type(p)), grad_sum, params)
+        if weight_fn is None:
+            loss = jnp.mean(losses.astype(accum_dtype)).astype(losses.dtype)
+            grads = jax.tree.map(lambda s, p: (s / num_microbatches).astype(jnp.result_type(p)),
+                                 grad_sum, params)
+        else:  # a total weight of 0 is NaN, as the full batch's mean over no tokens
+            loss = jnp.sum(jnp.where(shares > 0, shares * losses.astype(jnp.float32), 0))
+            loss = jnp.where(total > 0, loss, jnp.nan).astype(losses.dtype)
+            grads = jax.tree.map(
+                lambda s, p: jnp.where(total > 0, s, jnp.nan).astype(jnp.result_type(p)),
+                grad_sum, params)
         if has_aux:
             return (loss, _combine_aux(aux, aux_combine, accum_dtype)), grads
         return loss, grads

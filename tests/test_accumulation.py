@@ -258,10 +258,30 @@ def test_token_weighted_micro_batches_match_the_full_batch(num_microbatches):
         assert abs(float(plain - want)) > 1e-3 and float(weighted) == pytest.approx(float(want), rel=1e-5)
 
 
-def test_a_batch_of_no_tokens_is_nan_like_its_full_batch_mean():
+@pytest.mark.parametrize("num_microbatches", [1, 4])
+def test_a_batch_of_no_tokens_is_nan_like_its_full_batch_mean(num_microbatches):
     params, batch = _masked_problem(empty_rows=list(range(16)))
-    loss, grads = accumulate_gradients(_masked_loss, 4, weight_fn=_token_weight)(params, batch)
-    assert np.isnan(loss) and all(np.isnan(g).all() for g in jax.tree.leaves(grads))
+
+    def guarded(params, batch):  # a loss that returns 0, not 0/0, for no tokens
+        h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+        err = jnp.sum((h @ params["w2"] - batch["y"]) ** 2, axis=-1)
+        return jnp.sum(err * batch["mask"]) / jnp.maximum(jnp.sum(batch["mask"]), 1)
+
+    for loss_fn in (_masked_loss, guarded):
+        loss, grads = accumulate_gradients(loss_fn, num_microbatches, weight_fn=_token_weight)(
+            params, batch)
+        assert np.isnan(loss) and all(np.isnan(g).all() for g in jax.tree.leaves(grads))
+
+
+def test_token_weights_do_not_overflow_a_float16_accumulator():
+    # Two micro-batches of 80,000 tokens: w * g in float16 was inf (the weights too).
+    params, batch = _masked_problem(batch=4, tokens=40_000)
+    batch = {**batch, "mask": jnp.ones_like(batch["mask"])}
+    want_loss, want_grads = jax.value_and_grad(_masked_loss)(params, batch)
+    loss, grads = accumulate_gradients(_masked_loss, 2, accum_dtype="f16", weight_fn=_token_weight)(
+        params, batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    _assert_trees_close(grads, want_grads, rtol=2e-3, atol=1e-4)
 
 
 def test_weight_fn_bad_inputs():

@@ -89,6 +89,42 @@ def test_dropout_masks_differ_across_devices_and_micro_batches(devices, options)
     assert partly > 0.8, kept
 
 
+class DropoutBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.lin, self.drop = nnx.Linear(8, 8, rngs=rngs), nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(jax.nn.relu(self.lin(x))) + x
+
+
+class StackedDropout(nnx.Module):
+    """Three blocks stacked with nnx.vmap and run with nnx.scan: a key per layer."""
+
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return DropoutBlock(rngs)
+        self.blocks = make(rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, block):
+            return block(x)
+        return body(x, self.blocks)
+
+
+@pytest.mark.parametrize("options", [{}, {"microbatches": 2, "zero": 1}])
+def test_stacked_dropout_layers_train_with_a_key_per_layer(options):
+    # The salt was folded into the stream's key with fold_in, which takes one key, not
+    # the (3,) keys of stacked layers: "fold_in accepts a single key".
+    trainer = Trainer(StackedDropout(nnx.Rngs(0)), lambda m, b: jnp.mean((m(b["x"]) - b["x"]) ** 2),
+                      optimizer=optax.sgd(0.0), devices=jax.devices()[:4], **options)
+    x = np.random.default_rng(0).standard_normal((8, 8)).astype(np.float32)
+    losses = [float(trainer.step({"x": x})["loss"][0]) for _ in range(2)]
+    assert all(np.isfinite(losses)) and losses[0] != losses[1]  # lr 0: only the masks differ
+
+
 @pytest.mark.parametrize("options", [{}, {"microbatches": 4}, {"zero": 1, "microbatches": 4}])
 def test_integer_model_state_counts_every_micro_batch_once(options):
     trainer = Trainer(CountingMLP(nnx.Rngs(0)), loss_fn, optimizer=optax.sgd(1e-2), **options)

@@ -67,7 +67,15 @@ def _salt_rng_streams(model_state, salt: jax.Array):
     """`model_state` with every typed PRNG key (an `nnx.Rngs` stream's key) folded with
     bits of the typed key `salt`."""
     bits = jax.random.bits(salt, dtype=jnp.uint32)
-    return jax.tree.map(lambda x: jax.random.fold_in(x, bits) if _is_key(x) else x, model_state)
+
+    def one(x):
+        if not _is_key(x):
+            return x
+        fold = lambda key: jax.random.fold_in(key, bits)  # noqa: E731
+        for _ in range(x.ndim):  # a key per layer where nnx.vmap stacked the layers
+            fold = jax.vmap(fold)
+        return fold(x)
+    return jax.tree.map(one, model_state)
 
 
 def local_gradients(loss: Callable, state: TrainState, params, batch, microbatches: int,
