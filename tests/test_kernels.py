@@ -427,6 +427,35 @@ def test_float16_gradients_survive_a_cotangent_past_the_float16_range(backend, a
         _assert_close(g, w, jnp.float16)
 
 
+@pytest.mark.parametrize("backend", ["interpret", "xla"])
+def test_float16_gradients_keep_cotangents_below_the_float16_range(backend):
+    """An f32 cotangent of ~1e-8 (below fp16's subnormals) was rounded to fp16 zero: dA was
+    all zero and dB mostly so, where the reference keeps them."""
+    keys = jax.random.split(jax.random.key(3), 3)
+    a = jax.random.normal(keys[0], (8, 64)).astype(jnp.float16)
+    b = (jax.random.normal(keys[1], (64, 32)) * 0.05).astype(jnp.float16)
+    g = jax.random.normal(keys[2], (8, 32)) * 1e-8
+    got = jax.vjp(lambda a, b: matmul(a, b, out_dtype=jnp.float32, backend=backend), a, b)[1](g)
+    want = jax.vjp(lambda a, b: matmul_reference(a, b, out_dtype=jnp.float32), a, b)[1](g)
+    for x, w in zip(got, want):
+        x, w = np.asarray(x, np.float32), np.asarray(w, np.float32)
+        # fp16 results: the reference's own are subnormal (relative precision ~1e-3 at best)
+        np.testing.assert_allclose(x, w, rtol=0, atol=0.05 * np.max(np.abs(w)))
+        assert np.count_nonzero(x) >= 0.9 * np.count_nonzero(w)
+
+
+@pytest.mark.parametrize("bad", [jnp.inf, jnp.nan])
+def test_one_non_finite_cotangent_leaves_the_other_rows_shifted(bad):
+    """The shift read max|g| including the inf (or NaN), got no shift, and every other row
+    of a 1e5 cotangent overflowed fp16."""
+    a, b = jnp.full((2, 4), 2.0**-6, jnp.float16), jnp.full((4, 3), 2.0**-12, jnp.float16)
+    g = jnp.full((2, 3), 1e5, jnp.float32).at[0, 0].set(bad)
+    got = jax.vjp(lambda a, b: matmul(a, b, out_dtype=jnp.float32, backend="xla"), a, b)[1](g)[0]
+    want = jax.vjp(lambda a, b: matmul_reference(a, b, out_dtype=jnp.float32), a, b)[1](g)[0]
+    np.testing.assert_allclose(np.asarray(got[1], np.float32), np.asarray(want[1], np.float32),
+                               rtol=1e-3)  # the row without the inf or NaN
+
+
 def test_float16_dot_general_with_float32_output_takes_large_cotangents():
     """The audit's case: the drop-in's gradient was inf where lax.dot_general's is 300."""
     x, w = jnp.ones((2, 4), jnp.float16), jnp.full((4, 3), 1e-3, jnp.float16)

@@ -376,7 +376,9 @@ _WARMUP = optax.warmup_cosine_decay_schedule(0.0, 3e-4, 2000, 100_000)
     # Warmups from lr 0, whose first updates are tiny: still accepted.
     optax.adamw(_WARMUP, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)),
     optax.sgd(_WARMUP, momentum=0.9),
-], ids=["masked adamw", "masked adamw warmup", "sgd momentum warmup"])
+    # Updates that are differences of params, rounded apart by an ulp of the params.
+    optax.contrib.schedule_free_adamw(1e-3),
+], ids=["masked adamw", "masked adamw warmup", "sgd momentum warmup", "schedule-free adamw"])
 def test_zero_accepts_an_elementwise_user_optimizer_with_a_per_leaf_mask(optimizer):
     Trainer(_MLP(nnx.Rngs(0), hidden=32), _mse, zero=1, devices=jax.devices()[:4],
             optimizer=optimizer)

@@ -134,15 +134,20 @@ def _float16_safe_cotangent(g, compute_dtype):
     """(g scaled by 2**-shift, shift) so that dZ fits fp16 when the products read fp16 and
     the cotangent is wider (an f32 or bf16 output): rounding g to fp16 made any |g| > 65504
     inf, and dA, dB, dbias with it, where lax.dot_general's gradients are finite. The shift
-    (a power of two: exact) takes max|g| below 2**15, leaving room for the activation's
-    derivative (<= 1.13); the products then write f32 and are scaled back there. (None,
-    None) where g already fits: fp16 outputs, and bf16 products (f32's exponent range)."""
+    (a power of two: exact) takes max|g| to [2**14, 2**15), leaving room for the
+    activation's derivative (<= 1.13): down from past fp16's range, and up from below its
+    normal range, where a small cotangent (an f32 head's mean loss, unscaled) flushed to
+    zero. The products then write f32 and are scaled back there. The max is over finite
+    entries, so one inf or NaN (propagated as the reference does) leaves the others
+    shifted. (None, None) where g already fits: fp16 outputs, and bf16 products (f32's
+    exponent range)."""
     if jnp.dtype(compute_dtype) != jnp.float16 or g.dtype == jnp.float16:
         return None, None
     g = g.astype(jnp.float32)
-    # max|g| < 2**exponent (exponent 0 for 0, inf and NaN: no shift)
-    _, exponent = jnp.frexp(jnp.max(jnp.abs(jax.lax.stop_gradient(g))))
-    shift = jnp.maximum(exponent - 15, 0)
+    magnitude = jnp.abs(jax.lax.stop_gradient(g))
+    # max|g| < 2**exponent; an all-zero g gets exponent 0 and stays zero whatever the shift
+    _, exponent = jnp.frexp(jnp.max(jnp.where(jnp.isfinite(magnitude), magnitude, 0)))
+    shift = jnp.clip(exponent - 15, -120, 120)
     return jnp.ldexp(g, -shift), shift
 
 
