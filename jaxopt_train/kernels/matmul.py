@@ -371,7 +371,9 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
         (..., M, N) array of `out_dtype`.
 
     Differentiation is reverse-mode (a `jax.custom_vjp`), to any order: `jax.grad`,
-    `jax.vjp`, `jax.jacrev` and their nestings (grad of grad), every backend. Forward mode
+    `jax.vjp`, `jax.jacrev` and their nestings (grad of grad), every backend; except that a
+    second derivative through `lax.scan` fails on the kernel backends (an IndexError in the
+    backward: its residuals arrive shapeless; not yet understood), where "xla" works. Forward mode
     (`jax.jvp`, `jax.jacfwd`, `jax.hessian`, which is jacfwd of jacrev) raises JAX's
     "can't apply forward-mode autodiff (jvp) to a custom_vjp function": take a Hessian
     as `jax.jacrev(jax.jacrev(f))`. The backward's products read dZ rounded to the
