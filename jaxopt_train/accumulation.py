@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxopt_train._varying import to_varying, varying_axes, varying_axes_of_tree
+from jaxopt_train._typed_sharding import to_varying, varying_axes, varying_axes_of_tree
 from jaxopt_train.precision import as_float_dtype
 
 AUX_COMBINE = ("mean", "sum", "stack")
@@ -125,6 +125,13 @@ def _combine_aux(aux, how: str, accum_dtype):
     return jax.tree.map(one, aux)
 
 
+def check_weight_fn(weight_fn) -> None:
+    """Raises TypeError unless `weight_fn` is None or callable (see `accumulate_gradients`)."""
+    if weight_fn is not None and not callable(weight_fn):
+        raise TypeError(f"weight_fn={weight_fn!r} is not callable; expected weight_fn(batch) -> "
+                        "a scalar weight >= 0 (e.g. lambda batch: batch['mask'].sum())")
+
+
 def batch_weight(weight_fn: Callable[[Any], Any], batch) -> jax.Array:
     """`weight_fn(batch)` checked to be a real scalar (see `accumulate_gradients`), in f32."""
     weight = weight_fn(batch)
@@ -195,9 +202,7 @@ def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
     if aux_combine not in AUX_COMBINE:
         raise ValueError(f"{aux_combine=}; expected one of {AUX_COMBINE}")
     accum_dtype = as_float_dtype(accum_dtype, "accum_dtype")  # "f32", "bf16" or a dtype
-    if weight_fn is not None and not callable(weight_fn):
-        raise TypeError(f"weight_fn={weight_fn!r} is not callable; expected weight_fn(batch) -> "
-                        "a scalar weight >= 0 (e.g. lambda batch: batch['mask'].sum())")
+    check_weight_fn(weight_fn)
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
     num_microbatches = int(num_microbatches)
 
@@ -233,10 +238,8 @@ def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
         keys = [jax.random.split(extra[i], num_microbatches) for i in key_positions]
         micro = _split_microbatches(batch, num_microbatches)
 
-        if weight_fn is None:
-            shares = jnp.full((num_microbatches,), 1.0 / num_microbatches, jnp.float32)
-            total = jnp.float32(num_microbatches)
-        else:
+        shares = total = None  # without weight_fn: a plain mean over the K micro-batches
+        if weight_fn is not None:
             # Each micro-batch's share w_k / sum(w), in f32 before the scan: the accumulator
             # then holds a gradient's magnitude, not one times a token count (an f16
             # accumulator overflowed past 65,504 tokens).

@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxopt_train._typed_sharding import explicit_sharding
 from jaxopt_train.kernels.configs import BACKENDS, MatmulConfig, as_config
-from jaxopt_train.kernels.matmul import (explicit_sharding, matmul, resolve_backend,
-                                         writes_preactivation)
+from jaxopt_train.kernels.matmul import matmul, resolve_backend, writes_preactivation
 
 logger = logging.getLogger(__name__)
 

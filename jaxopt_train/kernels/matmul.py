@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxopt_train._varying import to_varying, varying_axes_of_tree
+from jaxopt_train._typed_sharding import explicit_sharding, to_varying, varying_axes_of_tree
 from jaxopt_train.kernels import configs
 from jaxopt_train.kernels.configs import (ACTIVATIONS, BACKENDS, TRANSPOSING_BACKENDS, MatmulConfig,
                                           as_config)
@@ -76,13 +76,6 @@ def _check_inputs(a, b, bias, activation, out_dtype, transpose_b=False):
         raise TypeError(f"{out_dtype=} is not supported; expected one of bfloat16, float16, float32")
     compute = jnp.dtype(jnp.bfloat16) if a.dtype == jnp.float32 else jnp.dtype(a.dtype)
     return compute, out_dtype
-
-
-def explicit_sharding(x) -> jax.sharding.PartitionSpec | None:
-    """`x`'s PartitionSpec when its type carries explicit sharding (a mesh with Explicit
-    axes, `jax.make_mesh`'s default), else None. `pallas_call` refuses such operands."""
-    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
-    return spec if spec is not None and any(p is not None for p in spec) else None
 
 
 def _check_unsharded(backend: str, **operands) -> None:

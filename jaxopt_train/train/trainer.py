@@ -31,7 +31,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxopt_train.accumulation import check_divisible
+from jaxopt_train.accumulation import check_divisible, check_weight_fn
 from jaxopt_train.precision import Policy, get_policy, loss_scale_for
 from jaxopt_train.runtime.memory import fits
 from jaxopt_train.train import config as config_lib
@@ -165,9 +165,7 @@ class Trainer:
         else:
             fns = nnx_model_fns(model, loss_fn, policy)
         if weight_fn is not None:
-            if not callable(weight_fn):
-                raise TypeError(f"weight_fn={weight_fn!r} is not callable; expected weight_fn(batch) "
-                                "-> a scalar weight >= 0 (e.g. lambda batch: batch['mask'].sum())")
+            check_weight_fn(weight_fn)
             fns = fns._replace(weight=weight_fn)
         check_zero(zero, grad_sync, grad_compression)
         schedule = {"lr": lr, "total_steps": total_steps, "warmup": warmup,

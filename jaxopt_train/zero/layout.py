@@ -21,6 +21,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxopt_train._trees import leaf_path_diff
+from jaxopt_train._typed_sharding import explicit_sharding
 from jaxopt_train.collectives import ring_all_gather, ring_reduce_scatter
 from jaxopt_train.zero._checks import _check_num_shards
 
@@ -87,13 +88,11 @@ class FlatLayout:
         if np.shape(flat) not in ((self.size,), (self.padded_size,)):
             raise ValueError(f"flat vector of shape {np.shape(flat)}; expected ({self.padded_size},) "
                              f"(padded) or ({self.size},) for this layout")
-        spec = getattr(getattr(jax.typeof(flat), "sharding", None), "spec", None)
-        if spec is not None and any(p is not None for p in spec):
+        if explicit_sharding(flat) is not None:
             # Typed with explicit sharding (jax.make_mesh's default axes), its slices would
             # each need an out_sharding: gather the vector first, as the leaves are whole.
-            whole = jax.sharding.NamedSharding(jax.typeof(flat).sharding.mesh,
-                                               jax.sharding.PartitionSpec())
-            flat = jax.sharding.reshard(flat, whole)
+            mesh = jax.typeof(flat).sharding.mesh
+            flat = jax.sharding.reshard(flat, jax.sharding.NamedSharding(mesh, P()))
         leaves, offset = [], 0
         for shape in self.shapes:
             size = math.prod(shape)

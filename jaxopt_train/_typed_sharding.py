@@ -1,11 +1,15 @@
-"""Varying mesh axes inside `jax.shard_map` (its `check_vma` typing), read and set.
+"""What a value's type says about its sharding: varying mesh axes, and explicit sharding.
 
-Under varying-axes checking each value is typed with the mesh axes along which it
-may differ between devices. Differentiating a replicated (invariant) value against
-varying data makes JAX insert a psum in the backward pass, and a custom VJP must
-return cotangents typed like its inputs; both are handled by casting values to
-"varying" up front. Outside shard_map, and under `check_vma=False`, nothing carries
-varying axes and these are no-ops.
+Inside `jax.shard_map` with varying-axes checking each value is typed with the mesh
+axes along which it may differ between devices. Differentiating a replicated
+(invariant) value against varying data makes JAX insert a psum in the backward pass,
+and a custom VJP must return cotangents typed like its inputs; both are handled by
+casting values to "varying" up front. Outside shard_map, and under `check_vma=False`,
+nothing carries varying axes and those helpers are no-ops.
+
+Outside shard_map, an array on a mesh with Explicit axes (`jax.make_mesh`'s default)
+carries its PartitionSpec in its type (`explicit_sharding`): reshapes and slices of it
+then need an out_sharding, and `pallas_call` refuses it.
 """
 
 from __future__ import annotations
@@ -46,3 +50,10 @@ def to_varying(tree, axis_names: str | tuple[str, ...]):
             return lax.pcast(x, missing, to="varying")
         return lax.pvary(x, missing)  # jax < 0.9 spelling
     return jax.tree.map(one, tree)
+
+
+def explicit_sharding(x) -> jax.sharding.PartitionSpec | None:
+    """`x`'s PartitionSpec when its type carries explicit sharding (a mesh with Explicit
+    axes, `jax.make_mesh`'s default), else None."""
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    return spec if spec is not None and any(p is not None for p in spec) else None
