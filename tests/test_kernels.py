@@ -401,6 +401,31 @@ def test_second_derivatives_on_a_kernel_backend_match_xla(activation, with_bias,
                                    rtol=5e-2, atol=5e-2 * float(jnp.max(jnp.abs(w))))
 
 
+@pytest.mark.parametrize("activation", [None, "gelu"])
+def test_second_derivatives_through_lax_scan_match_xla(activation):
+    """Grad of grad of layers stacked with lax.scan (as nnx.scan stacks them). It failed on
+    the kernel backends: the padding of operands to whole blocks was a jnp.pad, a jit called
+    with a literal, and a jit with a literal inside a custom_vjp's primal shifts its
+    residuals in this transpose (jax 0.10): the backward got a scalar for `a`. The 4 x 12
+    carry needs padding."""
+    x0 = _operands((4,), 12, 12, jnp.bfloat16, seed=7)[0]
+    w = jax.random.normal(jax.random.key(8), (3, 12, 12), jnp.float32) * 0.3
+
+    def penalty(backend):
+        def loss(w):
+            def layer(x, wi):
+                return matmul(x, wi.astype(jnp.bfloat16), activation=activation,
+                              backend=backend), None
+            return jnp.sum(jnp.sin(jax.lax.scan(layer, x0, w)[0].astype(jnp.float32)))
+        return jax.grad(lambda w: jnp.sum(jax.grad(loss)(w) ** 2))
+
+    got = jax.jit(penalty("interpret"))(w)
+    want = jax.jit(penalty("xla"))(w)
+    assert got.shape == w.shape and bool(jnp.all(jnp.isfinite(got)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-2,
+                               atol=2e-2 * float(jnp.max(jnp.abs(want))))
+
+
 @pytest.mark.parametrize("backend", ["interpret", "xla"])
 @pytest.mark.parametrize("activation,out_dtype", [(None, jnp.float32), ("gelu", jnp.float32),
                                                   ("silu", jnp.bfloat16)])

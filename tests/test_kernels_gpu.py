@@ -77,6 +77,31 @@ def test_gradients_match_reference(backend):
         _close(g, w, 2e-2)
 
 
+@pytest.mark.parametrize("backend", ["mosaic_gpu", "triton"])
+@pytest.mark.parametrize("through_scan", [False, True], ids=["layer", "scan"])
+def test_second_derivatives_match_xla_on_gpu(backend, through_scan):
+    """Grad of grad (a gradient penalty) through the GPU kernels, one layer or three stacked
+    with lax.scan (the case a jit-with-literal in the primal broke; see
+    tests/test_kernels.py), against the xla backend. 300 x 136 operands need padding."""
+    _backend_or_skip(backend)
+    x0 = _operands((300, 136, 136), jnp.bfloat16, seed=3)[0]
+    w = jax.random.normal(jax.random.key(4), (3, 136, 136), jnp.float32) * 0.1
+
+    def penalty(backend):
+        def layer(x, wi):
+            return matmul(x, wi.astype(jnp.bfloat16), activation="gelu", backend=backend), None
+
+        def loss(w):
+            x = jax.lax.scan(layer, x0, w)[0] if through_scan else layer(x0, w[0])[0]
+            return jnp.sum(jnp.sin(x.astype(jnp.float32)))
+        return jax.grad(lambda w: jnp.sum(jax.grad(loss)(w) ** 2))
+
+    got = jax.jit(penalty(backend))(w)
+    want = jax.jit(penalty("xla"))(w)
+    assert bool(jnp.all(jnp.isfinite(got)))
+    _close(got, want, 3e-2)
+
+
 @pytest.mark.parametrize("backend,config", [
     ("mosaic_gpu", MatmulConfig(block_m=64, block_n=256, block_k=64, num_stages=3, group_m=4,
                                 grid_minor="m")),

@@ -181,9 +181,13 @@ def _pow2_at_least(x: int, floor: int) -> int:
 
 
 def _pad_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    # lax.pad with a typed zero, not jnp.pad: jnp.pad is a jit called with a literal
+    # operand, and a jit with a literal operand inside a custom_vjp's primal shifts that
+    # custom_vjp's residuals in a second derivative through lax.scan (jax 0.10: the backward
+    # received the literal in place of `a`; tests/test_kernels.py pins it).
     if x.shape == tuple(shape):
         return x
-    return jnp.pad(x, [(0, t - s) for s, t in zip(x.shape, shape)])
+    return jax.lax.pad(x, jnp.zeros((), x.dtype), [(0, t - s, 0) for s, t in zip(x.shape, shape)])
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -364,12 +368,10 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
         (..., M, N) array of `out_dtype`.
 
     Differentiation is reverse-mode (a `jax.custom_vjp`), to any order: `jax.grad`,
-    `jax.vjp`, `jax.jacrev` and their nestings (grad of grad), every backend; except that a
-    second derivative through `lax.scan` fails on the kernel backends (an IndexError in the
-    backward: its residuals arrive shapeless; not yet understood), where "xla" works. Forward mode
-    (`jax.jvp`, `jax.jacfwd`, `jax.hessian`, which is jacfwd of jacrev) raises JAX's
-    "can't apply forward-mode autodiff (jvp) to a custom_vjp function": take a Hessian
-    as `jax.jacrev(jax.jacrev(f))`. The backward's products read dZ rounded to the
+    `jax.vjp`, `jax.jacrev` and their nestings (grad of grad, also through `lax.scan`), every
+    backend. Forward mode (`jax.jvp`, `jax.jacfwd`, `jax.hessian`, which is jacfwd of jacrev)
+    raises JAX's "can't apply forward-mode autodiff (jvp) to a custom_vjp function": take a
+    Hessian as `jax.jacrev(jax.jacrev(f))`. The backward's products read dZ rounded to the
     compute dtype (as XLA's bf16 products do), so a second derivative matches the
     full-precision reference within that rounding.
 
