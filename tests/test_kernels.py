@@ -401,7 +401,7 @@ def test_second_derivatives_on_a_kernel_backend_match_xla(activation, with_bias,
                                    rtol=5e-2, atol=5e-2 * float(jnp.max(jnp.abs(w))))
 
 
-@pytest.mark.parametrize("activation", [None, "gelu"])
+@pytest.mark.parametrize("activation", [None, "gelu", "relu", "silu"])
 def test_second_derivatives_through_lax_scan_match_xla(activation):
     """Grad of grad of layers stacked with lax.scan (as nnx.scan stacks them). It failed on
     the kernel backends: the padding of operands to whole blocks was a jnp.pad, a jit called
@@ -410,13 +410,14 @@ def test_second_derivatives_through_lax_scan_match_xla(activation):
     carry needs padding."""
     x0 = _operands((4,), 12, 12, jnp.bfloat16, seed=7)[0]
     w = jax.random.normal(jax.random.key(8), (3, 12, 12), jnp.float32) * 0.3
+    bias = jax.random.normal(jax.random.key(9), (3, 12), jnp.float32) * 0.1
 
     def penalty(backend):
         def loss(w):
-            def layer(x, wi):
-                return matmul(x, wi.astype(jnp.bfloat16), activation=activation,
-                              backend=backend), None
-            return jnp.sum(jnp.sin(jax.lax.scan(layer, x0, w)[0].astype(jnp.float32)))
+            def layer(x, wb):
+                return matmul(x, wb[0].astype(jnp.bfloat16), bias=wb[1],
+                              activation=activation, backend=backend), None
+            return jnp.sum(jnp.sin(jax.lax.scan(layer, x0, (w, bias))[0].astype(jnp.float32)))
         return jax.grad(lambda w: jnp.sum(jax.grad(loss)(w) ** 2))
 
     got = jax.jit(penalty("interpret"))(w)

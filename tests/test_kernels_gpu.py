@@ -79,7 +79,8 @@ def test_gradients_match_reference(backend):
 
 @pytest.mark.parametrize("backend", ["mosaic_gpu", "triton"])
 @pytest.mark.parametrize("through_scan", [False, True], ids=["layer", "scan"])
-def test_second_derivatives_match_xla_on_gpu(backend, through_scan):
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
+def test_second_derivatives_match_xla_on_gpu(backend, through_scan, activation):
     """Grad of grad (a gradient penalty) through the GPU kernels, one layer or three stacked
     with lax.scan (the case a jit-with-literal in the primal broke; see
     tests/test_kernels.py), against the xla backend. 300 x 136 operands need padding."""
@@ -89,7 +90,8 @@ def test_second_derivatives_match_xla_on_gpu(backend, through_scan):
 
     def penalty(backend):
         def layer(x, wi):
-            return matmul(x, wi.astype(jnp.bfloat16), activation="gelu", backend=backend), None
+            return matmul(x, wi.astype(jnp.bfloat16), activation=activation,
+                          backend=backend), None
 
         def loss(w):
             x = jax.lax.scan(layer, x0, w)[0] if through_scan else layer(x0, w[0])[0]

@@ -44,7 +44,10 @@ def gelu_derivative(z: jax.Array) -> jax.Array:
 
 
 def relu(x: jax.Array) -> jax.Array:
-    return jnp.maximum(x, jnp.zeros_like(x))
+    # A scalar 0 (a literal in the max), not zeros_like(x): a value built from constants
+    # alone inside a custom_vjp's primal shifts its residuals in a second derivative
+    # through lax.scan (jax 0.10; see matmul._pad_to).
+    return jnp.maximum(x, 0)
 
 
 def silu(x: jax.Array) -> jax.Array:

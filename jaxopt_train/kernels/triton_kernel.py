@@ -72,8 +72,12 @@ def triton_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     if bk < 16:
         raise ValueError(f"triton tl.dot needs block_k >= 16; got {config}")
-    # A 1-element placeholder keeps the kernel signature fixed when there is no bias.
-    bias_arg = (jnp.zeros((1,), jnp.float32) if bias is None else bias.astype(jnp.float32))
+    # A 1-element placeholder keeps the kernel signature fixed when there is no bias (the
+    # kernel never reads it). It is a slice of `a`, not jnp.zeros: a value computed from
+    # constants alone inside a custom_vjp's primal shifts that custom_vjp's residuals in a
+    # second derivative through lax.scan (jax 0.10; see matmul._pad_to).
+    placeholder = a.reshape(-1)[:1]
+    bias_arg = (placeholder.astype(jnp.float32) if bias is None else bias.astype(jnp.float32))
     grid = (_cdiv(m, bm) * _cdiv(n, bn),)
     # Element offsets are int32 in the kernel unless an array is too large for them
     # (e.g. the logits of 64 K tokens over a 50 K vocabulary: M * N > 2^31).
@@ -84,7 +88,7 @@ def triton_matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
     if save_preactivation:
         args, out_shape = (a, b, bias_arg), [out, out]
     else:
-        args, out_shape = (a, b, bias_arg, jnp.zeros((1,), out_dtype)), out
+        args, out_shape = (a, b, bias_arg, placeholder.astype(out_dtype)), out
     result = jax_triton.triton_call(
         *args,
         kernel=_triton_src.matmul_kernel,
