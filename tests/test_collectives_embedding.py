@@ -88,6 +88,11 @@ def test_exchange_default_dtype_is_the_cotangent_dtype():
     ((jnp.zeros((2, 3), jnp.int32), jnp.zeros((2, 3, 4)), 0), ValueError, "positive int"),
     ((jnp.zeros((2, 3), jnp.int32), jnp.zeros((2, 3, 4)), 5, jnp.int32), TypeError,
      "out_dtype must be a floating dtype .*got out_dtype="),
+    # An integer cotangent cannot carry the NaN flag: an out-of-range id came back as zeros.
+    ((jnp.zeros((2, 3), jnp.int32), jnp.zeros((2, 3, 4), jnp.int32), 5), TypeError,
+     "cotangent must be a floating array .*got dtype=int32"),
+    # True is an int to isinstance; it failed inside jnp with a dtype-promotion error.
+    ((jnp.zeros((2, 3), jnp.int32), jnp.zeros((2, 3, 4)), True), ValueError, "positive int; got True"),
 ])
 def test_exchange_bad_input(args, error, match):
     mesh = _mesh(2)
@@ -95,6 +100,13 @@ def test_exchange_bad_input(args, error, match):
     with pytest.raises(error, match=match):
         _smap(lambda i, c: embedding_grad_exchange(i, c, "data", args[2], out_dtype=out_dtype), mesh,
               (P(), P()), P())(*args[:2])
+
+
+def test_exchange_refuses_a_list_with_a_clear_error():
+    # A list used to fail with "'list' object has no attribute 'dtype'".
+    mesh = _mesh(2)
+    with pytest.raises(TypeError, match="ids must be a jax or numpy array; got list"):
+        _smap(lambda c: embedding_grad_exchange([0, 1, 2], c, "data", 5), mesh, P(), P())(jnp.zeros((3, 4)))
 
 
 def test_exchange_outside_a_mapped_axis_says_how_to_bind_it():

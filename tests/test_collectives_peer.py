@@ -108,6 +108,27 @@ def test_tree_method_peer_matches_psum_and_bf16_error_feedback(emulated):
     assert np.abs(np.asarray(err["a"])).max() > 0
 
 
+def test_empty_input_is_an_empty_sum(emulated):
+    """"Any shape and size": a size-0 array (or an empty leaf under method='peer') used to fail
+    with "Need at least one array to concatenate" (no tile and no tail to add)."""
+    mesh = _mesh()
+    x = jnp.ones((2, 0, 3), jnp.float32)
+    out = _run(mesh, lambda v: peer_all_reduce(v[0], "data", wire_dtype=jnp.bfloat16)[None], x)
+    assert out.shape == (2, 0, 3) and out.dtype == np.float32
+
+    def body(v):
+        summed, copy = peer_all_reduce(v[0], "data", wire_dtype=jnp.bfloat16, return_wire_copy=True)
+        assert copy.shape == (0,) and copy.dtype == jnp.float32
+        tree = all_reduce_tree({"empty": v[0], "w": jnp.ones((5,), jnp.float32)}, "data", method="peer",
+                               bucket_mb=0)
+        return summed[None], tree["w"][None]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False))
+    summed, w = fn(x)
+    assert summed.shape == (2, 0, 3)
+    np.testing.assert_array_equal(np.asarray(w), np.full((2, 5), 2.0, np.float32))
+
+
 def test_tree_method_peer_sums_integer_leaves_with_psum(emulated):
     mesh = _mesh()
     counts = jnp.arange(2 * 5, dtype=jnp.int32).reshape(2, 5)

@@ -248,6 +248,58 @@ def test_ring_order_on_real_devices_is_a_permutation():
     assert "ring over 8 devices" in describe_ring(devices, order)
 
 
+@pytest.mark.parametrize("codec", ["bf16", "int8"])
+@pytest.mark.parametrize("method", ["psum", "ring", "hierarchical"])
+def test_compression_on_an_axis_of_1_device_is_exact_like_psum(codec, method):
+    """Nothing travels on 1 device: the sum used to be encoded (twice) anyway, losing up to
+    one int8 step per element where lax.psum returns the input unchanged."""
+    mesh1 = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+    size = INT8_BLOCK + 37
+    g = jax.random.normal(jax.random.key(13), (1, size), jnp.float32) * jnp.linspace(0.01, 3.0, size)
+    err0 = 0.01 * jax.random.normal(jax.random.key(14), (1, size), jnp.float32)
+
+    def body(g, err):
+        summed, new = all_reduce_tree({"w": g[0], "h": g[0, :7].astype(jnp.bfloat16)}, "data", method=method,
+                                      compression=codec, error_state=init_error_feedback({"w": g[0], "h": g[0, :7]}))
+        carried, new_carried = all_reduce_tree([g[0]], "data", method=method, compression=codec,
+                                               error_state=ErrorFeedbackState([err[0]]))
+        return summed["w"], summed["h"], lax.psum(g[0], "data"), carried[0], new_carried.error[0]
+
+    w, h, ref, carried, new_carried = _smap(body, mesh1, (P("data"), P("data")), P("data"))(g, err0)
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(ref))
+    np.testing.assert_array_equal(np.asarray(h), np.asarray(g[0, :7].astype(jnp.bfloat16)))
+    # The carried error is delivered whole, and nothing is left to carry.
+    np.testing.assert_array_equal(np.asarray(carried), np.asarray(g[0] + err0[0]))
+    np.testing.assert_array_equal(np.asarray(new_carried), np.zeros(size, np.float32))
+
+
+@pytest.mark.parametrize("num_replicas", [2.5, "8", True, 0, -1, np.float32(8)])
+def test_init_error_feedback_refuses_a_replica_count_that_is_not_a_positive_int(num_replicas):
+    # int() used to truncate 2.5 to 2 and accept "8" and True: the wrong leading axis failed later in shard_map.
+    with pytest.raises(ValueError, match=r"num_replicas=.* must be None or a positive int"):
+        init_error_feedback({"w": jnp.zeros((3,), jnp.float32)}, num_replicas=num_replicas)
+    assert init_error_feedback({"w": jnp.zeros((3,))}, num_replicas=np.int64(2)).error["w"].shape == (2, 3)
+
+
+def test_int8_bucketing_changes_the_rounding_as_documented(mesh):
+    """The docstring said bucket size never changes an element's sum; with int8 a small leaf
+    sharing a block with a large one is quantised in the large one's steps."""
+    small = jax.random.normal(jax.random.key(15), (N, 100), jnp.float32) * 0.01
+    large = jax.random.normal(jax.random.key(16), (N, 100), jnp.float32) * 100
+
+    def body(a, b):
+        tree = {"a": a[0], "b": b[0]}
+        return [all_reduce_tree(tree, "data", compression="int8", bucket_mb=mb)["a"][None] for mb in (0, 25)]
+
+    alone, packed = (np.asarray(v)[0] for v in _smap(body, mesh, (P("data"), P("data")), P("data"))(small, large))
+    true = np.asarray(small, np.float64).sum(0)
+    assert np.abs(alone - true).max() < 0.05 * np.abs(true).max()  # its own int8 steps
+    assert np.abs(packed - true).max() > 0.5 * np.abs(true).max()  # one step of the large leaf's scale
+    doc = " ".join(all_reduce_tree.__doc__.split())
+    assert "Without compression bucket size changes only which elements travel together" in doc
+    assert "With \"int8\" it also changes the rounding" in doc
+
+
 def test_init_error_feedback_shapes():
     params = {"w": jnp.zeros((3, 4), jnp.bfloat16), "b": jnp.zeros((4,), jnp.float32)}
     state = init_error_feedback(params)

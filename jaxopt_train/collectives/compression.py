@@ -13,7 +13,8 @@ Scheme (per flat bucket of N elements on n devices, as in ZeRO++'s qgZ):
 On 2 devices with a ring (every method but "psum") it is one exchange
 instead, as `ring_all_reduce` does there: each device encodes its whole
 `v`, sends it to the other, and both add the same two decoded copies in f32
-(bit-identical, one encoding per device, no re-encoding of the sum).
+(bit-identical, one encoding per device, no re-encoding of the sum). On an
+axis of 1 device nothing travels and nothing is encoded: the result is exact.
 
 Error feedback: the encoding error of step 2 stays on its device, and the
 error of step 4 is added to the owner's error at that chunk, so the next step
@@ -46,6 +47,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxopt_train.collectives.peer import peer_all_reduce
@@ -73,7 +75,16 @@ def init_error_feedback(params: Any, num_replicas: int | None = None) -> ErrorFe
       num_replicas: if set, each leaf gets a leading axis of this size, to be
         sharded `P("data")` and passed to `jax.shard_map` (each device then sees
         a leading axis of 1, which `all_reduce_tree` accepts).
+
+    Raises:
+      ValueError: if `num_replicas` is not None or a positive int.
     """
+    # int() would truncate 2.5 to 2 and turn "8" or True into a size: a wrong
+    # leading axis only fails later, inside jax.shard_map, far from the cause.
+    if num_replicas is not None and (not isinstance(num_replicas, (int, np.integer))
+                                     or isinstance(num_replicas, bool) or num_replicas < 1):
+        raise ValueError(f"{num_replicas=} must be None or a positive int (the number of devices of the "
+                         "data axis, e.g. mesh.shape['data'])")
     lead = () if num_replicas is None else (int(num_replicas),)
     return ErrorFeedbackState(jax.tree.map(lambda p: jnp.zeros(lead + jnp.shape(p), jnp.float32), params))
 
@@ -170,6 +181,9 @@ def compressed_all_reduce(flat, axis_name, n: int, *, codec: str, ring: _Ring | 
       error: this device's carried error, f32, `flat`'s shape (or None: no feedback).
       peer: exchange through `peer.peer_all_reduce` (2 devices, bf16 only)
         instead of a ppermute; same sums and errors as the ring exchange.
+
+    On an axis of one device nothing is encoded: the sum is `flat + error`
+    exactly (as `lax.psum`) and the new error is zero.
     """
     size = flat.size
     v = flat.astype(jnp.float32)
@@ -180,6 +194,8 @@ def compressed_all_reduce(flat, axis_name, n: int, *, codec: str, ring: _Ring | 
             raise ValueError(f"the peer exchange compresses to bf16 only; got codec={codec!r}")
         result, sent = peer_all_reduce(v, axis_name, wire_dtype=jnp.bfloat16, return_wire_copy=True)
         return result, None if error is None else (v - sent).reshape(error.shape)
+    if n == 1:  # nothing travels: encoding would only lose precision that lax.psum keeps
+        return v, None if error is None else jnp.zeros(error.shape, jnp.float32)
     if ring is not None and ring.size == 2:
         result, local_error = _pair_exchange(v, codec, ring)
         return result, None if error is None else local_error.reshape(error.shape)

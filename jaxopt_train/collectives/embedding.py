@@ -52,12 +52,21 @@ def embedding_grad_exchange(ids: jax.Array, cotangent: jax.Array, axis_name: Axi
       over devices of each device's lookup gradient. All NaN if any device's
       ids leave [0, num_embeddings) (see the module docstring).
     """
+    for name, value in (("ids", ids), ("cotangent", cotangent)):
+        if not (hasattr(value, "dtype") and hasattr(value, "shape")):
+            raise TypeError(f"{name} must be a jax or numpy array; got {type(value).__name__}")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"ids must be integers; got {ids.dtype}")
+    # An integer gradient cannot hold the NaN that flags an out-of-range id
+    # (NaN cast to int gives 0 or INT_MIN): a bad batch would pass the finite check.
+    if not jnp.issubdtype(cotangent.dtype, jnp.floating):
+        raise TypeError(f"cotangent must be a floating array (the lookup output's cotangent); "
+                        f"got dtype={cotangent.dtype}")
     if cotangent.ndim != ids.ndim + 1 or cotangent.shape[:-1] != ids.shape:
         raise ValueError(f"cotangent must have shape ids.shape + (d,) = {ids.shape} + (d,); "
                          f"got {cotangent.shape}")
-    if not isinstance(num_embeddings, (int, np.integer)) or num_embeddings < 1:
+    if (not isinstance(num_embeddings, (int, np.integer)) or isinstance(num_embeddings, bool)
+            or num_embeddings < 1):
         raise ValueError(f"num_embeddings must be a positive int; got {num_embeddings!r}")
     if out_dtype is not None and not jnp.issubdtype(out_dtype, jnp.floating):
         raise TypeError(f"out_dtype must be a floating dtype (an out-of-range id is flagged with NaN); "

@@ -176,6 +176,9 @@ def peer_all_reduce(x, axis_name: AxisName, *, wire_dtype=None, tile: int = DEFA
     narrow = wire.itemsize < x_dtype.itemsize  # only then can the cast round
     flat = x.reshape(-1)
     n = flat.size
+    if n == 0:  # no tile to send: a kernel with no outputs, and nothing to add
+        empty = x.astype(x_dtype)
+        return (empty, jnp.zeros((0,), jnp.float32)) if return_wire_copy else empty
     n_tiles, tail = divmod(n, tile)
     from jaxopt_train.kernels.mosaic_gpu import num_sms  # noqa: PLC0415
 

@@ -112,8 +112,12 @@ def all_reduce_tree(tree: Any, axis_name: AxisName, *, method: str = "psum", buc
 
     Call inside `jax.shard_map` or `jax.pmap`. Leaves are packed, last leaf
     first, into flat buckets of about `bucket_mb` (see `buckets.plan_buckets`);
-    each bucket is one reduction, and bucket size changes only which elements
-    travel together, never an element's sum.
+    each bucket is one reduction. Without compression bucket size changes only
+    which elements travel together, never an element's sum. With "int8" it
+    also changes the rounding: the elements of one block of `INT8_BLOCK` share
+    a scale, so a small leaf packed next to a large one is quantised in that
+    large leaf's steps (error feedback re-sends what was lost; `bucket_mb=0`
+    keeps every leaf's blocks its own).
 
     Ring methods, and every method with `compression` ("psum" included: its
     all-to-all and all-gather are per-device collectives), return values typed
