@@ -100,7 +100,14 @@ class Policy:
 
     def __post_init__(self):
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
-            object.__setattr__(self, field, as_float_dtype(getattr(self, field), field))
+            dtype = as_float_dtype(getattr(self, field), field)
+            # Without x64 JAX makes float32 arrays from a float64 cast (with a warning
+            # only), so the policy would name a dtype it never applies.
+            if dtype == np.float64 and jax.dtypes.canonicalize_dtype(np.float64) != np.float64:
+                raise ValueError(f"{field}=float64 needs 64-bit JAX, which is off: call "
+                                 "jax.config.update('jax_enable_x64', True) first, or use "
+                                 "float32")
+            object.__setattr__(self, field, dtype)
         if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"matmul_precision={self.matmul_precision!r}; expected None or one "
                              f"of {MATMUL_PRECISIONS}")
@@ -197,7 +204,9 @@ def nnx_apply_with_state(policy: str | Policy, graphdef, state, *args, **kwargs)
     state, e.g. BatchStat, keeps its dtype), outputs to the
     output dtype, and the state after the call (BatchNorm statistics, RNG
     counters) back to the dtypes `state` has; variables the call adds
-    (`self.sow(nnx.Intermediate, ...)`) keep their own. `state` itself is left untouched
+    (`self.sow(nnx.Intermediate, ...)`) keep their own, and variables the call does not
+    write (the Params) come back as `state`'s own arrays, not rounded through the compute
+    dtype. `state` itself is left untouched
     (the module runs on a copy), so it may be closed over inside `jax.jit`.
     Gradients w.r.t. `state` come back in the dtype of `state`, i.e. the f32
     master weights. `policy` is a Policy or a name `get_policy` accepts.
@@ -211,11 +220,14 @@ def nnx_apply_with_state(policy: str | Policy, graphdef, state, *args, **kwargs)
     # jax.jit would raise TraceContextError. jax.tree.map builds new Variables,
     # so the module runs on a copy and `state` keeps its values and dtypes for
     # the cast back below.
-    model = nnx.merge(graphdef, _compute_copy(policy, state))
+    compute_state = _compute_copy(policy, state)
+    # Read before the call: the call writes into compute_state's Variables.
+    passed = _leaves_by_path(compute_state)
+    model = nnx.merge(graphdef, compute_state)
     with policy.matmul_scope():
         out = model(*policy.cast_to_compute(args), **policy.cast_to_compute(kwargs))
     _, new_state = nnx.split(model)
-    return policy.cast_to_output(out), _cast_like(new_state, state)
+    return policy.cast_to_output(out), _cast_like(new_state, state, passed)
 
 
 def nnx_apply(policy: str | Policy, graphdef, state, *args, **kwargs):
@@ -239,12 +251,14 @@ def linen_apply(policy: str | Policy, module, variables, *args, **kwargs):
     `get_policy` accepts.
     """
     policy = get_policy(policy)
+    compute_variables = _cast_linen_params(policy, variables)
+    passed = _leaves_by_path(compute_variables)
     with policy.matmul_scope():
-        result = module.apply(_cast_linen_params(policy, variables),
+        result = module.apply(compute_variables,
                               *policy.cast_to_compute(args), **_cast_kwargs(policy, kwargs))
     if kwargs.get("mutable", False) is not False:
         out, updates = result
-        return policy.cast_to_output(out), _cast_like(updates, variables)
+        return policy.cast_to_output(out), _cast_like(updates, variables, passed)
     return policy.cast_to_output(result)
 
 
@@ -275,14 +289,28 @@ def _cast_kwargs(policy: Policy, kwargs):
     return {k: v if k in reserved else policy.cast_to_compute(v) for k, v in kwargs.items()}
 
 
-def _cast_like(tree, reference):
+def _leaves_by_path(tree) -> dict:
+    return dict(jax.tree_util.tree_flatten_with_path(tree)[0])
+
+
+def _cast_like(tree, reference, passed: dict | None = None):
     """`tree` with each floating leaf cast to the dtype of the floating leaf at the same
     key path in `reference`. Matched by path, not by structure: a call may add leaves
-    (sown intermediates, new collections), and those keep their own dtype."""
-    reference_dtypes = {path: leaf.dtype for path, leaf in
-                        jax.tree_util.tree_flatten_with_path(reference)[0] if is_floating_array(leaf)}
+    (sown intermediates, new collections), and those keep their own dtype.
+
+    A leaf of `tree` that is the very array `passed` (`_leaves_by_path` of what the call
+    ran on, taken before it) holds at its path, i.e. one the call left alone, comes back
+    as `reference`'s own leaf: cast back from the bf16 compute copy, the f32 master
+    weights would come back rounded to bf16, and a caller carrying the returned state
+    (for its BatchNorm statistics) into the next step would train bf16 weights."""
+    reference_leaves = _leaves_by_path(reference)
+    passed = passed or {}
+    reference_dtypes = {path: leaf.dtype for path, leaf in reference_leaves.items()
+                        if is_floating_array(leaf)}
 
     def cast(path, x):
+        if path in reference_leaves and path in passed and x is passed[path]:
+            return reference_leaves[path]
         dtype = reference_dtypes.get(path)
         return x.astype(dtype) if dtype is not None and is_floating_array(x) else x
     return jax.tree_util.tree_map_with_path(cast, tree)

@@ -1,5 +1,7 @@
 """Low-precision optimizer state: bf16 storage, f32 math, same trajectory within bf16 rounding."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,3 +89,47 @@ def test_f32_returns_the_inner_transformation():
 def test_bad_state_dtype(bad):
     with pytest.raises(ValueError, match="legal values"):
         state_dtype(bad)
+
+
+def test_bf16_state_forwards_extra_args_to_the_inner_transformation():
+    # reduce_on_plateau needs value=loss; the wrapper's update took no extra arguments,
+    # so it raised TypeError (and optax.chain around it silently dropped value=).
+    inner = optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau(accumulation_size=1))
+    opt = low_precision_state(inner, "bf16")
+    assert isinstance(opt, optax.GradientTransformationExtraArgs)
+    params = _params()
+    grads = jax.tree.map(jnp.ones_like, params)
+    with jax.numpy_dtype_promotion("standard"):
+        state = opt.init(params)
+        _, state = opt.update(grads, state, params, value=jnp.asarray(0.25, jnp.float32))
+        chain = optax.chain(opt)
+        _, chained = chain.update(grads, chain.init(params), params,
+                                  value=jnp.asarray(0.5, jnp.float32))
+    assert float(state[1].best_value) == 0.25  # the plateau saw value=
+    assert float(chained[0][1].best_value) == 0.5
+
+
+def test_bf16_state_still_wraps_transformations_without_extra_args():
+    opt = low_precision_state(optax.sgd(0.1, momentum=0.9), "bf16")
+    params = _params()
+    with jax.numpy_dtype_promotion("standard"):
+        updates, _ = opt.update(params, opt.init(params), params, value=jnp.asarray(1.0))
+    jax.tree.map(lambda u, p: np.testing.assert_allclose(u, -0.1 * p, rtol=1e-6), updates, params)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(clip_norm=-1.0), "clip_norm=-1.0 must be"),  # flipped every clipped update's sign
+    (dict(clip_norm=float("nan")), "clip_norm=nan must be"),
+    (dict(warmup=-5), "warmup=-5 must be"),  # a schedule starting at 0.78 lr, falling
+    (dict(warmup=2.5), "warmup=2.5 must be"),
+    (dict(lr=float("inf")), "lr=inf must be"),
+    (dict(b2=1.0), "b2=1.0 must be in [0, 1)"),  # NaN updates from the first step
+    (dict(b1=-0.1), "b1=-0.1 must be in [0, 1)"),
+    (dict(weight_decay=-0.1), "weight_decay=-0.1 must be"),
+])
+def test_default_optimizer_refuses_impossible_settings(bad, message):
+    from jaxopt_train.train.state import default_optimizer  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        default_optimizer(**{"lr": 1e-2, "total_steps": 10, **bad})
+

@@ -166,3 +166,64 @@ def test_apply_updates_if_finite_forwards_extra_args():
         assert bool(finite) and float(state[1].best_value) == 0.25  # the plateau saw value=
         _, skipped, _, finite = step(bad, state, params, scale, 0.125)
     assert not bool(finite) and float(skipped[1].best_value) == 0.25  # skipped step: state kept
+
+
+# ----------------------------------------------------------------------------- master weights returned
+
+
+class _DenseNorm(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+        self.bn = nnx.BatchNorm(4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.bn(self.linear(x))
+
+
+def _off_the_bf16_grid(tree):
+    # 1 + 2**-12 is an f32 that bf16 (8 mantissa bits) rounds away.
+    return jax.tree.map(lambda a: a * (1.0 + 2.0**-12), tree)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_nnx_apply_with_state_returns_the_master_weights_unrounded(jit):
+    # The returned state carries the new BatchNorm statistics, so callers feed it to the
+    # next step; its Params were the bf16 compute copies cast back to f32, i.e. the
+    # master weights rounded to bf16 on every call.
+    graphdef, state = nnx.split(_DenseNorm(nnx.Rngs(0)))
+    state = nnx.State.merge(_off_the_bf16_grid(state.filter(nnx.Param)), state.filter(nnx.BatchStat))
+    x = jax.random.normal(jax.random.key(0), (8, 4), jnp.float32)
+    call = lambda s, x: prec.nnx_apply_with_state("bf16", graphdef, s, x)  # noqa: E731
+    with jax.numpy_dtype_promotion("standard"):  # Flax's BatchNorm promotes bf16 with f32
+        _, new_state = (jax.jit(call) if jit else call)(state, x)
+    for name in ("kernel", "bias"):
+        np.testing.assert_array_equal(new_state["linear"][name][...], state["linear"][name][...])
+    assert np.abs(new_state["bn"]["mean"][...]).max() > 0  # the statistics did update
+
+
+def test_linen_apply_mutable_true_returns_the_master_weights_unrounded():
+    module = linen.Sequential([linen.Dense(4), linen.BatchNorm(use_running_average=False)])
+    x = jax.random.normal(jax.random.key(0), (8, 4), jnp.float32)
+    variables = module.init(jax.random.key(1), x)
+    variables = {**variables, "params": _off_the_bf16_grid(variables["params"])}
+    with jax.numpy_dtype_promotion("standard"):
+        _, updates = prec.linen_apply("bf16", module, variables, x, mutable=True)
+    jax.tree.map(np.testing.assert_array_equal, updates["params"], variables["params"])
+    assert updates["batch_stats"]["layers_1"]["mean"].dtype == F32
+
+
+# ----------------------------------------------------------------------------- float64 policies
+
+
+@pytest.mark.parametrize("spec", ["p=f64,c=f32,o=f32", "p=f32,c=float64", "p=f32,c=f32,o=f64"])
+def test_float64_policy_needs_x64(spec):
+    # Without x64 the casts made float32 arrays (one UserWarning) under a policy that
+    # reported float64.
+    with pytest.raises(ValueError, match=r"=float64 needs 64-bit JAX.*jax_enable_x64"):
+        prec.Policy.from_string(spec)
+
+
+def test_float64_policy_casts_to_float64_with_x64():
+    with jax.enable_x64(True):
+        policy = prec.Policy.from_string("p=f64,c=f32,o=f32")
+        assert policy.cast_to_param({"w": jnp.ones(2, jnp.float32)})["w"].dtype == np.float64

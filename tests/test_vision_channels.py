@@ -68,3 +68,13 @@ def test_wrong_channel_count_names_in_channels():
 def test_create_vision_model_refuses_bad_in_channels(bad):
     with pytest.raises(ValueError, match=r"in_channels=.* must be a positive int"):
         create_vision_model("cnn-small", num_classes=3, in_channels=bad, rngs=nnx.Rngs(0))
+
+
+def test_create_vision_model_takes_numpy_integers():
+    # num_classes from labels.max() + 1 is a numpy int; it was refused as "not a positive
+    # int" while resnet_flops_per_image took the same value.
+    labels = np.arange(5, dtype=np.int64)
+    model = create_vision_model("cnn-small", num_classes=labels.max() + 1,
+                                in_channels=np.int32(1), rngs=nnx.Rngs(0))
+    assert model(jnp.zeros((2, 8, 8, 1)), train=False).shape == (2, 5)
+    assert type(model.in_channels) is int

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxopt_train.models.gpt import canonical_dtype
+from jaxopt_train.models.gpt_config import _positive_int
 from jaxopt_train.models.losses import gpt_loss
 
 
@@ -221,12 +222,15 @@ def create_vision_model(
     """
     if name not in VISION_SPECS:
         raise ValueError(f"name={name!r} is not a vision preset; legal values: {VISION_PRESETS}")
-    if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 1:
-        raise ValueError(f"num_classes={num_classes!r} must be a positive int")
+    # Numpy integers count (a class count from labels.max() + 1, a channel count from
+    # images.shape), as in GPTConfig and the FLOP count; bools and floats do not.
+    num_classes = _positive_int("num_classes", num_classes)
     if not isinstance(rngs, nnx.Rngs):
         raise TypeError(f"rngs must be an nnx.Rngs (e.g. nnx.Rngs(0)), got {type(rngs).__name__}")
-    if not isinstance(in_channels, int) or isinstance(in_channels, bool) or in_channels < 1:
-        raise ValueError(f"{in_channels=} must be a positive int (1 for grayscale, 3 for RGB)")
+    try:
+        in_channels = _positive_int("in_channels", in_channels)
+    except ValueError:
+        raise ValueError(f"{in_channels=} must be a positive int (1 for grayscale, 3 for RGB)") from None
     layers = _Layers(
         canonical_dtype(dtype, "dtype"), canonical_dtype(param_dtype, "param_dtype"), axis_name, rngs
     )

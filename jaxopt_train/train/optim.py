@@ -51,12 +51,16 @@ def low_precision_state(inner: optax.GradientTransformation, dtype: Any = jnp.bf
     ``dtype=float32`` this returns `inner` unchanged.
 
     Args:
-      inner: any optax transformation, e.g. `optax.adamw(...)`.
+      inner: any optax transformation, e.g. `optax.adamw(...)`; extra arguments of
+        `update` (e.g. `value=loss`) are passed on to it.
       dtype: "bf16"/"f32" or a dtype.
     """
     dtype = state_dtype(dtype)
     if dtype == jnp.float32:
         return inner
+    # Extra arguments (reduce_on_plateau's value=loss) reach `inner`; one that takes none
+    # ignores them, as it would inside optax.chain.
+    inner = optax.with_extra_args_support(inner)
 
     # Jitted, so the wide state is never materialised: eagerly, inner.init allocated
     # f32 moments (gpt-1b: 6.8 GiB) next to the params, the narrow copies landed after
@@ -66,12 +70,12 @@ def low_precision_state(inner: optax.GradientTransformation, dtype: Any = jnp.bf
     def init(params):
         return _narrow(inner.init(params), dtype)
 
-    def update(updates, state, params=None):
+    def update(updates, state, params=None, **extra_args):
         wide = cast_floating(state, jnp.float32)
-        updates, wide = inner.update(updates, wide, params)
+        updates, wide = inner.update(updates, wide, params, **extra_args)
         return updates, _narrow(wide, dtype)
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def _narrow(state, dtype):

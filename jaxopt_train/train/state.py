@@ -7,6 +7,7 @@ lives here; the step number also fixes the data order (`batch(step)`).
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -59,10 +60,23 @@ def default_optimizer(*, lr: float, total_steps: int, warmup: int = 0, weight_de
 
     `clip_norm=0` disables clipping. The schedule's cosine spans `total_steps`.
     """
-    if not lr > 0:
-        raise ValueError(f"lr={lr} must be > 0")
+    if not 0 < lr < math.inf:
+        raise ValueError(f"lr={lr} must be a finite number > 0")
     if not isinstance(total_steps, int) or total_steps < 1:
         raise ValueError(f"total_steps={total_steps!r} must be an int >= 1")
+    # optax takes these silently: a negative warmup bends the schedule (it started at
+    # 0.78 * lr and only fell), and clip_by_global_norm(-c) multiplies every clipped
+    # gradient by -c/|g|, i.e. gradient ascent.
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup={warmup!r} must be an int >= 0 (steps of linear warmup)")
+    if not 0 <= clip_norm < math.inf:
+        raise ValueError(f"clip_norm={clip_norm!r} must be a finite number >= 0 (0 disables "
+                         "clipping)")
+    if not 0 <= weight_decay < math.inf:
+        raise ValueError(f"weight_decay={weight_decay!r} must be a finite number >= 0")
+    for name, beta in (("b1", b1), ("b2", b2)):  # b2=1: Adam's bias correction is 0/0
+        if not 0 <= beta < 1:
+            raise ValueError(f"{name}={beta!r} must be in [0, 1)")
     warmup = min(warmup, total_steps - 1) if total_steps > 1 else 0
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0 if warmup else lr, peak_value=lr, warmup_steps=warmup,
