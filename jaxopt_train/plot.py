@@ -107,6 +107,31 @@ def _latest_history(records: list[dict[str, float]]) -> list[dict[str, float]]:
     return kept
 
 
+def _report_non_finite(panel: str, label: str, records: list[dict[str, float]], name: str,
+                       *, drawn: bool) -> None:
+    """Says which records of `name` hold NaN or inf, which `_series` leaves out.
+
+    Without it a diverged run's curve ends without a word, and a run that was NaN from
+    the start reads as if it had logged no such metric at all.
+    """
+    history = [r for r in _latest_history(records) if name in r]
+    bad = [r["step"] for r in history if _is_non_finite(r[name])]
+    if not bad:
+        return
+    counts = f"{len(bad)} of {len(history)} records NaN or inf, from step {min(bad)}"
+    if drawn:
+        print(f"plot: {panel}: {label!r} has {counts}; drawn without them")
+    else:
+        print(f"plot: {panel}: {label!r} has no finite value ({counts}); not drawn")
+
+
+def _is_non_finite(value) -> bool:
+    # JsonlSink writes NaN as NaN; the training loop's JsonlWriter writes the string "nan".
+    if isinstance(value, str):
+        return value.strip().lower() in ("nan", "inf", "-inf", "infinity", "-infinity")
+    return _is_number(value) and not math.isfinite(value)
+
+
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -138,11 +163,14 @@ def plot_runs(run_dirs: list[str], out_dir: str) -> list[str]:
     for panel, (ylabel, pattern, _) in PANELS.items():
         regex = re.compile(pattern)
         fig, ax = plt.subplots(figsize=(8, 4.5))
-        drawn = 0
+        drawn = matched = 0
         for run_name, records in runs.items():
             names = sorted({k for r in records for k in r if k not in ("step", "time") and regex.search(k)})
+            matched += len(names)
             for name in names:
                 steps, values = _series(records, name)
+                _report_non_finite(panel, name if len(runs) == 1 else f"{run_name}: {name}",
+                                   records, name, drawn=bool(steps))
                 if steps:
                     scale = _metric_scale(panel, name)
                     label = name if len(runs) == 1 else f"{run_name}: {name}"
@@ -157,6 +185,8 @@ def plot_runs(run_dirs: list[str], out_dir: str) -> list[str]:
             path = os.path.join(out_dir, f"{panel}.png")
             fig.savefig(path, dpi=100, bbox_inches="tight")
             written.append(path)
+        elif matched:  # each metric's line above said why
+            print(f"plot: no {panel} curve: its metrics hold no finite numbers; skipped")
         else:
             print(f"plot: no {panel} metrics (names matching {pattern!r}) in any run; skipped")
         plt.close(fig)

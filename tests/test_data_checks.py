@@ -155,3 +155,58 @@ def test_rows_outside_the_batch_are_refused(rows):
         batch_indices(0, 4, 100, 0, rows=rows)
     items, _ = batch_indices(0, 4, 100, 0, rows=slice(1, 3))
     np.testing.assert_array_equal(items, batch_indices(0, 4, 100, 0)[0][1:3])
+
+
+@pytest.mark.parametrize("bad_id", [-1, 2**31 + 5])
+def test_token_ids_that_int32_cannot_hold_are_refused_not_wrapped(bad_id):
+    # Was: batches are int32, so 2**31 + 5 came out as -2147483643 and -1 went to the
+    # embedding as-is (numpy-style indexing reads it as the last row): other tokens, silently.
+    tokens = np.arange(1000, dtype=np.int64) % 256
+    tokens[500] = bad_id
+    dataset = TokenDataset(tokens, 8, seed=0)
+    with pytest.raises(ValueError, match=rf"token id {bad_id} .*int32 ids in \[0, 2\*\*31\)"):
+        dataset.batch(0, dataset.num_sequences)  # one epoch's windows: every token
+    clean = TokenDataset(np.arange(1000, dtype=np.uint32) % 256, 8)  # other dtypes still work
+    assert clean.batch(0, 4)["inputs"].dtype == np.int32
+
+
+def test_image_labels_that_int32_cannot_hold_are_refused_not_wrapped():
+    # Was: ImageDataset cast 2**32 + 4 to int32, i.e. class 4.
+    images = np.zeros((10, 4, 4, 3), np.uint8)
+    with pytest.raises(ValueError, match=r"1 of 10 labels are out of range \(values 4294967300; "
+                                         r"first at index 4\); labels must fit int32"):
+        ImageDataset(images, np.where(np.arange(10) == 4, 2**32 + 4, 1))
+    assert ImageDataset(images, np.arange(10, dtype=np.uint8)).batch(0, 4)["labels"].dtype == np.int32
+
+
+def test_a_file_that_is_not_an_npz_archive_is_refused_with_what_was_expected(tmp_path):
+    # Was: "contains pickled (object) data" for a stray file, and a TypeError about the
+    # context manager protocol for a single .npy array saved under an .npz name.
+    garbage, single = tmp_path / "garbage.npz", tmp_path / "single.npz"
+    garbage.write_bytes(b"not a zip archive")
+    with open(single, "wb") as f:
+        np.save(f, np.zeros((4, 8, 8, 3), np.uint8))
+    for path, found in ((garbage, "neither"), (single, "a single .npy array")):
+        with pytest.raises(ValueError, match=rf"is not an .npz archive \({found}.*\); expected "
+                                             r"np.savez\(path, images=\.\.\., labels=\.\.\.\)"):
+            load_image_npz(path)
+
+
+def test_an_edited_text_corpus_is_read_again_not_served_from_the_cache(tmp_path):
+    # Was: cached by path alone, so a notebook that rewrote its corpus trained on the old text.
+    import os
+
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(b"old text")
+    assert load_text_corpus(path).tobytes() == b"old text"
+    assert load_text_corpus(path) is load_text_corpus(path)  # unchanged: still cached
+    path.write_bytes(b"new text, longer")
+    assert load_text_corpus(path).tobytes() == b"new text, longer"
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(b"aaaa")
+    assert load_text_corpus(folder).tobytes() == b"aaaa"
+    (folder / "a.txt").write_bytes(b"bbbb")  # same size; the mtime tells
+    os.utime(folder / "a.txt", ns=(1, 1))
+    (folder / "b.txt").write_bytes(b"cc")
+    assert load_text_corpus(folder).tobytes() == b"bbbbcc"

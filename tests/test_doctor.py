@@ -59,6 +59,10 @@ def test_bad_xla_flags_fail_without_aborting(monkeypatch, capsys):
     ({"XLA_CLIENT_MEM_FRACTION": "0.5", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}, "both"),
     ({"XLA_CLIENT_MEM_FRACTION": "1.5"}, "not a number in (0, 1]"),
     ({"XLA_PYTHON_CLIENT_ALLOCATOR": "magic"}, "not one of"),
+    # Were a pass: jaxlib's int() of them fails when the GPU backend starts.
+    ({"XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB": "1GB"}, "not a whole number of MiB"),
+    ({"XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE": "yes"}, "is not an integer such as 0 or 1"),
+    ({"XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "true"}, "is not an integer such as 0 or 1"),
 ])
 def test_memory_settings_fail(monkeypatch, env, expected):
     for var in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_ALLOCATOR"):
@@ -69,6 +73,28 @@ def test_memory_settings_fail(monkeypatch, env, expected):
     checks, safe = doctor.check_xla_env()
     failed = [c for c in checks if c.status == "fail"]
     assert not safe and failed and expected in failed[0].detail and failed[0].fix
+
+
+@pytest.mark.parametrize("var, value", [("XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB", "1GB"),
+                                        ("XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE", "yes"),
+                                        ("XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT", "true")])
+def test_jaxlib_refuses_the_integer_settings_the_doctor_fails(monkeypatch, var, value):
+    from jaxlib import xla_client
+
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match="invalid literal for int"):  # the GPU backend's start-up
+        xla_client.generate_pjrt_gpu_plugin_options()
+
+
+@pytest.mark.parametrize("value", ["no", "off", "FALSE"])
+def test_preallocate_spellings_jaxlib_reads_as_true_warn(monkeypatch, value):
+    # Was a pass: jaxlib turns preallocation off only for "false", "False" and "0".
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", value)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    checks, safe = doctor.check_xla_env()
+    (warned,) = [c for c in checks if c.status == "warn"]
+    assert safe and f"XLA_PYTHON_CLIENT_PREALLOCATE={value!r} means preallocate" in warned.detail
+    assert "export XLA_PYTHON_CLIENT_PREALLOCATE=false" in warned.fix
 
 
 def test_memory_settings_pass(monkeypatch):

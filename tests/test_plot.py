@@ -246,3 +246,25 @@ def test_records_of_one_step_merge_and_the_last_value_wins():
                {"step": 20, "loss": 1.0}, {"step": 20, "loss": 0.9}, {"step": "x", "loss": 5.0}]
     assert plot._series(records, "loss") == ([10, 20], [2.0, 0.9])
     assert plot._series(records, "eval_loss") == ([10], [2.5])
+
+
+def test_non_finite_values_are_reported_not_taken_for_a_missing_metric(tmp_path, capsys):
+    # Was: a run whose loss was NaN from the start printed "no loss metrics (names
+    # matching ...)", and a loss that turned NaN mid-run ended its curve without a word.
+    from jaxopt_train.train.metrics import JsonlWriter
+
+    diverged = JsonlWriter(tmp_path / "diverged" / "metrics.jsonl")  # writes NaN as "nan"
+    late = JsonlSink(tmp_path / "late" / "metrics.jsonl")  # writes NaN as NaN
+    for step in (1, 2, 3):
+        diverged.write(step, {"loss": float("nan"), "tokens_per_s": 10.0})
+        late.write(step, {"loss": 1.0 if step == 1 else float("inf"), "tokens_per_s": 10.0})
+    diverged.close()
+    late.close()
+    written = plot.plot_runs([str(tmp_path / "diverged")], str(tmp_path / "out"))
+    out = capsys.readouterr().out
+    assert [os.path.basename(p) for p in written] == ["throughput.png"]
+    assert "no loss metrics" not in out
+    assert "plot: loss: 'loss' has no finite value (3 of 3 records NaN or inf, from step 1); " in out
+    plot.plot_runs([str(tmp_path / "late")], str(tmp_path / "out2"))
+    assert "plot: loss: 'loss' has 2 of 3 records NaN or inf, from step 2; drawn without them" \
+        in capsys.readouterr().out

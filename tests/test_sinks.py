@@ -112,6 +112,11 @@ def test_prometheus_real_scrape_and_close(tmp_path):
     again.write(0, {"loss": 1.0})
     assert _scrape(port)["jaxopt_train_loss"] == 1.0
     again.close()
+    # Was: a write after close() set gauges nobody could scrape, silently.
+    with pytest.raises(RuntimeError, match=r"PrometheusSink\(port=\d+\) is closed; its metrics "
+                                           "would reach no scraper"):
+        again.write(1, {"loss": 0.5})
+    again.close()  # closing twice is harmless
 
 
 def test_prometheus_rejects_a_metric_named_step():
@@ -267,3 +272,52 @@ def test_metrics_logger_checks_its_sinks_before_the_jsonl_line(tmp_path):
     finally:
         logger.close()
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [2]
+
+
+def test_metrics_logger_passes_numpy_and_jax_scalars_to_its_sinks(tmp_path):
+    # Was: only Python int/float reached TensorBoard and Prometheus, so a loss given as
+    # np.float32 or a 0-d jax array was in metrics.jsonl but silently missing there.
+    import io
+
+    import jax.numpy as jnp
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from jaxopt_train.train.metrics import MetricsLogger
+
+    logger = MetricsLogger(str(tmp_path), total_steps=4, tensorboard=True, prometheus_port=0,
+                           progress="lines", stream=io.StringIO())
+    try:
+        logger.log(1, {"loss": np.float32(2.5), "acc": jnp.asarray(0.5, jnp.float32),
+                       "tokens": np.int64(7), "lr": 0.1, "note": "warmup", "flag": np.bool_(True)})
+        scraped = _scrape(logger.prometheus_port)
+    finally:
+        logger.close()
+    assert scraped["jaxopt_train_loss"] == 2.5 and scraped["jaxopt_train_acc"] == 0.5
+    assert scraped["jaxopt_train_tokens"] == 7.0 and "jaxopt_train_note" not in scraped
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["acc", "loss", "lr", "tokens"]
+
+
+@pytest.mark.parametrize("name", ["step", "time"])
+def test_metrics_logger_refuses_metrics_named_like_the_record_fields(tmp_path, name):
+    # Was: {"step": 3} replaced the record's step, and a plot then read the later record
+    # as a resume from step 3 and dropped the earlier steps.
+    import io
+
+    from jaxopt_train.train.metrics import JsonlWriter, MetricsLogger
+
+    logger = MetricsLogger(str(tmp_path), total_steps=4, progress="lines", stream=io.StringIO())
+    try:
+        logger.log(10, {"loss": 1.0})
+        with pytest.raises(ValueError, match=rf"metric names \['{name}'\] are reserved"):
+            logger.log(20, {"loss": 0.9, name: 3})
+        logger.log(30, {"loss": 0.8})
+    finally:
+        logger.close()
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [10, 30]
+    writer = JsonlWriter(tmp_path / "other.jsonl")
+    with pytest.raises(ValueError, match="reserved"):
+        writer.write(1, {name: 1.0})
+    writer.close()
+    assert (tmp_path / "other.jsonl").read_text() == ""

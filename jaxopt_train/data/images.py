@@ -30,7 +30,7 @@ def load_image_npz(path: str | os.PathLike, *, num_classes: int | None = None) -
     path = pathlib.Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"image file path={str(path)!r} does not exist")
-    with np.load(path, allow_pickle=False) as npz:
+    with _open_npz(path) as npz:
         missing = {"images", "labels"} - set(npz.files)
         if missing:
             raise ValueError(
@@ -47,6 +47,27 @@ def load_image_npz(path: str | os.PathLike, *, num_classes: int | None = None) -
         _check_range(labels, np.iinfo(np.int32).min, np.iinfo(np.int32).max + 1, source,
                      "labels must fit int32")
     return {"images": images, "labels": labels.astype(np.int32)}
+
+
+def _open_npz(path: pathlib.Path):
+    """`np.load` of an ``.npz`` archive, refusing anything else with what was expected.
+
+    np.load returns a bare array for ``.npy`` content and reports other files as
+    "pickled (object) data", neither of which says that the archive is what's missing.
+    """
+    expected = "expected np.savez(path, images=..., labels=...)"
+    try:
+        loaded = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as err:
+        # numpy's own text here suggests allow_pickle=True: wrong advice for a stray file.
+        with open(path, "rb") as file:
+            head = file.read(8)
+        raise ValueError(f"{str(path)!r} is not an .npz archive (neither a zip archive nor .npy "
+                         f"data; it starts with {head!r}: {type(err).__name__}); {expected}") from None
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
+        raise ValueError(f"{str(path)!r} is not an .npz archive (a single .npy array of "
+                         f"shape={loaded.shape} dtype={loaded.dtype}); {expected}")
+    return loaded
 
 
 def check_labels(labels: np.ndarray, num_classes: int, source: str = "labels") -> None:
@@ -150,6 +171,9 @@ class ImageDataset:
             raise ValueError(f"split={split!r}; legal values: {SPLITS}")
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction={val_fraction!r} must be in (0, 1)")
+        # The int32 cast below would wrap a larger id (2**32 + 4) round into another class.
+        _check_range(labels, np.iinfo(np.int32).min, np.iinfo(np.int32).max + 1, "labels",
+                     "labels must fit int32")
         num_val = _val_size(len(labels), val_fraction)
         cut = slice(0, len(labels) - num_val) if split == "train" else slice(len(labels) - num_val, None)
         self.images, self.labels = images[cut], labels[cut].astype(np.int32)

@@ -94,8 +94,21 @@ def _read_concatenated(files: list[pathlib.Path], max_bytes: int) -> np.ndarray:
     return corpus
 
 
+def _file_signature(path: str) -> tuple:
+    """Size and modification time of the file, or of every file under the folder.
+
+    Part of the cache key: keyed by path alone, a corpus rewritten in the same process
+    (a notebook editing its data) was served from the cache as the old text.
+    """
+    root = pathlib.Path(path)
+    if not root.exists():
+        return ()  # _text_files reports it
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    return tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
+
+
 @functools.lru_cache(maxsize=8)
-def _cached_corpus(path: str | None, max_bytes: int) -> np.ndarray:
+def _cached_corpus(path: str | None, max_bytes: int, signature: tuple) -> np.ndarray:  # noqa: ARG001
     files = stdlib_source_files() if path is None else _text_files(pathlib.Path(path))
     corpus = _read_concatenated(files, max_bytes)
     if corpus.size == 0:
@@ -127,4 +140,4 @@ def load_text_corpus(
     if not isinstance(max_bytes, int) or max_bytes < 1:
         raise ValueError(f"max_bytes={max_bytes!r} must be a positive int")
     key = None if path is None else str(pathlib.Path(path).resolve())
-    return _cached_corpus(key, max_bytes)
+    return _cached_corpus(key, max_bytes, () if key is None else _file_signature(key))

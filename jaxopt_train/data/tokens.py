@@ -166,11 +166,16 @@ class TokenDataset:
           step: Batch number; the same step always gives the same batch.
           batch_size: The global batch size.
           rows: Only these rows of the global batch (see `process_batch_slice`).
+
+        Raises:
+          ValueError: for a token id in the batch outside [0, 2**31) (the int32 cast would
+            turn it into another id).
         """
         items, epochs = batch_indices(step, batch_size, self.num_sequences, self.seed, rows)
         shifts = np.array([self._epoch_shift(int(e)) for e in epochs], dtype=np.int64)
         starts = items * self.seq_len + shifts
         window = np.asarray(self.tokens[starts[:, None] + np.arange(self.seq_len + 1)])
+        _check_int32_ids(window, step)
         window = window.astype(np.int32)
         return {"inputs": window[:, :-1], "targets": window[:, 1:]}
 
@@ -178,3 +183,19 @@ class TokenDataset:
         if self._slack == 0:
             return 0
         return int(np.random.default_rng([self.seed, epoch, 1]).integers(0, self._slack + 1))
+
+
+def _check_int32_ids(window: np.ndarray, step: int) -> None:
+    """Refuses ids the int32 batch cannot hold: the cast would wrap them into other ids.
+
+    Checked per batch (B * (T + 1) ids), not over the whole array up front: a token file
+    of billions of ids would cost a full scan. uint8/uint16 ids always fit, so they skip it.
+    """
+    if np.can_cast(window.dtype, np.int32) and not np.issubdtype(window.dtype, np.signedinteger):
+        return
+    bad = (window < 0) | (window > np.iinfo(np.int32).max)
+    if bad.any():
+        raise ValueError(
+            f"token id {window[bad][0]} in batch step={step} (dtype {window.dtype}) does not fit "
+            "a batch: batches hold int32 ids in [0, 2**31), and a cast would turn it into "
+            "another id; drop or remap such ids (e.g. a -1 separator) before building the dataset")

@@ -139,11 +139,29 @@ def check_xla_env() -> tuple[list[Check], bool]:
     if allocator is not None and allocator.lower() not in ALLOCATORS:
         problems.append((f"XLA_PYTHON_CLIENT_ALLOCATOR={allocator!r} is not one of {ALLOCATORS}",
                          "unset it or use one of those"))
+    # jaxlib's GPU client start-up reads these with int() and raises on anything else.
+    integer_settings = {"XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB": ("a whole number of MiB", "1024"),
+                        "XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE": ("an integer such as 0 or 1", "1"),
+                        "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": ("an integer such as 0 or 1", "1")}
+    for var, (expected, example) in integer_settings.items():
+        if var in env:
+            try:
+                int(env[var])
+            except ValueError:
+                problems.append((f"{var}={env[var]!r} is not {expected} (jaxlib's GPU start-up "
+                                 "reads it with int() and fails)", f"export {var}={example}"))
     shown = " ".join(f"{k}={v}" for k, v in env.items()) or "(none: XLA preallocates 75% of each GPU)"
     if problems:
         checks += [Check("memory settings", FAIL, what, fix) for what, fix in problems]
     else:
         checks.append(Check("memory settings", PASS, shown))
+    preallocate = env.get("XLA_PYTHON_CLIENT_PREALLOCATE")
+    # jaxlib turns preallocation off only for these spellings; "no" or "FALSE" turn it on.
+    if preallocate is not None and preallocate not in ("false", "False", "0", "true", "True", "1"):
+        checks.append(Check("memory preallocation", WARN,
+                            f"XLA_PYTHON_CLIENT_PREALLOCATE={preallocate!r} means preallocate: jaxlib "
+                            "turns preallocation off only for 'false', 'False' or '0'",
+                            "export XLA_PYTHON_CLIENT_PREALLOCATE=false (or true)"))
     return checks, error is None and not problems
 
 

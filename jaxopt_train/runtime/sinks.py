@@ -183,6 +183,7 @@ class PrometheusSink:
         self._server, self._thread = started if isinstance(started, tuple) else (None, None)
         self.port = self._server.server_port if self._server is not None else port
         self.addr = addr
+        self._closed = False
 
     def _gauge(self, metric: str):
         gauge = self._gauges.get(metric)
@@ -196,6 +197,9 @@ class PrometheusSink:
         """What `write` would set, validated: ValueError for a metric named "step" (the
         `jaxopt_train_step` gauge) or two metrics sharing one gauge name, TypeError for a
         non-scalar value."""
+        if self._closed:  # the gauges would be set where no scraper can read them
+            raise RuntimeError(f"PrometheusSink(port={self.port}) is closed; its metrics would reach "
+                               "no scraper: write before close(), or make a new sink")
         values = _as_floats(step, metrics, reserved=("step",), sink="PrometheusSink")
         # Registering the second of two metrics that sanitise alike fails in
         # prometheus_client after the other sinks (and earlier gauges) were written.
@@ -219,6 +223,7 @@ class PrometheusSink:
 
     def close(self) -> None:
         """Stops the HTTP server and frees its port; unregisters the gauges."""
+        self._closed = True
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import sys
 import time
 from typing import Any, TextIO
 
 import jax
+import numpy as np
 
 from jaxopt_train.runtime.sinks import open_for_append
+
+# The fields every record writes itself; a metric of the same name would replace them.
+_RECORD_FIELDS = ("step", "time")
 
 
 class JsonlWriter:
@@ -28,9 +33,22 @@ class JsonlWriter:
         self.path = os.fspath(path)
         self._file: TextIO | None = open_for_append(self.path)
 
+    def check(self, step: int, metrics: dict[str, Any]) -> None:  # noqa: ARG002
+        """Raises ValueError for a metric named like a record field ("step", "time").
+
+        It would replace the record's own step or time: a plot then reads the record as a
+        resumed run going back to that step and drops the steps logged before it.
+        """
+        clash = sorted({str(name) for name in metrics} & set(_RECORD_FIELDS))
+        if clash:
+            raise ValueError(f"metrics.jsonl writes {list(_RECORD_FIELDS)} itself; metric names "
+                             f"{clash} are reserved there: rename them (e.g. 'train_{clash[0]}'); "
+                             f"got {sorted(map(str, metrics))}")
+
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         if self._file is None:
             raise RuntimeError(f"JsonlWriter({self.path!r}) is closed")
+        self.check(step, metrics)
         record = {"step": int(step), "time": round(time.time(), 3)}
         record.update({k: _jsonable(v) for k, v in metrics.items()})
         self._file.write(json.dumps(record) + "\n")
@@ -48,6 +66,23 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no inf/nan; keep them readable rather than invalid
     return value
+
+
+def _is_real_scalar(value: Any) -> bool:
+    """A number the sinks can take: NumPy and 0-d JAX scalars too, not bools or strings.
+
+    `isinstance(v, float)` alone misses np.float32 and jax arrays, which then reached
+    metrics.jsonl but were silently left out of TensorBoard and Prometheus.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    if isinstance(value, numbers.Real):
+        return True
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or getattr(value, "shape", None) != ():
+        return False
+    # jnp.issubdtype also knows bfloat16, which NumPy's does not count as floating.
+    return jax.numpy.issubdtype(dtype, jax.numpy.integer) or jax.numpy.issubdtype(dtype, jax.numpy.floating)
 
 
 def peak_memory_bytes() -> int | None:
@@ -102,8 +137,8 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.is_main:
             return
-        numeric = {k: float(v) for k, v in metrics.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        numeric = {k: float(v) for k, v in metrics.items() if _is_real_scalar(v)}
+        self.jsonl.check(step, metrics)
         for sink in self.sinks:  # every sink's checks first, so a refused record is written nowhere
             sink.check(step, numeric)
         self.jsonl.write(step, metrics)
