@@ -118,6 +118,45 @@ def test_restore_into_another_dtype_names_each_array(tmp_path, dtype):
     ckpt.close()
 
 
+def test_restore_widens_exactly_into_wider_dtypes(tmp_path):
+    """Before: refused ('step: saved int32, expected int64'), though these casts keep every
+    value: a run resumed under jax_enable_x64, or with f32 where it had bf16/f16 params."""
+    state = {"step": jnp.int32(2**31 - 1),
+             "h": jnp.asarray([1.5, 2.0**-24, 65504.0, -0.0], jnp.float16),
+             "b": jnp.asarray([1 / 3, 1e30, -3e-38, 2.0**-133], jnp.bfloat16),
+             "f": jnp.asarray([1 / 3, 3e38, 1e-45, -7.0], jnp.float32)}
+    ckpt = Checkpointer(str(tmp_path), async_save=False)
+    ckpt.save(1, state, {})
+    with jax.enable_x64(True):
+        wider = {"step": jnp.int64, "h": jnp.float32, "b": jnp.float32, "f": jnp.float64}
+        restored, _ = ckpt.restore({name: jax.ShapeDtypeStruct(jnp.shape(state[name]), dtype)
+                                    for name, dtype in wider.items()})
+        for name, dtype in wider.items():
+            assert restored[name].dtype == dtype, name
+            np.testing.assert_array_equal(np.asarray(restored[name]),
+                                          np.asarray(state[name]).astype(dtype))
+    ckpt.close()
+
+
+@pytest.mark.parametrize("saved, target", [
+    (jnp.int64, jnp.int32),       # narrowing
+    (jnp.int32, jnp.float32),     # across kinds: rounds above 2**24
+    (jnp.int32, jnp.uint32),      # negative values do not fit
+    (jnp.float64, jnp.float32),   # rounds
+    (jnp.bfloat16, jnp.float16),  # fewer exponent bits: 1e30 overflows
+    (jnp.float16, jnp.bfloat16),  # fewer mantissa bits
+    (jnp.float32, jnp.int64),     # truncates
+])
+def test_restore_still_refuses_every_cast_that_is_not_exact(tmp_path, saved, target):
+    with jax.enable_x64(True):
+        ckpt = Checkpointer(str(tmp_path), async_save=False)
+        ckpt.save(1, {"x": jnp.arange(3).astype(saved)}, {})
+        with pytest.raises(RunDirError, match=rf"x: saved {jnp.dtype(saved).name}, "
+                                              rf"expected {jnp.dtype(target).name}"):
+            ckpt.restore({"x": jax.ShapeDtypeStruct((3,), target)})
+        ckpt.close()
+
+
 def test_restore_with_python_scalar_and_prng_key_leaves(tmp_path):
     """Before: a Python scalar leaf in the target raised AttributeError ('int' has no shape).
     Typed PRNG keys, stored as uint32 key data, still restore without a dtype complaint."""

@@ -1,6 +1,9 @@
 """ZeRO stages 0/1/3: equal results, and per-device memory falling as the compiled analysis shows."""
 
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -484,3 +487,51 @@ def test_a_schedule_free_optimizer_is_accepted(specs):
     tx = optax.contrib.schedule_free_adamw(1e-3)
     leaf = None if specs is None else leaf_specs(params, N)
     assert elementwise_mismatch(tx, params, N, leaf) is None
+
+
+_TREE = {"w": jnp.zeros((64, 32), jnp.float32), "b": jnp.zeros((32,), jnp.float32),
+         "c": jnp.zeros((3,), jnp.float32)}
+
+
+@pytest.mark.parametrize("specs", [None, "per-leaf"])
+@pytest.mark.parametrize("name, make", [
+    ("prodigy", lambda: optax.contrib.prodigy(1.0)),
+    ("d-adaptation adamw", lambda: optax.contrib.dadapt_adamw(1.0)),
+])
+def test_elementwise_mismatch_refuses_a_step_size_summed_over_the_tree(name, make, specs):
+    """Before: both were accepted. Their step size sums over the whole tree (a shard sums over
+    its shard), but on two independent gradients it never left its initial value, so the two
+    updates compared matched exactly; sharded, Prodigy's updates 5 and 6 differ by 7-17%."""
+    leaf = None if specs is None else leaf_specs(_TREE, N)
+    assert re.search(r"update [2-6] of leaf .* differs", elementwise_mismatch(make(), _TREE, N, leaf) or ""), name
+
+
+@pytest.mark.parametrize("specs", [None, "per-leaf"])
+@pytest.mark.parametrize("name, make", [
+    ("adam", lambda: optax.adam(1e-3)),
+    ("sgd + momentum", lambda: optax.sgd(1e-2, momentum=0.9)),
+    ("nesterov", lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True)),
+    ("lion", lambda: optax.lion(1e-4, weight_decay=0.1)),
+    ("schedule-free adamw", lambda: optax.contrib.schedule_free_adamw(1e-3)),
+    ("schedule-free sgd", lambda: optax.contrib.schedule_free_sgd(1e-2)),
+])
+def test_elementwise_mismatch_over_more_steps_still_accepts_elementwise_optimizers(name, make, specs):
+    leaf = None if specs is None else leaf_specs(_TREE, N)
+    assert elementwise_mismatch(make(), _TREE, N, leaf) is None, name
+
+
+def test_elementwise_mismatch_accepts_schedule_free_at_xla_default_optimisation_level():
+    """Before: refused in a run without the suite's -O0 (every real run), the whole-tree and
+    the shard program rounding its param differences (params ~1e3) an ulp apart:
+    'update 2 of leaf ['w'] differs by up to 0.000122 (updates up to 0.000763)'."""
+    code = ("import jax.numpy as jnp, optax\n"
+            "from jaxopt_train.zero import elementwise_mismatch, leaf_specs\n"
+            "p = {'w': jnp.zeros((64, 32)), 'b': jnp.zeros((32,)), 'c': jnp.zeros((3,))}\n"
+            "tx = optax.contrib.schedule_free_adamw(1e-3)\n"
+            "print(elementwise_mismatch(tx, p, 8), elementwise_mismatch(tx, p, 8, leaf_specs(p, 8)))\n")
+    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "")
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "None None", run.stdout

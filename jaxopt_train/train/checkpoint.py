@@ -18,6 +18,7 @@ import shutil
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
@@ -89,7 +90,9 @@ class Checkpointer:
         (Where the moment shapes coincide, the chunks are the same elements in
         the same order, so loading them is right.) Another dtype orbax does not
         refuse: it casts to the target's, silently rounding f32 into bf16 or
-        truncating it into int32.
+        truncating it into int32. So only a cast that keeps every value exactly
+        loads (`_exact_widening`: an int32 step into int64 under jax_enable_x64,
+        bf16 or f16 into f32, f32 into f64); any other dtype change is refused.
         """
         saved = _saved_arrays(os.path.join(self.directory, str(step), "state"))
         if saved is None:  # no readable metadata: orbax's own shape check still applies
@@ -113,12 +116,14 @@ class Checkpointer:
                 "it, or start a new --run-dir.")
         found = [f"{name}: saved {saved[name][1]}, expected {dtype}"
                  for name, (_, dtype) in expected.items()
-                 if name in saved and saved[name][1] is not None and saved[name][1] != dtype]
+                 if name in saved and saved[name][1] is not None and saved[name][1] != dtype
+                 and not _exact_widening(saved[name][1], dtype)]
         if found:
             raise RunDirError(
                 f"cannot restore the checkpoint at step {step} in {self.directory}: {len(found)} "
                 f"array(s) have another dtype than this run's state ({_shown(found)}); restoring "
-                "would cast them silently (rounding, or truncating floats to ints). It was written "
+                "would cast them silently (rounding, or truncating floats to ints); only a widening "
+                "that keeps every value (int32 to int64, bf16/f16 to f32, f32 to f64) loads. It was written "
                 "with other precision settings (param or optimizer-state dtype). Resume it with "
                 "the settings that wrote it, or start a new --run-dir.")
 
@@ -145,6 +150,21 @@ def _stored_shape_dtype(leaf) -> tuple[tuple[int, ...], np.dtype]:
         data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
         return tuple(data.shape), np.dtype(data.dtype)
     return tuple(leaf.shape), np.dtype(leaf.dtype)
+
+
+def _exact_widening(saved: np.dtype, target: np.dtype) -> bool:
+    """True if casting every `saved` value to `target` is exact: an integer into an integer
+    whose range holds the saved one's, or a float into a float with at least its mantissa and
+    exponent range (bf16 into f16 is not: f16's range is smaller). Never across kinds: an
+    int32 into f32 rounds above 2**24, a float into an int truncates."""
+    if jnp.issubdtype(saved, jnp.integer) and jnp.issubdtype(target, jnp.integer):
+        have, want = jnp.iinfo(saved), jnp.iinfo(target)
+        return int(want.min) <= int(have.min) and int(have.max) <= int(want.max)
+    if jnp.issubdtype(saved, jnp.floating) and jnp.issubdtype(target, jnp.floating):
+        have, want = jnp.finfo(saved), jnp.finfo(target)
+        return (want.nmant >= have.nmant and want.maxexp >= have.maxexp
+                and want.minexp - want.nmant <= have.minexp - have.nmant)  # subnormals too
+    return False
 
 
 def _shown(found: list[str]) -> str:

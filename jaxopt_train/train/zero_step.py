@@ -128,8 +128,9 @@ def check_elementwise_optimizer(optimizer: optax.GradientTransformation, params,
             f"zero={zero} updates each device's shard of the parameters with the optimizer on its "
             "own, so the optimizer must be elementwise (per-parameter math, e.g. optax.adamw, "
             f"optax.sgd); this one is not ({mismatch}). Global-norm clipping "
-            "(optax.clip_by_global_norm) and trust-ratio optimizers (optax.lamb, optax.lars) see "
-            "only a shard's norm. Use zero=0, or the default optimizer (optimizer=None) whose "
+            "(optax.clip_by_global_norm), trust-ratio optimizers (optax.lamb, optax.lars) and "
+            "learning-rate-free ones (optax.contrib.prodigy, dadapt_adamw) see only a shard's "
+            "norms or sums. Use zero=0, or the default optimizer (optimizer=None) whose "
             "clip_norm= the ZeRO step applies with the whole gradient's norm")
 
 

@@ -3,19 +3,28 @@
 Stages 1 and 3 run the optimizer on each device's shard on its own, which
 equals the replicated update only if the optimizer's math is per parameter.
 An optax optimizer is opaque (a mask or a global norm hides in a closure), so
-the check runs it: two updates of small random surrogates of the params,
+the check runs it: `STEPS` updates of small random surrogates of the params,
 once on the whole tree and once per shard (vmapped, so each call sees one
 shard's shapes, as a device does), and compares them relative to the updates'
 size (a warmup from lr 0 makes them tiny). An optimizer that fails on a
 shard (a mask shaped like the tree, on a 1-D slice) is reported too.
+
+The gradients are correlated (one random direction plus noise), and there are
+enough of them, for learning-rate-free optimizers to move their step size:
+Prodigy's and D-Adaptation's sum over the whole tree, but on two independent
+gradients their estimate stays at its initial value (updates 1-4 match
+exactly; Prodigy's first moves in update 5).
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 
 from jaxopt_train.zero.layout import make_layout
 from jaxopt_train.zero.leaves import spec_dim
@@ -27,13 +36,47 @@ def _surrogate_shape(shape: tuple[int, ...], dim: int | None, num_shards: int) -
                  for d, size in enumerate(shape))
 
 
-def _two_updates(optimizer: optax.GradientTransformation, params, grads):
-    state, out = optimizer.init(params), []
-    for g in grads:
-        updates, state = optimizer.update(g, state, params)
-        params = optax.apply_updates(params, updates)
-        out.append(updates)
-    return out
+# Updates compared per run. Prodigy's step size first moves in update 5 on these gradients
+# (6: one to spare). The steps are a scan: more cost run time only, which is tiny.
+STEPS = 6
+
+# Both programs at LLVM -O0, as XLA:CPU compiles them at: whatever XLA's default level does to
+# the whole-tree and the vmapped program (e.g. contracting a*b+c into an FMA in one only) rounds
+# them apart. A schedule-free optimizer's updates are differences of params, which at params of
+# ~1e3 carry only an ulp of 6e-5 against updates of ~8e-4: at the default level the shard run of
+# schedule_free_adamw differed by 1.2e-4 (15%), at -O0 by nothing. -O0 also compiles faster.
+_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+def _check_device():
+    """The CPU device (so the check rounds alike on every machine), or None if jax has no CPU
+    backend here (JAX_PLATFORMS without cpu): then the default device."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return None
+
+
+def _strong(x, like):
+    """`x` with `like`'s dtype and no weak type: a scan carry must keep its exact type, and optax
+    may init a Python-float scalar (weakly typed) that its update returns strongly typed."""
+    if not hasattr(like, "dtype") or jax.dtypes.issubdtype(like.dtype, jax.dtypes.prng_key):
+        return x
+    return lax.convert_element_type(x, like.dtype)
+
+
+def _updates(optimizer: optax.GradientTransformation, params, grads):
+    """The updates of one step per row of `grads` (leaves stacked on axis 0), from `params`.
+
+    A scan, not a Python loop: compiled once, whatever `STEPS` is."""
+    def step(carry, g):
+        params, state = carry
+        updates, new_state = optimizer.update(g, state, params)
+        new_state = jax.tree.map(_strong, new_state, state)
+        return (optax.apply_updates(params, updates), new_state), updates
+
+    state = optimizer.init(params)
+    return lax.scan(step, (params, jax.tree.map(_strong, state, state)), grads)[1]
 
 
 def elementwise_mismatch(optimizer: optax.GradientTransformation, params, num_shards: int,
@@ -51,51 +94,98 @@ def elementwise_mismatch(optimizer: optax.GradientTransformation, params, num_sh
     Shape-specific behaviour beyond rank (a mask on one leaf's exact size) is
     not reproduced by the small surrogate and so not detected.
     """
+    with jax.default_device(_check_device()):
+        return _mismatch(optimizer, params, num_shards, specs, axis_name)
+
+
+def _mismatch(optimizer, params, num_shards: int, specs, axis_name: str) -> str | None:
     leaves, treedef = jax.tree.flatten(params)
     dims = ([None] * len(leaves) if specs is None
             else [spec_dim(s, axis_name) for s in treedef.flatten_up_to(specs)])
+    shapes = [_surrogate_shape(tuple(np.shape(x)), d, num_shards) for x, d in zip(leaves, dims)]
+    dtypes = [np.dtype(x.dtype) for x in leaves]
     rng = np.random.default_rng(0)
 
-    def draw(scale):  # large gradients, so a clip by any usual norm is active
-        return treedef.unflatten([
-            jnp.asarray(rng.normal(size=_surrogate_shape(tuple(np.shape(x)), d, num_shards)) * scale,
-                        x.dtype) for x, d in zip(leaves, dims)])
+    # Host (numpy) surrogates, split and joined on the host: the compiled program holds only
+    # the optimizer's math, whose compile time the check is made of.
+    def draw(scale, steps=None):  # large gradients, so a clip by any usual norm is active
+        lead = () if steps is None else (steps,)
+        return [rng.normal(size=lead + shape) * scale for shape in shapes]
 
-    grads = [draw(100.0), draw(100.0)]
+    # One direction plus noise half its size, per step: a learning-rate-free optimizer's
+    # estimate grows only while successive gradients agree (`STEPS`).
+    grads = [(d + noise).astype(dtype)
+             for d, noise, dtype in zip(draw(100.0), draw(50.0, STEPS), dtypes)]
     if specs is None:
-        layout = make_layout(grads[0], num_shards)
-        split = lambda t: layout.flatten(t).reshape(num_shards, -1)  # noqa: E731
-        join = lambda u: layout.unflatten(u.reshape(-1))  # noqa: E731
+        layout = make_layout(treedef.unflatten([jax.ShapeDtypeStruct(sh, dt) for sh, dt in
+                                                zip(shapes, dtypes)]), num_shards)
+        split, join = _flat_split_join(layout)
+        shard_tree = lambda leaves: leaves[0]  # noqa: E731  (a shard is one 1-D slice)
     else:
-        split = lambda t: treedef.unflatten([  # noqa: E731
-            jnp.broadcast_to(x, (num_shards, *x.shape)) if d is None
-            else jnp.stack(jnp.split(x, num_shards, axis=d)) for x, d in zip(jax.tree.leaves(t), dims)])
-        join = lambda u: treedef.unflatten([  # noqa: E731  (replicated leaves keep every copy)
-            x if d is None else jnp.concatenate(list(x), axis=d) for x, d in zip(jax.tree.leaves(u), dims)])
+        split, join = _leaf_split_join(dims, num_shards)
+        shard_tree = treedef.unflatten
 
-    @jax.jit
-    def both(p, grads):
-        whole = _two_updates(optimizer, p, grads)
-        shards = jax.vmap(lambda p, g: _two_updates(optimizer, p, g))(split(p), [split(g) for g in grads])
-        return whole, [join(u) for u in shards]
+    @functools.partial(jax.jit, compiler_options=_COMPILER_OPTIONS)
+    def both(p, grads, p_shards, grad_shards):
+        whole = _updates(optimizer, treedef.unflatten(p), treedef.unflatten(grads))
+        shards = jax.vmap(lambda p, g: _updates(optimizer, shard_tree(p), shard_tree(g)))(
+            p_shards, grad_shards)  # [shard, step, ...]
+        return jax.tree.leaves(whole), jax.tree.leaves(shards)
 
     # Params near 1 show a global norm or trust ratio; params of ~1e3 make a weight decay of
     # any usual factor (optax's default 1e-4 too) outweigh rounding, so a per-leaf mask that a
     # shard sees wrongly shows. The second run reuses the first's compilation.
     for param_scale in (1.0, 1e3):
-        p = draw(param_scale)
+        p = [x.astype(dtype) for x, dtype in zip(draw(param_scale), dtypes)]
         with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and int32 counts
             try:
-                whole, sharded = both(p, grads)
+                whole, sharded = both(p, grads, split(p), split(grads, 1))
             except Exception as err:  # noqa: BLE001  (e.g. a mask tree that a 1-D slice cannot match)
-                jax.jit(lambda p, g: _two_updates(optimizer, p, g))(p, grads)  # its own errors raise
+                jax.jit(lambda p, g: _updates(optimizer, treedef.unflatten(p), treedef.unflatten(g)),
+                        compiler_options=_COMPILER_OPTIONS)(p, grads)  # its own errors raise
                 cause = " ".join(str(err).split())
                 return (f"running it on one shard's parameters fails: {type(err).__name__}: "
                         f"{cause[:300]}{'...' if len(cause) > 300 else ''}")
-        mismatch = _first_difference(whole, sharded, num_shards, param_scale)
+        whole, sharded = [np.asarray(u) for u in whole], [np.asarray(u) for u in sharded]
+        mismatch = _first_difference(
+            [treedef.unflatten([u[i] for u in whole]) for i in range(STEPS)],
+            [treedef.unflatten(join([u[:, i] for u in sharded])) for i in range(STEPS)],
+            num_shards, param_scale)
         if mismatch:
             return mismatch
     return None
+
+
+def _flat_split_join(layout):
+    """(split, join) on the host for the flat layout: leaves (with `lead` leading step axes)
+    to the [num_shards, (steps,) shard_size] slices of their flat vector, and back."""
+    def split(leaves, lead=0):
+        flat = np.concatenate([x.reshape(*x.shape[:lead], -1).astype(layout.dtype) for x in leaves],
+                              axis=lead)
+        flat = np.pad(flat, [(0, 0)] * lead + [(0, layout.padded_size - layout.size)])
+        return [np.moveaxis(flat.reshape(*flat.shape[:lead], layout.num_shards, -1), lead, 0)]
+
+    def join(shards):
+        flat, out, offset = shards[0].reshape(-1), [], 0
+        for shape in layout.shapes:
+            out.append(flat[offset: offset + math.prod(shape)].reshape(shape))
+            offset += math.prod(shape)
+        return out
+
+    return split, join
+
+
+def _leaf_split_join(dims, num_shards: int):
+    """(split, join) on the host for the per-leaf layout: each leaf split along its dimension
+    (after `lead` leading step axes) into [num_shards, ...] shards, or copied if replicated."""
+    def split(leaves, lead=0):
+        return [np.broadcast_to(x, (num_shards, *x.shape)) if d is None
+                else np.stack(np.split(x, num_shards, axis=lead + d)) for x, d in zip(leaves, dims)]
+
+    def join(shards):  # replicated leaves keep every copy
+        return [x if d is None else np.concatenate(list(x), axis=d) for x, d in zip(shards, dims)]
+
+    return split, join
 
 
 def _first_difference(whole, sharded, num_shards: int, param_scale: float) -> str | None:
@@ -114,7 +204,7 @@ def _first_difference(whole, sharded, num_shards: int, param_scale: float) -> st
             # and a floor would pass the differences below it. Updates of exactly 0 (lr 0) must
             # match exactly.
             if not diff <= rtol * scale:
-                return (f"on random gradients and params of size ~{param_scale:g}, update "
+                return (f"on correlated random gradients and params of size ~{param_scale:g}, update "
                         f"{step + 1} of leaf {jax.tree_util.keystr(path)} differs by up to "
                         f"{diff:.3g} (updates up to {scale:.3g}) when each of {num_shards} shards "
                         "is updated on its own")

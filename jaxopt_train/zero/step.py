@@ -77,7 +77,8 @@ def make_zero_step(loss_fn: Callable, optimizer: optax.GradientTransformation, p
             f"{stage=} runs the optimizer on each device's 1-D slice of the flattened parameters, "
             "so it must be elementwise with nothing tree-structured: no per-leaf masks or labels "
             "(e.g. AdamW's weight-decay mask, optax.multi_transform), no global-norm clipping, no "
-            f"per-leaf trust ratios (optax.lamb, optax.lars); this optimizer is not ({mismatch}). "
+            "per-leaf trust ratios (optax.lamb, optax.lars), no step size summed over the tree "
+            f"(optax.contrib.prodigy); this optimizer is not ({mismatch}). "
             "Use stage=0, an optimizer without those parts, or the per-leaf layout (the trainer's "
             "zero=1|3), whose shards keep each leaf's rank and the tree's structure")
     slice_specs = opt_state_specs(optimizer, layout, axis_name)
