@@ -188,6 +188,54 @@ def test_nonfinite_run_stops_with_clear_error_keeping_last_good_checkpoint(tmp_p
     assert np.isfinite(records[1]["loss"]) and records[2]["loss"] == "nan"
 
 
+def test_resume_with_settings_that_change_the_state_or_data_is_refused_by_name(tmp_path):
+    cfg = _tiny(tmp_path)
+    train(cfg, until_step=2)
+    # fp16 adds a dynamic loss scale, compression its error feedback: the checkpoint is sound,
+    # so the error names the setting, not a damaged checkpoint to delete with --overwrite.
+    for change, needle in ((dict(precision="fp16"), "the loss scale, set by --precision"),
+                           (dict(grad_compression="bf16"), "set by --grad-compression")):
+        with pytest.raises(RunDirError, match=needle) as info:
+            train(dataclasses.replace(cfg, resume=True, **change))
+        assert "damaged" not in str(info.value) and "--overwrite" not in str(info.value)
+    # Batch `step` is rows step x batch_size on of a permutation seeded by seed: another
+    # batch size or seed would skip or repeat examples, so both are refused before any build.
+    for change, needle in ((dict(batch_size=16), "batch_size: saved 8, now 16"),
+                           (dict(seed=1), "seed: saved 0, now 1")):
+        with pytest.raises(RunDirError, match=needle):
+            train(dataclasses.replace(cfg, resume=True, **change))
+    # A checkpoint past the last step asked for trains nothing: said so, not "done".
+    with pytest.raises(RunDirError, match=r"at step 2, past the last step asked for \(--steps 1\)"):
+        train(dataclasses.replace(cfg, resume=True, steps=1))
+    assert existing_checkpoint_steps(cfg.run_dir) == [2]
+
+
+def test_logged_lr_is_the_optimizers_after_skipped_steps(tmp_path, monkeypatch):
+    real_build_task = loop_lib.build_task
+
+    def poisoned_build_task(cfg, policy):
+        task = real_build_task(cfg, policy)
+        clean = task.train_batch
+
+        def train_batch(step):  # steps 2 and 3 are non-finite (ids past the vocabulary)
+            batch = clean(step)
+            return dict(batch, inputs=np.full_like(batch["inputs"], 10_000)) if step in (2, 3) else batch
+
+        task.train_batch = train_batch
+        return task
+
+    monkeypatch.setattr(loop_lib, "build_task", poisoned_build_task)
+    cfg = _tiny(tmp_path, max_nonfinite_steps=3)
+    train(cfg)
+    records = read_jsonl(os.path.join(cfg.run_dir, "metrics.jsonl"))
+    assert [r["skipped_steps"] for r in records] == [0, 2, 2, 2]
+    # The skipped steps left optax's count behind: the last update of each interval was that
+    # of steps 1, 1 (2 and 3 were skipped), 5 and 7, at counts 1, 1, 3 and 5. (The log was 2
+    # steps ahead of the optimizer's schedule from step 4 on.)
+    assert [r["lr"] for r in records] == [pytest.approx(loop_lib._current_lr(cfg, count))
+                                          for count in (1, 1, 3, 5)]
+
+
 def test_prometheus_scrape_and_tensorboard_events_during_a_run(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -235,6 +283,25 @@ def test_default_run_dirs_started_in_the_same_second_differ(tmp_path, monkeypatc
     monkeypatch.setattr(loop_lib.time, "time", lambda: 1_700_000_000.0)
     first, second = (loop_lib._default_run_dir(TrainConfig()) for _ in range(2))
     assert second == first + "-2" and os.path.isdir(first) and os.path.isdir(second)
+
+
+def test_evaluation_runs_in_the_train_steps_micro_batches():
+    """The whole global batch in one eval forward needed 2.5x the temporaries of the train
+    step that was checked to fit (8 micro-batches): the loop evaluates micro-batch chunks."""
+    class RecordingTrainer:
+        def __init__(self):
+            self.sizes = []
+
+        def evaluate(self, batch):
+            self.sizes.append(len(batch["x"]))
+            return float(np.mean(batch["x"]))
+
+    task = loop_lib.Task(fns=None, train_batch=None, unit="tokens", units_per_example=1,
+                         flops_per_example=1.0, description="",
+                         eval_batch=lambda i: {"x": np.arange(16.0) + 16 * i})
+    trainer = RecordingTrainer()
+    assert loop_lib._evaluate(trainer, task, 2, microbatches=4) == pytest.approx(15.5)
+    assert trainer.sizes == [4] * 8
 
 
 @pytest.mark.parametrize("steps, warmup", [(8, 2), (300, 30), (5, 0), (1, 3)])

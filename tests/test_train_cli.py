@@ -96,6 +96,8 @@ def test_resume_keeps_the_runs_own_settings_and_changes_only_the_flags_given(tmp
     (dict(clip_norm=float("nan")), "clip_norm=nan"),
     (dict(prometheus_port=70000), "prometheus_port=70000"),
     (dict(preset="cnn-small", model_overrides={"d_model": 8}), "model_overrides"),
+    (dict(preset="cnn-small", seq_len=64), "seq_len=64 only applies to GPT presets"),
+    (dict(preset="resnet18", scan_layers=True), "scan_layers=True only applies to GPT presets"),
     (dict(steps=8, profile_steps="100:110"), "profile_steps='100:110' starts at step 100, but "
                                              "training runs steps 0..7 "),
     (dict(steps=8, profile_steps="100:110"), "steps=8"),

@@ -209,6 +209,11 @@ class TrainConfig:
         if self.model_overrides and self.preset not in GPT_PRESETS:
             raise ValueError(f"model_overrides={self.model_overrides} only apply to GPT presets "
                              f"{GPT_PRESETS}, not preset={self.preset!r}")
+        # Taken silently before, by a vision run that has no sequence and no layers to scan.
+        for name, unset in (("seq_len", None), ("scan_layers", False)):
+            if self.is_vision and getattr(self, name) != unset:
+                raise ValueError(f"{name}={getattr(self, name)!r} only applies to GPT presets "
+                                 f"{GPT_PRESETS}, not preset={self.preset!r}; drop it")
         if self.resume and self.overwrite:
             raise ValueError("resume=True and overwrite=True contradict each other: pick one")
         if self.run_dir is not None and (not isinstance(self.run_dir, str) or not self.run_dir):

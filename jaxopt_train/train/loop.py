@@ -25,8 +25,9 @@ import numpy as np
 
 from jaxopt_train.precision import get_policy
 import jaxopt_train.train.mfu as mfu_lib
-from jaxopt_train.train.checkpoint import (Checkpointer, RunDirError, as_abstract,
-                                           check_same_model, clear_run_dir, prepare_run_dir)
+from jaxopt_train.train.checkpoint import (Checkpointer, RunDirError, _path_name, _saved_arrays,
+                                           as_abstract, check_same_model, clear_run_dir,
+                                           prepare_run_dir)
 from jaxopt_train.train.config import TrainConfig, shape_overrides
 from jaxopt_train.train.metrics import MetricsLogger, peak_memory_bytes
 from jaxopt_train.train.remat_search import build_fitting_run
@@ -95,6 +96,17 @@ def _check_dispatch_alignment(step: int, k: int, ckpt_dir: str) -> None:
             f"and then {k}")
 
 
+def _check_steps_left(step: int, target: int, steps: int, ckpt_dir: str) -> None:
+    """Refuses a resume whose checkpoint is past the step it was asked to train to: it would
+    train nothing and report the checkpoint's step as done."""
+    if step > target:
+        asked = f"--steps {steps}" if target == steps else f"until_step={target}"
+        raise RunDirError(
+            f"the checkpoint in {ckpt_dir} is at step {step}, past the last step asked for "
+            f"({asked}), so there is nothing to train; to continue the run pass --steps "
+            f"greater than {step}")
+
+
 def _damaged(ckpt: Checkpointer, err: Exception) -> RunDirError:
     """The error for a latest checkpoint that orbax cannot read (files missing or truncated),
     saying which step and how to resume from the previous one."""
@@ -109,11 +121,58 @@ def _damaged(ckpt: Checkpointer, err: Exception) -> RunDirError:
                        f"or start over with --overwrite.")
 
 
+# What decides the parts of the train state that a model of the same shape may still lack
+# or add: a resume with another of these settings cannot load the checkpoint.
+_STATE_PART_SETTINGS = {
+    "loss_scale": "the loss scale, set by --precision (fp16 keeps a dynamic loss scale, the "
+                  "other policies none)",
+    "grad_error": "the error feedback of compressed gradient reductions, set by "
+                  "--grad-compression (bf16 and int8 keep it, none does not)",
+}
+
+
+def _check_state_parts(ckpt: Checkpointer, target) -> None:
+    """Raises RunDirError naming the parts of the train state that the latest checkpoint
+    holds and this run's state does not, or the other way round (e.g. the fp16 loss scale).
+
+    Orbax refuses such a restore only with "tree structures do not match", which `_damaged`
+    would report as a damaged checkpoint to delete with --overwrite: the run is sound, the
+    settings are not its own.
+    """
+    step = ckpt.latest_step()
+    saved = _saved_arrays(os.path.join(ckpt.directory, str(step), "state"))
+    if saved is None:  # no readable metadata: orbax's own checks apply
+        return
+    expected = {_path_name(path) for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]
+                if hasattr(leaf, "shape") and hasattr(leaf, "dtype")}
+    differ = []
+    # Only these parts: another layout of params or moments (an old ZeRO checkpoint) has
+    # its own message, from Checkpointer.restore.
+    for part, what in _STATE_PART_SETTINGS.items():
+        had = sorted(n for n in saved if n.split("/")[0] == part)
+        wants = sorted(n for n in expected if n.split("/")[0] == part)
+        if had != wants:
+            differ.append(f"{what}: saved {_some(had)}, this run {_some(wants)}")
+    if differ:
+        raise RunDirError(
+            f"cannot resume from the checkpoint at step {step} in {ckpt.directory}: it holds "
+            f"another train state than this run's settings build ({'; '.join(differ)}). Resume "
+            "with the settings that wrote it (see config.json in the run directory), or start a "
+            "new --run-dir.")
+
+
+def _some(names: list[str]) -> str:
+    if not names:
+        return "none"
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def _restore(ckpt: Checkpointer, state):
     """The checkpoint's state, in the layout of `state`, whose arrays are freed first:
     a resume then needs no more device memory than the run (two states would not fit
     where one just does, e.g. gpt-1b within 16 GiB). The run stops if this raises."""
     target = jax.tree.map(as_abstract, state)
+    _check_state_parts(ckpt, target)
     for leaf in jax.tree.leaves(state):
         if isinstance(leaf, jax.Array):
             leaf.delete()
@@ -145,6 +204,37 @@ def _check_resume_shape(run_dir: str, cfg: TrainConfig, ckpt: Checkpointer) -> N
         check_same_model(saved, current, run_dir)
 
 
+# The settings that fix which examples batch `step` holds (`data.sampling.batch_indices`:
+# rows step * batch_size onwards of a permutation seeded by `seed`).
+DATA_ORDER_FIELDS = ("batch_size", "seed")
+
+
+def _data_order(cfg: TrainConfig) -> dict[str, Any]:
+    return {name: getattr(cfg, name) for name in DATA_ORDER_FIELDS}
+
+
+def _check_resume_data_order(run_dir: str, cfg: TrainConfig, ckpt: Checkpointer) -> None:
+    """Refuses a resume whose batch size or seed differs from its checkpoint's: batch `step`
+    would then start at another example, and the run would skip or repeat data unnoticed."""
+    saved = ckpt.read_meta().get("data_order")
+    if saved is None:  # checkpoints from before it was recorded: config.json has the run's
+        path = os.path.join(run_dir, "config.json")
+        if not os.path.exists(path):
+            return
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f).get("config") or {}
+        saved = {name: config[name] for name in DATA_ORDER_FIELDS if name in config}
+    diffs = [f"{name}: saved {saved[name]!r}, now {value!r}"
+             for name, value in _data_order(cfg).items() if name in saved and saved[name] != value]
+    if diffs:
+        raise RunDirError(
+            f"cannot resume run_dir={run_dir!r} with another data order ({'; '.join(diffs)}): "
+            "each step's batch is picked by step x batch_size from a permutation seeded by "
+            "seed, so the resumed run would skip or repeat examples. Resume with the saved "
+            "values (--batch-size, --seed; on fewer devices --microbatches keeps the global "
+            "batch), or start a new --run-dir.")
+
+
 def dispatch_batch(task: Task, step: int, steps_per_dispatch: int) -> dict[str, np.ndarray]:
     """The host batch of one dispatch from `step`: [B, ...], or [k, B, ...] stacked for k > 1."""
     if steps_per_dispatch == 1:
@@ -153,8 +243,24 @@ def dispatch_batch(task: Task, step: int, steps_per_dispatch: int) -> dict[str, 
     return {key: np.stack([b[key] for b in batches]) for key in batches[0]}
 
 
-def _evaluate(trainer: Trainer, task: Task, batches: int) -> float:
-    return float(np.mean([trainer.evaluate(task.eval_batch(i)) for i in range(batches)]))
+def _evaluate(trainer: Trainer, task: Task, batches: int, microbatches: int) -> float:
+    """Mean loss over `batches` eval batches, each run in `microbatches` equal chunks.
+
+    The chunks are the train step's micro-batches: the whole global batch in one forward
+    pass needed 2.5x the train step's temporaries at 8 micro-batches (GPT, vocab 16k), and
+    only the train step is checked against the memory pool, so a run fitted with
+    --microbatches failed at its first evaluation (or at its last step, before its final
+    checkpoint). The chunks hold equally many examples and tokens, so the mean of their
+    means is the batch's mean.
+    """
+    losses = []
+    for i in range(batches):
+        batch = task.eval_batch(i)
+        size = next(iter(jax.tree.leaves(batch))).shape[0] // microbatches
+        for j in range(microbatches):
+            losses.append(trainer.evaluate(jax.tree.map(lambda x: x[j * size:(j + 1) * size],
+                                                        batch)))
+    return float(np.mean(losses))
 
 
 class _Interval:
@@ -215,7 +321,9 @@ def train(config: TrainConfig, *, until_step: int | None = None, devices=None,
         if cfg.resume:  # before building anything: a mismatch fails in milliseconds
             ckpt = Checkpointer(run_dir, keep=cfg.keep_checkpoints)
             _check_resume_shape(run_dir, cfg, ckpt)
+            _check_resume_data_order(run_dir, cfg, ckpt)
             _check_dispatch_alignment(ckpt.latest_step(), k, ckpt.directory)
+            _check_steps_left(ckpt.latest_step(), target, cfg.steps, ckpt.directory)
         cfg, task, trainer, _ = build_fitting_run(cfg, devices)  # resolves remat="auto"
         if not cfg.resume and not trainer.compiled:
             # Before the run dir is touched: a step that cannot compile (too large for the
@@ -270,7 +378,8 @@ def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run
          target: int, stream: TextIO | None) -> TrainResult:
     k = cfg.steps_per_dispatch
     step = int(trainer.state.step)
-    meta = {"model_shape": json.loads(json.dumps(cfg.model_shape())), "preset": cfg.preset}
+    meta = {"model_shape": json.loads(json.dumps(cfg.model_shape())), "preset": cfg.preset,
+            "data_order": _data_order(cfg)}
     logger = MetricsLogger(run_dir, total_steps=target, start_step=step,
                            tensorboard=cfg.tensorboard, prometheus_port=cfg.prometheus_port,
                            progress=cfg.progress, stream=stream)
@@ -329,7 +438,7 @@ def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run
                 if finished or stopping or step % cfg.log_every == 0 or evaluate:
                     summary = interval.summary()
                     if evaluate:
-                        eval_loss = _evaluate(trainer, task, cfg.eval_batches)
+                        eval_loss = _evaluate(trainer, task, cfg.eval_batches, cfg.microbatches)
                     last_loss = _log(cfg, task, trainer, logger, summary, step, peak,
                                      eval_loss if evaluate else None, monitor)
                     interval = _Interval()
@@ -381,8 +490,9 @@ def _log(cfg: TrainConfig, task: Task, trainer: Trainer, logger: MetricsLogger,
     metrics["grad_norm"] = float(summary["grad_norm"][-1])
     metrics["loss_scale"] = float(summary["loss_scale"][-1])
     metrics["skipped_steps"] = int(trainer.state.loss_scale.skipped_steps)
-    # The rate the interval's last step ran with: the optimizer's count was step - 1 then.
-    metrics["lr"] = _current_lr(cfg, step - 1)
+    # The rate of the interval's last update: a skipped (non-finite) step leaves the optimizer's
+    # count, and so its schedule, where it was, so that count is now step - skipped_steps.
+    metrics["lr"] = _current_lr(cfg, max(step - metrics["skipped_steps"] - 1, 0))
     if monitor is not None:
         metrics.update(monitor.latest())
     logger.log(step, metrics)
