@@ -220,14 +220,14 @@ def test_check_same_model_names_the_difference():
 def test_resume_frees_the_initial_state_before_restoring(tmp_path):
     """Two training states on the device at once would not fit where one just does
     (gpt-1b within 16 GiB): the fresh state's arrays go before the checkpoint's load."""
-    from jaxopt_train.train import loop
+    from jaxopt_train.train import resume
 
     state = _state(NoOpLossScale())
     ckpt = Checkpointer(str(tmp_path), keep=1)
     ckpt.save(3, state, {})
     ckpt.wait()
     fresh = jax.tree.map(jnp.zeros_like, state)
-    restored = loop._restore(ckpt, fresh)
+    restored = resume.restore(ckpt, fresh)
     ckpt.close()
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(fresh))
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):

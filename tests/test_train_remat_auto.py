@@ -10,7 +10,7 @@ import os
 import pytest
 
 from jaxopt_train.runtime.memory import FitReport
-from jaxopt_train.train import TrainConfig, loop, remat_search, train
+from jaxopt_train.train import TrainConfig, loop, remat_search, resume, train
 from jaxopt_train.train.cli import config_from_args
 from jaxopt_train.train.trainer import StepTooLargeError
 
@@ -118,7 +118,7 @@ def test_remat_overrides_do_not_change_the_model_shape(tmp_path):
             return {"model_shape": {**base.model_shape(),
                                     "model_overrides": {"d_model": 32, "remat_layers": 15}}}
 
-    loop._check_resume_shape(str(tmp_path), base, _SavedMeta())  # no RunDirError
+    resume.check_resume_shape(str(tmp_path), base, _SavedMeta())  # no RunDirError
 
 
 def test_auto_with_a_pool_that_holds_the_step_compiles_it_once(tmp_path, monkeypatch, capsys):

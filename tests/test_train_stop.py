@@ -13,6 +13,7 @@ import pytest
 
 from jaxopt_train.train import RunDirError, Trainer, train
 from jaxopt_train.train import loop as loop_lib
+from jaxopt_train.train import resume
 from jaxopt_train.train.checkpoint import existing_checkpoint_steps
 from jaxopt_train.runtime import read_jsonl
 
@@ -118,4 +119,4 @@ def test_runs_saved_before_the_weights_dtype_was_recorded_still_resume(tmp_path)
             shape.pop("param_dtype")
             return {"model_shape": shape}
 
-    loop_lib._check_resume_shape(str(tmp_path), _tiny(tmp_path), _OldMeta())  # no RunDirError
+    resume.check_resume_shape(str(tmp_path), _tiny(tmp_path), _OldMeta())  # no RunDirError

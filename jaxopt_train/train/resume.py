@@ -1,0 +1,173 @@
+"""Resuming a run: the checks that refuse a checkpoint this run cannot continue, each
+before anything is built or deleted, and `restore` itself.
+
+A resume must continue the same run: the same model shape, data order (batch size and
+seed), train-state parts (the fp16 loss scale, compressed reductions' error feedback) and
+a step that `--steps` and `--steps-per-dispatch` can still reach. Each refusal says what
+differs and how to resume or start a new run directory; none suggests `--overwrite` for a
+sound checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+
+from jaxopt_train.train.checkpoint import (Checkpointer, RunDirError, _path_name, _saved_arrays,
+                                           as_abstract, check_same_model)
+from jaxopt_train.train.config import TrainConfig, shape_overrides
+
+
+def check_dispatch_alignment(step: int, k: int, ckpt_dir: str) -> None:
+    """Refuses a resume whose checkpoint step is not a multiple of steps_per_dispatch:
+    the dispatches would then never land on the log, eval and checkpoint multiples,
+    and the run would overshoot its last step."""
+    if step % k:
+        ones = k - step % k
+        raise RunDirError(
+            f"the checkpoint in {ckpt_dir} is at step {step}, which is not a multiple of "
+            f"steps_per_dispatch={k}; resume with a --steps-per-dispatch that divides {step} "
+            f"(e.g. 1), or with --steps-per-dispatch 1 for {ones} step(s) (--steps {step + ones}) "
+            f"and then {k}")
+
+
+def check_steps_left(step: int, target: int, steps: int, ckpt_dir: str) -> None:
+    """Refuses a resume whose checkpoint is past the step it was asked to train to: it would
+    train nothing and report the checkpoint's step as done."""
+    if step > target:
+        asked = f"--steps {steps}" if target == steps else f"until_step={target}"
+        raise RunDirError(
+            f"the checkpoint in {ckpt_dir} is at step {step}, past the last step asked for "
+            f"({asked}), so there is nothing to train; to continue the run pass --steps "
+            f"greater than {step}")
+
+
+def _damaged(ckpt: Checkpointer, err: Exception) -> RunDirError:
+    """The error for a latest checkpoint that orbax cannot read (files missing or truncated),
+    saying which step and how to resume from the previous one."""
+    step = ckpt.latest_step()
+    earlier = [s for s in ckpt.all_steps() if s < step]
+    hint = (f"to resume from step {earlier[-1]} (the previous checkpoint), move "
+            f"{os.path.join(ckpt.directory, str(step))} out of {ckpt.directory}"
+            if earlier else "no earlier checkpoint is kept")
+    reason = (str(err).strip().splitlines() or [""])[0][:300]
+    return RunDirError(f"cannot restore the checkpoint at step {step} in {ckpt.directory}: "
+                       f"{type(err).__name__}: {reason}. It is damaged or incomplete; {hint}, "
+                       f"or start over with --overwrite.")
+
+
+# What decides the parts of the train state that a model of the same shape may still lack
+# or add: a resume with another of these settings cannot load the checkpoint.
+_STATE_PART_SETTINGS = {
+    "loss_scale": "the loss scale, set by --precision (fp16 keeps a dynamic loss scale, the "
+                  "other policies none)",
+    "grad_error": "the error feedback of compressed gradient reductions, set by "
+                  "--grad-compression (bf16 and int8 keep it, none does not)",
+}
+
+
+def _check_state_parts(ckpt: Checkpointer, target) -> None:
+    """Raises RunDirError naming the parts of the train state that the latest checkpoint
+    holds and this run's state does not, or the other way round (e.g. the fp16 loss scale).
+
+    Orbax refuses such a restore only with "tree structures do not match", which `_damaged`
+    would report as a damaged checkpoint to delete with --overwrite: the run is sound, the
+    settings are not its own.
+    """
+    step = ckpt.latest_step()
+    saved = _saved_arrays(os.path.join(ckpt.directory, str(step), "state"))
+    if saved is None:  # no readable metadata: orbax's own checks apply
+        return
+    expected = {_path_name(path) for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]
+                if hasattr(leaf, "shape") and hasattr(leaf, "dtype")}
+    differ = []
+    # Only these parts: another layout of params or moments (an old ZeRO checkpoint) has
+    # its own message, from Checkpointer.restore.
+    for part, what in _STATE_PART_SETTINGS.items():
+        had = sorted(n for n in saved if n.split("/")[0] == part)
+        wants = sorted(n for n in expected if n.split("/")[0] == part)
+        if had != wants:
+            differ.append(f"{what}: saved {_some(had)}, this run {_some(wants)}")
+    if differ:
+        raise RunDirError(
+            f"cannot resume from the checkpoint at step {step} in {ckpt.directory}: it holds "
+            f"another train state than this run's settings build ({'; '.join(differ)}). Resume "
+            "with the settings that wrote it (see config.json in the run directory), or start a "
+            "new --run-dir.")
+
+
+def _some(names: list[str]) -> str:
+    if not names:
+        return "none"
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def restore(ckpt: Checkpointer, state):
+    """The checkpoint's state, in the layout of `state`, whose arrays are freed first:
+    a resume then needs no more device memory than the run (two states would not fit
+    where one just does, e.g. gpt-1b within 16 GiB). The run stops if this raises."""
+    target = jax.tree.map(as_abstract, state)
+    _check_state_parts(ckpt, target)
+    for leaf in jax.tree.leaves(state):
+        if isinstance(leaf, jax.Array):
+            leaf.delete()
+    try:
+        restored, _ = ckpt.restore(target)
+    except RunDirError:
+        raise
+    except Exception as err:  # noqa: BLE001 - orbax/tensorstore raise many kinds on bad files
+        raise _damaged(ckpt, err) from err
+    return restored
+
+
+def check_resume_shape(run_dir: str, cfg: TrainConfig, ckpt: Checkpointer) -> None:
+    try:
+        saved = ckpt.read_meta().get("model_shape")
+    except Exception as err:  # noqa: BLE001 - as in restore
+        raise _damaged(ckpt, err) from err
+    if saved is None:
+        path = os.path.join(run_dir, "config.json")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                saved = json.load(f).get("model_shape")
+    if saved is not None:
+        if isinstance(saved.get("model_overrides"), dict):  # runs saved before remat was left out
+            saved = {**saved, "model_overrides": shape_overrides(saved["model_overrides"])}
+        current = json.loads(json.dumps(cfg.model_shape()))
+        if "param_dtype" not in saved:  # saved before it was recorded: cannot be checked
+            current.pop("param_dtype")
+        check_same_model(saved, current, run_dir)
+
+
+# The settings that fix which examples batch `step` holds (`data.sampling.batch_indices`:
+# rows step * batch_size onwards of a permutation seeded by `seed`).
+DATA_ORDER_FIELDS = ("batch_size", "seed")
+
+
+def data_order(cfg: TrainConfig) -> dict[str, Any]:
+    return {name: getattr(cfg, name) for name in DATA_ORDER_FIELDS}
+
+
+def check_resume_data_order(run_dir: str, cfg: TrainConfig, ckpt: Checkpointer) -> None:
+    """Refuses a resume whose batch size or seed differs from its checkpoint's: batch `step`
+    would then start at another example, and the run would skip or repeat data unnoticed."""
+    saved = ckpt.read_meta().get("data_order")
+    if saved is None:  # checkpoints from before it was recorded: config.json has the run's
+        path = os.path.join(run_dir, "config.json")
+        if not os.path.exists(path):
+            return
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f).get("config") or {}
+        saved = {name: config[name] for name in DATA_ORDER_FIELDS if name in config}
+    diffs = [f"{name}: saved {saved[name]!r}, now {value!r}"
+             for name, value in data_order(cfg).items() if name in saved and saved[name] != value]
+    if diffs:
+        raise RunDirError(
+            f"cannot resume run_dir={run_dir!r} with another data order ({'; '.join(diffs)}): "
+            "each step's batch is picked by step x batch_size from a permutation seeded by "
+            "seed, so the resumed run would skip or repeat examples. Resume with the saved "
+            "values (--batch-size, --seed; on fewer devices --microbatches keeps the global "
+            "batch), or start a new --run-dir.")
