@@ -123,16 +123,23 @@ def restore(ckpt: Checkpointer, state):
     return restored
 
 
+def _saved_config(run_dir: str) -> dict[str, Any]:
+    """The run's config.json record (`loop._write_config`), or {} if it has none: the
+    fallback for checkpoints written before their meta recorded what a check reads."""
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
 def check_resume_shape(run_dir: str, cfg: TrainConfig, ckpt: Checkpointer) -> None:
     try:
         saved = ckpt.read_meta().get("model_shape")
     except Exception as err:  # noqa: BLE001 - as in restore
         raise _damaged(ckpt, err) from err
     if saved is None:
-        path = os.path.join(run_dir, "config.json")
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                saved = json.load(f).get("model_shape")
+        saved = _saved_config(run_dir).get("model_shape")
     if saved is not None:
         if isinstance(saved.get("model_overrides"), dict):  # runs saved before remat was left out
             saved = {**saved, "model_overrides": shape_overrides(saved["model_overrides"])}
@@ -156,11 +163,7 @@ def check_resume_data_order(run_dir: str, cfg: TrainConfig, ckpt: Checkpointer) 
     would then start at another example, and the run would skip or repeat data unnoticed."""
     saved = ckpt.read_meta().get("data_order")
     if saved is None:  # checkpoints from before it was recorded: config.json has the run's
-        path = os.path.join(run_dir, "config.json")
-        if not os.path.exists(path):
-            return
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f).get("config") or {}
+        config = _saved_config(run_dir).get("config") or {}
         saved = {name: config[name] for name in DATA_ORDER_FIELDS if name in config}
     diffs = [f"{name}: saved {saved[name]!r}, now {value!r}"
              for name, value in data_order(cfg).items() if name in saved and saved[name] != value]
