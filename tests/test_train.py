@@ -285,9 +285,9 @@ def test_default_run_dirs_started_in_the_same_second_differ(tmp_path, monkeypatc
     assert second == first + "-2" and os.path.isdir(first) and os.path.isdir(second)
 
 
-def test_evaluation_runs_in_the_train_steps_micro_batches():
-    """The whole global batch in one eval forward needed 2.5x the temporaries of the train
-    step that was checked to fit (8 micro-batches): the loop evaluates micro-batch chunks."""
+def test_loop_evaluation_is_the_mean_over_eval_batches():
+    """The loop hands each whole eval batch to `Trainer.evaluate`, which chunks it into the
+    train step's micro-batches (tests/test_trainer_inputs.py)."""
     class RecordingTrainer:
         def __init__(self):
             self.sizes = []
@@ -300,8 +300,8 @@ def test_evaluation_runs_in_the_train_steps_micro_batches():
                          flops_per_example=1.0, description="",
                          eval_batch=lambda i: {"x": np.arange(16.0) + 16 * i})
     trainer = RecordingTrainer()
-    assert loop_lib._evaluate(trainer, task, 2, microbatches=4) == pytest.approx(15.5)
-    assert trainer.sizes == [4] * 8
+    assert loop_lib._evaluate(trainer, task, 2) == pytest.approx(15.5)
+    assert trainer.sizes == [16, 16]
 
 
 @pytest.mark.parametrize("steps, warmup", [(8, 2), (300, 30), (5, 0), (1, 3)])

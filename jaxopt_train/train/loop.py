@@ -91,24 +91,15 @@ def dispatch_batch(task: Task, step: int, steps_per_dispatch: int) -> dict[str, 
     return {key: np.stack([b[key] for b in batches]) for key in batches[0]}
 
 
-def _evaluate(trainer: Trainer, task: Task, batches: int, microbatches: int) -> float:
-    """Mean loss over `batches` eval batches, each run in `microbatches` equal chunks.
+def _evaluate(trainer: Trainer, task: Task, batches: int) -> float:
+    """Mean loss over `batches` eval batches (equal sizes, so the mean of their means).
 
-    The chunks are the train step's micro-batches: the whole global batch in one forward
-    pass needed 2.5x the train step's temporaries at 8 micro-batches (GPT, vocab 16k), and
-    only the train step is checked against the memory pool, so a run fitted with
-    --microbatches failed at its first evaluation (or at its last step, before its final
-    checkpoint). The chunks hold equally many examples and tokens, so the mean of their
-    means is the batch's mean.
+    `Trainer.evaluate` runs each in the train step's micro-batches: the whole global batch
+    in one forward pass needed 2.5x the train step's temporaries at 8 micro-batches (GPT,
+    vocab 16k), and only the train step is checked against the memory pool, so a run
+    fitted with --microbatches failed at its first evaluation.
     """
-    losses = []
-    for i in range(batches):
-        batch = task.eval_batch(i)
-        size = next(iter(jax.tree.leaves(batch))).shape[0] // microbatches
-        for j in range(microbatches):
-            losses.append(trainer.evaluate(jax.tree.map(lambda x: x[j * size:(j + 1) * size],
-                                                        batch)))
-    return float(np.mean(losses))
+    return float(np.mean([trainer.evaluate(task.eval_batch(i)) for i in range(batches)]))
 
 
 class _Interval:
@@ -286,7 +277,7 @@ def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run
                 if finished or stopping or step % cfg.log_every == 0 or evaluate:
                     summary = interval.summary()
                     if evaluate:
-                        eval_loss = _evaluate(trainer, task, cfg.eval_batches, cfg.microbatches)
+                        eval_loss = _evaluate(trainer, task, cfg.eval_batches)
                     last_loss = _log(cfg, task, trainer, logger, summary, step, peak,
                                      eval_loss if evaluate else None, monitor)
                     interval = _Interval()

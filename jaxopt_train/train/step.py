@@ -234,22 +234,28 @@ def jit_steps(one_step: Callable, specs: TrainState, mesh: jax.sharding.Mesh,
 
 def build_eval_step(loss: Callable, mesh: jax.sharding.Mesh, *, params_spec=P(),
                     gather: Callable | None = None, weight_fn: Callable | None = None) -> Callable:
-    """A jitted `eval_step(params, model_state, batch) -> mean loss` (batch leaves [global_batch, ...]).
+    """A jitted `eval_step(params, model_state, batch) -> (mean loss, weight)` (batch leaves
+    [global_batch, ...]).
 
     `params_spec` and `gather`: params held sharded (ZeRO stage 3: the per-leaf specs, and
     the function that gathers them inside the step); by default they are replicated.
-    `weight_fn`: devices count by their batch's weight (see `local_gradients`).
+    `weight_fn`: devices count by their batch's weight (see `local_gradients`). `weight` is
+    what the mean is over, summed over the devices: the total of `weight_fn`, or else the
+    number of examples; the caller combines several batches' means with it.
     """
     def per_device(params, model_state, batch):
         if gather is not None:
             params = gather(params)
         value, _ = loss(params, model_state, batch, False)
         if weight_fn is not None:
-            value = weighted_share(value, batch_weight(weight_fn, batch), AXIS)
-        return lax.pmean(value, AXIS)
+            weight = batch_weight(weight_fn, batch)
+            value = weighted_share(value, weight, AXIS)
+        else:
+            weight = jnp.float32(jax.tree.leaves(batch)[0].shape[0])
+        return lax.pmean(value, AXIS), lax.psum(weight, AXIS)
 
     sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(params_spec, P(), P(AXIS)),
-                            out_specs=P(), check_vma=False)
+                            out_specs=(P(), P()), check_vma=False)
     return jax.jit(sharded)
 
 

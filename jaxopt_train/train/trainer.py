@@ -375,15 +375,32 @@ class Trainer:
         self.state, metrics = self._compiled(self.state, staged)
         return metrics
 
-    def evaluate(self, batch) -> float:
+    def evaluate(self, batch, *, microbatches: int | None = None) -> float:
         """Mean loss of the current params on a host global batch [B, ...] (eval mode).
 
-        B must be divisible by the number of devices.
+        The batch runs in `microbatches` equal chunks (default: the train step's
+        `microbatches`), one forward pass each: the whole batch at once needs that many
+        times the step's activation memory, which a step fitted by micro-batching may not
+        have. The chunks' means are combined by their weight (`weight_fn`, else their
+        size), so the result is the whole batch's mean. B must be divisible by
+        `microbatches` times the number of devices.
         """
         batch = _host_batch(batch)
-        check_divisible(_batch_size(batch, axis=0), 1, self.num_devices)
-        return float(self._eval_step(self.state.params, self.state.model_state,
-                                     place_batch(batch, self.mesh, P(AXIS))))
+        chunks = self.microbatches if microbatches is None else microbatches
+        size = check_divisible(_batch_size(batch, axis=0), chunks, self.num_devices) * self.num_devices
+        results = [self._eval_step(self.state.params, self.state.model_state,
+                                   place_batch(jax.tree.map(lambda x: x[i * size:(i + 1) * size], batch),
+                                               self.mesh, P(AXIS)))
+                   for i in range(chunks)]
+        means, weights = (np.array([float(r[k]) for r in results], np.float64) for k in (0, 1))
+        if chunks == 1:
+            return float(means[0])
+        # A chunk of weight 0 adds nothing (its own mean is NaN); all of weight 0 is NaN, as
+        # for the whole batch in one pass.
+        total = weights.sum()
+        if total == 0:
+            return float("nan")
+        return float(np.sum(np.where(weights > 0, means, 0.0) * weights) / total)
 
     # ------------------------------------------------------------------ results
 
