@@ -120,3 +120,19 @@ def test_runs_saved_before_the_weights_dtype_was_recorded_still_resume(tmp_path)
             return {"model_shape": shape}
 
     resume.check_resume_shape(str(tmp_path), _tiny(tmp_path), _OldMeta())  # no RunDirError
+
+
+def test_a_failing_eval_at_a_checkpoint_step_keeps_that_steps_checkpoint(tmp_path, monkeypatch):
+    """The save comes before the eval at a checkpoint step: an eval that fails (out of memory,
+    a bad eval batch) used to lose every step since the previous checkpoint."""
+    calls = []
+
+    def failing_eval(trainer, task, batches):
+        calls.append(trainer.state.step)
+        raise RuntimeError("eval went out of memory")
+
+    monkeypatch.setattr(loop_lib, "_evaluate", failing_eval)
+    cfg = _tiny(tmp_path, steps=4, eval_every=2, checkpoint_every=2)
+    with pytest.raises(RuntimeError, match="eval went out of memory"):
+        train(cfg)
+    assert len(calls) == 1 and existing_checkpoint_steps(cfg.run_dir) == [2]

@@ -274,15 +274,18 @@ def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run
                 if stopping:  # the checkpoint first: a second signal or SIGKILL may follow soon
                     save()
                 evaluate = not stopping and (finished or (cfg.eval_every and step % cfg.eval_every == 0))
+                checkpoint = finished or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
                 if finished or stopping or step % cfg.log_every == 0 or evaluate:
-                    summary = interval.summary()
+                    summary = interval.summary()  # the step time, before the save's copy
+                    if checkpoint:  # before the eval: an eval that fails keeps these steps
+                        save()
                     if evaluate:
                         eval_loss = _evaluate(trainer, task, cfg.eval_batches)
                     last_loss = _log(cfg, task, trainer, logger, summary, step, peak,
                                      eval_loss if evaluate else None, monitor)
                     interval = _Interval()
-                if finished or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-                    save()
+                if checkpoint:
+                    save()  # a no-op if saved above
                 # One process acts on a signal that came during the log or the eval at once;
                 # several act only on what they agreed after the dispatch.
                 stopping = stopping or (agreement.local_only and stop.received is not None)
