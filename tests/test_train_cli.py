@@ -57,9 +57,9 @@ def test_defaults_and_overrides_parse(tmp_path, capsys):
     assert cli.config_from_args([]) == TrainConfig()
     run_dir = str(tmp_path / "no_config_json")
     cfg = cli.config_from_args(["--preset", "gpt-tiny", "--model", "d_model=64", "--model",
-                                "remat=dots", "--no-scan-layers", "--steps", "20",
+                                "remat_rest=dots", "--no-scan-layers", "--steps", "20",
                                 "--run-dir", run_dir, "--resume"])
-    assert cfg.model_overrides == {"d_model": 64, "remat": "dots"}
+    assert cfg.model_overrides == {"d_model": 64, "remat_rest": "dots"}
     assert cfg.steps == 20 and cfg.resume and not cfg.scan_layers
     assert "config.json is missing" in capsys.readouterr().err
 
@@ -223,3 +223,26 @@ def test_cli_trains_end_to_end_and_leaves_a_run_dir(tmp_path, capsys, monkeypatc
     assert "error: the compiled train step does not fit" in err and "--remat auto|dots_attention" in err
     assert os.listdir(os.path.join(run_dir, "checkpoints")) == ["8"]
     assert read_jsonl(os.path.join(run_dir, "metrics.jsonl")) == records
+
+
+@pytest.mark.parametrize("override, flag", [("remat=dots", "remat (--remat)"),
+                                            ("seq_len=64", "seq_len (--seq-len)"),
+                                            ("dtype=float32", "precision (--precision)")])
+def test_a_model_override_of_a_field_the_run_sets_itself_is_refused(override, flag, capsys):
+    """`--model remat=dots` with `--remat full` ran dots while config.json said full."""
+    code, err = _exit_code_and_err(["--preset", "gpt-tiny", "--remat", "full", "--model", override],
+                                   capsys)
+    assert code == 2
+    assert "--model: model_overrides=" in err and f"use {flag} instead" in err
+
+
+@pytest.mark.parametrize("given, want", [([], "dots"), (["--remat", "full"], "full")])
+def test_resume_of_a_run_saved_with_a_remat_override_moves_it_to_its_flag(tmp_path, given, want, capsys):
+    run_dir = str(tmp_path / "old")
+    os.makedirs(run_dir)
+    saved = dataclasses.asdict(TrainConfig(preset="gpt-tiny", steps=5, run_dir=run_dir))
+    saved["model_overrides"] = {"d_model": 32, "remat": "dots"}  # accepted before
+    with open(os.path.join(run_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump({"config": saved}, f)
+    cfg = cli.config_from_args(["--resume", "--run-dir", run_dir, "--steps", "10", *given])
+    assert cfg.remat == want and cfg.model_overrides == {"d_model": 32} and cfg.steps == 10

@@ -79,8 +79,9 @@ def test_auto_picks_the_least_recompute_that_fits(monkeypatch, pool, want):
         for c in built]  # nothing built twice
 
 
-def test_auto_ignores_a_remat_given_in_the_overrides(monkeypatch):
-    _, (cfg, *_rest) = _search(monkeypatch, 259, remat="full", remat_layers=3, remat_rest="dots")
+def test_auto_ignores_remat_layers_given_in_the_overrides(monkeypatch):
+    # (A remat override itself is refused by TrainConfig: the remat field sets it.)
+    _, (cfg, *_rest) = _search(monkeypatch, 259, remat_layers=3, remat_rest="dots")
     assert cfg.remat == "dots_attention" and cfg.model_overrides == {"n_layers": LAYERS, "remat_layers": 1}
 
 
@@ -109,7 +110,7 @@ def test_build_run_refuses_auto_and_the_cli_accepts_it():
 
 def test_remat_overrides_do_not_change_the_model_shape(tmp_path):
     base = TrainConfig(model_overrides={"d_model": 32})
-    assert TrainConfig(model_overrides={"d_model": 32, "remat_layers": 3, "remat": "full",
+    assert TrainConfig(model_overrides={"d_model": 32, "remat_layers": 3,
                                         "remat_rest": "dots"}).model_shape() == base.model_shape()
     assert TrainConfig(model_overrides={"d_model": 64}).model_shape() != base.model_shape()
 

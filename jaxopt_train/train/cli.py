@@ -20,7 +20,8 @@ from jaxopt_train.train.optim import STATE_DTYPES
 _DEFAULTS = TrainConfig()
 
 # TrainConfig field -> flag spelling where they differ from `--field-name`.
-_FIELD_FLAGS = {"steps_per_dispatch": "--steps-per-dispatch", "keep_checkpoints": "--keep-checkpoints"}
+_FIELD_FLAGS = {"steps_per_dispatch": "--steps-per-dispatch", "keep_checkpoints": "--keep-checkpoints",
+                "model_overrides": "--model"}
 
 
 def _bool_flag(parser, name: str, help_: str) -> None:
@@ -174,6 +175,7 @@ def _resumed_values(parser, values: dict, given: set[str]) -> dict:
                      f"({type(err).__name__}: {err}); restore the file, or start a new --run-dir")
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     merged = {k: v for k, v in saved.items() if k in fields}  # a newer version's extra keys
+    _move_owned_overrides(merged, given)
     for name in given & fields:
         merged[name] = ({**saved.get(name, {}), **values[name]} if name == "model_overrides"
                         else values[name])
@@ -185,6 +187,19 @@ def _resumed_values(parser, values: dict, given: set[str]) -> dict:
           + (f"; changed by this command line: {', '.join(changed)}" if changed else ""),
           file=sys.stderr)
     return merged
+
+
+def _move_owned_overrides(saved: dict, given: set[str]) -> None:
+    """A run saved before `--model remat=...` and the like were refused (config.OWNED_OVERRIDES)
+    resumes: each such override moves to its own field, unless this command line sets that
+    field (its flag then wins, as the override did not)."""
+    if not isinstance(saved.get("model_overrides"), dict):
+        return
+    overrides = saved["model_overrides"] = dict(saved["model_overrides"])
+    for key in [k for k in overrides if k in config_lib.OWNED_OVERRIDES and k in saved]:
+        value = overrides.pop(key)
+        if key not in given:
+            saved[key] = value
 
 
 def config_from_args(argv: list[str] | None = None) -> TrainConfig:

@@ -34,6 +34,15 @@ MODEL_SHAPE_FIELDS = ("preset", "model_overrides", "num_classes", "image_size")
 REMAT_OVERRIDES = ("remat", "remat_layers", "remat_rest")
 
 
+# GPT fields that a TrainConfig field (or its precision policy) sets: an override of one won
+# over the flag without a word (--model remat=dots with --remat full ran dots, and
+# config.json said full). Field -> what sets it.
+OWNED_OVERRIDES = {"remat": "remat (--remat)", "attention": "attention (--attention)",
+                   "scan_layers": "scan_layers (--scan-layers)", "seq_len": "seq_len (--seq-len)",
+                   "dtype": "precision (--precision)", "param_dtype": "precision (--precision)",
+                   "dot_general": "matmul (--matmul)"}
+
+
 def shape_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
     """`model_overrides` without the fields that leave every parameter's shape as it is."""
     return {k: v for k, v in overrides.items() if k not in REMAT_OVERRIDES}
@@ -206,6 +215,11 @@ class TrainConfig:
                         f"steps_per_dispatch={self.steps_per_dispatch} (steps run in groups of it)")
         if not isinstance(self.model_overrides, dict):
             raise TypeError(f"model_overrides={self.model_overrides!r} must be a dict of GPT config fields")
+        owned = [k for k in self.model_overrides if k in OWNED_OVERRIDES]
+        if owned:
+            raise ValueError(
+                f"model_overrides={self.model_overrides} set {owned}, which the run sets "
+                f"itself; use {', '.join(OWNED_OVERRIDES[k] for k in owned)} instead")
         if self.model_overrides and self.preset not in GPT_PRESETS:
             raise ValueError(f"model_overrides={self.model_overrides} only apply to GPT presets "
                              f"{GPT_PRESETS}, not preset={self.preset!r}")
