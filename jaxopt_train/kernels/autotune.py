@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxopt_train.kernels.configs import (BACKENDS, TRANSPOSING_BACKENDS, MatmulConfig,
-                                          default_config)
+                                          as_config, default_config)
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ def store(backend: str, device_kind: str, m: int, n: int, k: int, dtype, config:
     renamed to `<name>.corrupt-<time>` (with a warning) and a new one is started.
     """
     path = cache_path()
-    entry = {"config": config.to_dict(), "seconds": seconds, "shape": [m, n, k],
+    entry = {"config": config.to_dict(), "seconds": float(seconds), "shape": [m, n, k],
              "transposed": transposed}
     path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(path):
@@ -269,12 +269,57 @@ def rotating(fn: Callable[..., jax.Array], sets: Sequence[tuple]) -> Callable[[]
     return lambda: fn(*next(cycle))
 
 
+def _shape(shape) -> tuple:
+    """One (M, N, K) of `autotune`'s `shapes` as a tuple; anything else is refused (a lone
+    (M, N, K) passed for the list gets here as its first int)."""
+    dims = tuple(shape) if np.iterable(shape) and not isinstance(shape, str) else None
+    if dims is None or len(dims) != 3 or not all(
+            isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 1 for d in dims):
+        raise ValueError(f"shapes: each must be (M, N, K) of positive ints; got {shape!r} "
+                         f"(shapes is a list of them, e.g. [(1024, 1024, 1024)])")
+    return dims
+
+
+def _given_candidates(candidates) -> list[MatmulConfig] | None:
+    """`autotune`'s `candidates` as configs (dicts of fields taken, as `matmul` takes them),
+    checked before the sweep: a bad one would otherwise be skipped as a kernel that fails
+    to build, or be timed and then crash the cache write."""
+    if candidates is None:
+        return None
+    if isinstance(candidates, (MatmulConfig, dict)):
+        raise TypeError(f"candidates must be a list of configs; got one "
+                        f"{type(candidates).__name__}: pass [config]")
+    given = []
+    for i, candidate in enumerate(candidates):
+        if not isinstance(candidate, (MatmulConfig, dict)):
+            raise TypeError(f"candidates[{i}]={candidate!r} must be a MatmulConfig or a dict "
+                            f"of its fields")
+        try:
+            given.append(as_config(candidate))
+        except ValueError as err:
+            raise ValueError(f"candidates[{i}]: {err}") from err
+    return given
+
+
+def _seconds(timer: Timer, fn: Callable[[], jax.Array], config: MatmulConfig) -> float:
+    """`timer(fn)` as a float; a NaN would win the shape (nothing compares below it)."""
+    seconds = timer(fn)
+    try:
+        value = float(seconds)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"timer returned {seconds!r} for {config}; expected a finite number "
+                         f"of seconds >= 0")
+    return value
+
+
 def _tolerance(dtype) -> float:
     return 2e-2 if jnp.dtype(dtype) in (jnp.bfloat16, jnp.float32) else 5e-3
 
 
 def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: str = "auto",
-             candidates: Sequence[MatmulConfig] | None = None, timer: Timer | None = None,
+             candidates: Sequence[MatmulConfig | dict] | None = None, timer: Timer | None = None,
              write_cache: bool = True, seed: int = 0,
              budget_s: float | None = None, input_sets: int = 4,
              transposed: str | None = None,
@@ -290,7 +335,8 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
         dtype: input dtype: bfloat16 or float16; float32 tunes bfloat16, which is what
             `matmul` runs f32 inputs as (and the cache entry it reads).
         backend: a kernel backend, or "auto".
-        candidates: configs to sweep; default `default_candidates(backend, quick=quick)`
+        candidates: configs (or dicts of their fields) to sweep; default
+            `default_candidates(backend, quick=quick)`
             after the shape's own default (`configs.default_config`), which is timed first
             so that a spent budget has timed it and a winner never measured slower than it.
         timer: `timer(fn) -> seconds per call`; default `burst_timer`.
@@ -318,23 +364,22 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
         raise ValueError("backend resolved to 'xla', which has nothing to tune; pass a kernel backend")
     if not isinstance(input_sets, int) or input_sets < 1:
         raise ValueError(f"input_sets={input_sets!r} must be an int >= 1")
-    if budget_s is not None and not budget_s >= 0:
-        raise ValueError(f"budget_s={budget_s!r} must be None or >= 0 seconds")
+    if budget_s is not None and (isinstance(budget_s, bool)
+                                 or not isinstance(budget_s, (int, float, np.integer, np.floating))
+                                 or not budget_s >= 0):
+        raise ValueError(f"budget_s={budget_s!r} must be None or a number >= 0 of seconds")
     if jnp.dtype(dtype) not in matmul_mod.INPUT_DTYPES:
         raise ValueError(f"dtype={jnp.dtype(dtype)} is not a matmul input dtype; expected "
                          f"bfloat16, float16 or float32")
     # matmul runs f32 inputs as bf16 and looks the cache up under bf16: tune that.
     dtype = jnp.dtype(jnp.bfloat16) if jnp.dtype(dtype) == jnp.float32 else jnp.dtype(dtype)
-    shapes = [tuple(shape) for shape in shapes]
-    for shape in shapes:
-        if len(shape) != 3 or not all(isinstance(d, (int, np.integer)) and d >= 1 for d in shape):
-            raise ValueError(f"shapes: each must be (M, N, K) of positive ints; got {shape!r}")
+    shapes = [_shape(shape) for shape in shapes]
     _check_transposed(transposed)
     if transposed is not None and backend not in TRANSPOSING_BACKENDS:
         raise ValueError(f"transposed={transposed!r} is tuned only for {TRANSPOSING_BACKENDS}, "
                          f"which read the operand as stored; {backend=} multiplies a "
                          f"transposed copy, i.e. runs the plain layout: tune that instead")
-    given = None if candidates is None else list(candidates)
+    given = _given_candidates(candidates)
     if given is not None and not given:
         raise ValueError("candidates=[] leaves nothing to time; pass None for the default "
                          "sweep, or a non-empty list of MatmulConfig")
@@ -383,7 +428,7 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
                 logger.warning("autotune %s %s: %s rejected, relative error %.3g",
                                backend, (m, n, k), config, error)
                 continue
-            seconds = timer(rotating(fn, sets))
+            seconds = _seconds(timer, rotating(fn, sets), config)
             logger.info("autotune %s %s: %s %.1f us", backend, (m, n, k), config, seconds * 1e6)
             if best is None or seconds < best[0]:
                 best = (seconds, config)

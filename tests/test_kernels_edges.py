@@ -1,0 +1,91 @@
+"""Edge cases of `autotune`'s arguments: bad input fails before the sweep with a message
+naming the argument, and whatever the sweep measured reaches the cache."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import numpy as np
+import pytest
+
+from jaxopt_train.kernels import MatmulConfig, autotune
+
+autotune_mod = importlib.import_module("jaxopt_train.kernels.autotune")
+SMALL = MatmulConfig(block_m=16, block_n=16, block_k=16, num_stages=1)
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXOPT_TRAIN_CACHE_DIR", str(tmp_path))
+    autotune_mod._loaded.clear()
+    yield
+    autotune_mod._loaded.clear()
+
+
+def _refuses_before_timing(error, match, **kwargs):
+    timed = []
+    kwargs = {"backend": "interpret", "candidates": [SMALL], "write_cache": False, **kwargs}
+    with pytest.raises(error, match=match):
+        autotune(kwargs.pop("shapes", [(16, 16, 16)]),
+                 timer=lambda fn: timed.append(fn) or 1.0, **kwargs)
+    assert timed == []
+
+
+@pytest.mark.parametrize("candidates, error, match", [
+    # None ran matmul's default config, then crashed storing `None.to_dict()`.
+    ([None], TypeError, r"candidates\[0\]=None must be a MatmulConfig"),
+    ([SMALL, 16], TypeError, r"candidates\[1\]=16 must be a MatmulConfig"),
+    # A bad field made every candidate "fail to build": "no candidate passed the check".
+    ([{"block_x": 16}], ValueError, r"candidates\[0\]: unknown MatmulConfig fields \['block_x'\]"),
+    ([{"block_m": 48}], ValueError, r"candidates\[0\]: MatmulConfig.block_m=48 must be a power"),
+    (SMALL, TypeError, r"candidates must be a list of configs; got one MatmulConfig"),
+])
+def test_autotune_refuses_candidates_that_are_not_configs_before_tuning(candidates, error,
+                                                                      match):
+    _refuses_before_timing(error, match, candidates=candidates)
+
+
+def test_autotune_takes_candidates_as_dicts_of_fields_and_caches_them(tmp_path):
+    """A dict of fields (what matmul's `config` and the CLI's --candidates take) was timed,
+    then lost with the sweep: `store` called `.to_dict()` on it."""
+    winners = autotune([(16, 16, 16)], backend="interpret", candidates=[SMALL.to_dict()],
+                       timer=lambda fn: 1e-3)
+    assert winners == {(16, 16, 16): SMALL}
+    data = json.loads((tmp_path / "matmul_autotune.json").read_text())
+    assert [entry["config"] for entry in data.values()] == [SMALL.to_dict()] * 2
+
+
+@pytest.mark.parametrize("seconds", [np.float32(1e-3), np.array(1e-3, np.float32)])
+def test_autotune_stores_what_a_timer_returns_as_a_number(tmp_path, seconds):
+    """A timer returning a numpy (or JAX) scalar finished the sweep, then crashed writing
+    the cache ("Object of type float32 is not JSON serializable"), losing its winner."""
+    autotune([(16, 16, 16)], backend="interpret", candidates=[SMALL], timer=lambda fn: seconds)
+    data = json.loads((tmp_path / "matmul_autotune.json").read_text())
+    assert [entry["seconds"] for entry in data.values()] == [pytest.approx(1e-3)] * 2
+
+
+@pytest.mark.parametrize("seconds", [float("nan"), float("inf"), -1.0])
+def test_autotune_refuses_a_timer_that_returns_no_duration(seconds):
+    """A NaN time won the shape: no later candidate compares below NaN."""
+    other = MatmulConfig(block_m=32, block_n=32, block_k=32, num_stages=1)
+    with pytest.raises(ValueError, match=r"timer returned .* for .*block_m=16.*; expected a "
+                                         r"finite number of seconds >= 0"):
+        autotune([(16, 16, 16)], backend="interpret", candidates=[SMALL, other],
+                 timer=lambda fn: seconds, write_cache=False)
+
+
+@pytest.mark.parametrize("shapes, match", [
+    ((16, 16, 16), r"shapes: each must be \(M, N, K\) of positive ints; got 16 .*e.g. \[\(1024, 1024, 1024\)\]"),
+    ([(True, 16, 16)], r"positive ints; got \(True, 16, 16\)"),
+])
+def test_autotune_refuses_a_shape_list_it_would_misread(shapes, match):
+    """One (M, N, K) tuple for the list of them raised "'int' object is not iterable";
+    True passed as the dim 1."""
+    _refuses_before_timing(ValueError, match, shapes=shapes)
+
+
+@pytest.mark.parametrize("budget_s", ["5", True])
+def test_autotune_refuses_a_budget_that_is_not_seconds(budget_s):
+    _refuses_before_timing(ValueError, f"budget_s={budget_s!r} must be None or",
+                           budget_s=budget_s)
