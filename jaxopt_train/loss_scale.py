@@ -147,12 +147,15 @@ class _LossScale:
             _wide(x.dtype)) if is_floating_array(x) else x, tree)
 
     def unscale(self, tree):
-        """Divides every floating leaf (usually gradients) by the loss scale, in f32,
-        and casts the result back to the leaf's dtype. (It multiplies by 1/scale,
+        """Divides every floating or complex leaf (usually gradients) by the loss scale,
+        in f32, and casts the result back to the leaf's dtype. (It multiplies by 1/scale,
         which the scale's range, at most `MAX_LOSS_SCALE`, keeps a normal float32.)"""
         inverse = 1.0 / self.loss_scale
 
         def one(x):
+            if getattr(x, "dtype", None) is not None and jnp.issubdtype(x.dtype, jnp.complexfloating):
+                # Complex params' gradients carry the scale too; complex64 has f32 parts.
+                return x * inverse.astype(x.dtype)
             if not is_floating_array(x):
                 return x
             wide = _wide(x.dtype)

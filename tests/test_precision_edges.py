@@ -227,3 +227,29 @@ def test_float64_policy_casts_to_float64_with_x64():
     with jax.enable_x64(True):
         policy = prec.Policy.from_string("p=f64,c=f32,o=f32")
         assert policy.cast_to_param({"w": jnp.ones(2, jnp.float32)})["w"].dtype == np.float64
+
+
+@pytest.mark.parametrize("make", [lambda: prec.StaticLossScale(2.0**10),
+                                  lambda: prec.DynamicLossScale(initial_scale=2.0**10)])
+def test_complex_gradients_are_unscaled(make):
+    # Complex leaves were left as they came: scaled gradients, a 1024x too large step.
+    scale = make()
+    params = {"w": jnp.asarray([1 + 1j, 2 - 1j], jnp.complex64), "b": jnp.ones(2, jnp.float32)}
+
+    def loss(p):
+        return jnp.sum(jnp.abs(p["w"]) ** 2) + jnp.sum(p["b"] ** 2)
+    want = jax.grad(loss)(params)
+    got = jax.jit(lambda p: scale.unscale(jax.grad(lambda q: scale.scale(loss(q)))(p)))(params)
+    assert got["w"].dtype == jnp.complex64
+    np.testing.assert_allclose(got["w"], want["w"], rtol=1e-6)
+    np.testing.assert_allclose(got["b"], want["b"], rtol=1e-6)
+    new, _, _, finite = prec.apply_updates_if_finite(
+        optax.sgd(0.1), jax.grad(lambda q: scale.scale(loss(q)))(params),
+        optax.sgd(0.1).init(params), params, scale)
+    assert bool(finite)
+    np.testing.assert_allclose(new["w"], params["w"] - 0.1 * want["w"], rtol=1e-6)
+    # An overflow in a complex gradient counts as one: the step is skipped.
+    bad = {"w": jnp.asarray([np.inf + 0j, 1j], jnp.complex64), "b": jnp.ones(2, jnp.float32)}
+    _, _, _, finite = prec.apply_updates_if_finite(optax.sgd(0.1), bad, optax.sgd(0.1).init(params),
+                                                   params, scale)
+    assert not bool(finite)

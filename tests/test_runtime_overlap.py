@@ -155,3 +155,11 @@ def test_async_collective_schedule_on_a_cpu_module_and_bad_input():
     for bad in ("", "not hlo", None):
         with pytest.raises(ValueError, match="compiled HLO module"):
             overlap.async_collective_schedule(bad)
+
+
+def test_a_logdir_with_glob_characters_is_found(tmp_path):
+    # "lr=[0.1]" was read as a glob pattern (a set of characters): "no *.trace.json.gz".
+    logdir = _write_trace(tmp_path / "lr=[0.1]", [(10, 0, 100, "gemm"), (11, 50, 150, "ncclKernel")])
+    (gpu,) = overlap.collective_overlap(logdir)
+    assert gpu.collective_ms == pytest.approx(0.1)
+    assert overlap.find_trace_file(logdir).startswith(logdir)

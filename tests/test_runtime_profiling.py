@@ -224,3 +224,14 @@ def test_train_loop_releases_monitor_and_logger_when_profiler_close_raises(tmp_p
         loop_lib._run(TrainConfig(peak_tflops=100.0), task, trainer, ckpt=None, run_dir=str(tmp_path), target=0,
                       stream=None)  # target 0: straight to the clean-up
     assert released == ["monitor", "logger"]
+
+
+def test_a_logdir_that_is_a_file_is_refused_when_made(tmp_path, monkeypatch):
+    # It was found at step START, by os.makedirs, hours into a run; the file is left alone.
+    started = []
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda *a, **k: started.append(a))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    with pytest.raises(NotADirectoryError, match=r"logdir=.*notes.txt.* is a file, not a directory"):
+        StepProfiler("1000:1002", notes)
+    assert notes.read_text() == "mine" and not started

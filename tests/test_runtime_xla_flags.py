@@ -256,3 +256,25 @@ def test_unreadable_flags_file_is_a_clear_error(monkeypatch, value):
 def test_text_after_a_non_flag_is_refused_as_xla_would_ignore_it():
     with pytest.raises(ValueError, match="got token='garbage' in the flags given \\(XLA stops reading there"):
         parse_xla_flags("--xla_dump_to=/tmp/x garbage --xla_gpu_autotune_level=0")
+
+
+@pytest.mark.parametrize("name", [" xla_gpu_autotune_level", "xla_gpu autotune", "xla'x", 'xla"x'])
+def test_extra_names_xla_would_misread_are_refused(monkeypatch, name):
+    # " xla_gpu_autotune_level" was written as "-- xla_gpu_autotune_level=0": an XLA_FLAGS
+    # that XLA misreads at start-up and that parse_xla_flags() then refused to read back.
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d")
+    with pytest.raises(ValueError, match=r"extra flag names .*whitespace or quotes.*got \["):
+        xla_flags("none", extra={name: 0})
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/d"
+
+
+def test_command_buffer_and_extra_must_agree(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    # Two explicit requests for one flag: extra's value silently won over command_buffer's.
+    for extra in ({"xla_gpu_enable_command_buffer": "FUSION"}, "--xla_gpu_enable_command_buffer=FUSION"):
+        with pytest.raises(ValueError, match=r"command_buffer='off' asks for "
+                                             r"--xla_gpu_enable_command_buffer= but extra for FUSION"):
+            xla_flags("none", command_buffer="off", extra=extra, apply=False)
+    report = xla_flags("none", command_buffer=["FUSION"], apply=False,
+                       extra={"xla_gpu_enable_command_buffer": "FUSION"})  # agreeing is fine
+    assert report.in_force == {"xla_gpu_enable_command_buffer": "FUSION"}

@@ -81,7 +81,8 @@ def _intersection(a, b) -> float:
 
 def find_trace_file(logdir: str) -> str:
     """The newest `*.trace.json.gz` under `logdir` (what `jax.profiler.trace` writes)."""
-    paths = glob.glob(os.path.join(logdir, "**", "*.trace.json.gz"), recursive=True)
+    # Escaped: a logdir such as "lr=[0.1]" is a name, not a pattern.
+    paths = glob.glob(os.path.join(glob.escape(logdir), "**", "*.trace.json.gz"), recursive=True)
     if not paths:
         raise FileNotFoundError(f"no *.trace.json.gz under {logdir=}; expected the directory given to "
                                 f"jax.profiler.trace (it writes plugins/profile/<run>/<host>.trace.json.gz)")

@@ -74,6 +74,7 @@ class StepProfiler:
       TypeError: for a pair whose entries are not ints, a non-bool `perfetto` or a
         non-int `steps_per_dispatch`.
       ValueError: for an empty or malformed range, or `steps_per_dispatch < 1`.
+      NotADirectoryError: if `logdir` is an existing file.
     """
 
     def __init__(self, steps: str | int | tuple[int, int], logdir: str | os.PathLike, *,
@@ -92,6 +93,10 @@ class StepProfiler:
         if steps_per_dispatch is not None:
             steps_per_dispatch = _check_step("steps_per_dispatch", steps_per_dispatch, minimum=1)
         self.logdir = os.fspath(logdir)
+        # Found here, not by os.makedirs at step START, possibly hours into the run.
+        if os.path.exists(self.logdir) and not os.path.isdir(self.logdir):
+            raise NotADirectoryError(f"StepProfiler logdir={self.logdir!r} is a file, not a directory; "
+                                     "pass a directory for the trace (it is created if missing)")
         self._perfetto = perfetto
         self._steps_per_dispatch = steps_per_dispatch
         self._last_step: int | None = None

@@ -234,6 +234,11 @@ def _extra_flags(extra: Mapping[str, str | bool | int | float]) -> dict[str, str
     if bad:
         raise ValueError(f"extra flag names go without dashes or '=', e.g. "
                          f"{{'xla_gpu_enable_triton_gemm': 'false'}}; got {bad}")
+    # XLA splits entries at whitespace and reads quotes: such a name would corrupt XLA_FLAGS.
+    bad = [name for name in extra if any(c in _XLA_WHITESPACE + "'\"" for c in name)]
+    if bad:
+        raise ValueError(f"extra flag names must not contain whitespace or quotes, e.g. "
+                         f"{{'xla_gpu_enable_triton_gemm': 'false'}}; got {bad}")
     # None (or any other object) would be written as its repr, which XLA rejects at start-up.
     bad_values = {name: value for name, value in extra.items()
                   if not isinstance(value, (str, bool, int, float))}
@@ -270,14 +275,18 @@ def xla_flags(preset: str = "gpu-throughput", *, extra: dict[str, str] | str | N
     Raises:
       RuntimeError: if `apply` and the JAX backend has already started.
       TypeError: for `extra` names or values of the wrong type, or a non-bool `apply`.
-      ValueError: for an unknown preset or malformed flags.
+      ValueError: for an unknown preset, malformed flags, or an `extra` flag that
+        `command_buffer` also sets, to another value.
     """
     defaults = preset_flags(preset)
     explicit = command_buffer_flags(command_buffer)
-    if isinstance(extra, str):
-        explicit.update(parse_xla_flags(extra))
-    elif extra is not None:
-        explicit.update(_extra_flags(extra))
+    asked = {} if extra is None else (
+        parse_xla_flags(extra) if isinstance(extra, str) else _extra_flags(extra))
+    for name, value in explicit.items():  # two explicit requests: neither may silently lose
+        if name in asked and asked[name] != value:
+            raise ValueError(f"{command_buffer=} asks for --{name}={value} but extra for "
+                             f"{asked[name]}; drop one of them")
+    explicit.update(asked)
     if not isinstance(apply, bool):
         raise TypeError(f"apply must be True or False, got {apply=}")
     if apply:
