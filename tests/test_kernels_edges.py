@@ -89,3 +89,37 @@ def test_autotune_refuses_a_shape_list_it_would_misread(shapes, match):
 def test_autotune_refuses_a_budget_that_is_not_seconds(budget_s):
     _refuses_before_timing(ValueError, f"budget_s={budget_s!r} must be None or",
                            budget_s=budget_s)
+
+
+def test_transposed_tuning_times_only_configs_that_read_the_operand_as_stored(monkeypatch):
+    """A Mosaic GPU config whose K tile is not 128 B multiplies a transposed copy with the
+    plain layout's config at run time: timed and cached as the transposed winner, its time
+    was of a kernel the model never runs."""
+    import jax.numpy as jnp
+
+    matmul_mod = importlib.import_module("jaxopt_train.kernels.matmul")
+    timed = []
+
+    def fake_product(a, b, transposed, out_dtype, backend, config, bias=None, activation=None):
+        timed.append(config)
+        lhs, rhs = (a.T, b) if transposed == "a" else (a, b.T)
+        return jnp.dot(lhs, rhs, preferred_element_type=jnp.float32).astype(out_dtype)
+
+    monkeypatch.setattr(matmul_mod, "_product_with_transpose", fake_product)
+    monkeypatch.setattr(matmul_mod, "resolve_backend", lambda backend: backend)
+    as_stored, copy_k, lowered = (MatmulConfig(block_m=64, block_n=64, block_k=64, num_stages=1),
+                                  MatmulConfig(block_m=64, block_n=64, block_k=128, num_stages=1),
+                                  MatmulConfig(block_m=64, block_n=64, block_k=64, num_stages=1,
+                                               warpgroup_lowering=True))
+    assert matmul_mod.reads_transposed_as_stored("mosaic_gpu", as_stored, jnp.bfloat16)
+    assert not matmul_mod.reads_transposed_as_stored("mosaic_gpu", copy_k, jnp.bfloat16)
+    assert not matmul_mod.reads_transposed_as_stored("mosaic_gpu", lowered, jnp.bfloat16)
+    assert matmul_mod.reads_transposed_as_stored("triton", copy_k, jnp.bfloat16)
+    winners = autotune([(64, 64, 128)], backend="mosaic_gpu", candidates=[copy_k, as_stored, lowered],
+                       transposed="b", timer=lambda fn: (fn(), 0.5 if timed[-1] is copy_k else 1.0)[1],
+                       input_sets=1, write_cache=False)
+    assert winners == {(64, 64, 128): as_stored} and copy_k not in timed and lowered not in timed
+    with pytest.raises(ValueError, match=r"transposed='b': no candidate reads the operand as stored "
+                                         r"on backend='mosaic_gpu' \(mosaic_gpu needs block_k"):
+        autotune([(64, 64, 128)], backend="mosaic_gpu", candidates=[copy_k], transposed="b",
+                 timer=lambda fn: 1.0, input_sets=1, write_cache=False)

@@ -397,6 +397,16 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
         else:
             default = default_config(backend, device_kind, m, n, k)
             candidates = [default] + [c for c in listed if c != default]
+        if transposed is not None:
+            # A config that cannot read the operand as stored would time the plain kernel on
+            # a transposed copy; cached as this layout's winner, the model would then run the
+            # copy with the plain layout's config instead, so the time would be of nothing run.
+            kept = [c for c in candidates if matmul_mod.reads_transposed_as_stored(backend, c, dtype)]
+            if not kept:
+                raise ValueError(f"transposed={transposed!r}: no candidate reads the operand as "
+                                 f"stored on {backend=} (mosaic_gpu needs block_k * itemsize == "
+                                 f"128 bytes and no warpgroup_lowering); got {candidates}")
+            candidates = kept
         shape_a = (k, m) if transposed == "a" else (m, k)  # as stored
         shape_b = (n, k) if transposed == "b" else (k, n)
         keys = jax.random.split(jax.random.key(seed), 2 * input_sets)
@@ -415,7 +425,7 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
                 break
             if transposed is None:
                 fn = jax.jit(lambda a, b, c=config: matmul_mod.matmul(a, b, backend=backend, config=c))
-            else:  # the kernel a model's backward launches (or its fallback for this config)
+            else:  # the kernel a model's backward launches, reading the operand as stored
                 fn = jax.jit(lambda a, b, c=config: matmul_mod._product_with_transpose(
                     a, b, transposed, a.dtype, backend, c))
             try:

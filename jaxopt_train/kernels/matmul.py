@@ -283,6 +283,17 @@ def _launch(a, b, bias, *, activation, out_dtype, backend, config, transposed=No
     raise ValueError(f"{backend=} is not a concrete backend; expected one of {BACKENDS[1:]}")
 
 
+def reads_transposed_as_stored(backend: str, config: MatmulConfig, dtype) -> bool:
+    """Whether `backend` with `config` reads a transposed operand as stored (else a
+    transposed product multiplies a transposed copy, with the plain layout's config).
+
+    Mosaic GPU: wgmma needs the two tiles' swizzles to match; a transposed tile is
+    swizzled over its M/N extent (128 B), so the K tile must span 128 B as well.
+    """
+    return backend == "triton" or (backend == "mosaic_gpu" and not config.warpgroup_lowering
+                                   and config.block_k * jnp.dtype(dtype).itemsize == 128)
+
+
 def _product_with_transpose(a, b, transposed: str, out_dtype, backend, config, bias=None,
                             activation=None, save_preactivation=False):
     """`act(a.T @ b + bias)` (transposed="a") or `act(a @ b.T + bias)` (transposed="b").
@@ -299,10 +310,7 @@ def _product_with_transpose(a, b, transposed: str, out_dtype, backend, config, b
     if backend in TRANSPOSING_BACKENDS:
         (m, k), n = lhs.shape, rhs.shape[1]  # shapes only: XLA drops the unused transposes
         cfg = config or resolve_config(backend, m, n, k, a.dtype, transposed)
-        # Mosaic GPU: wgmma needs the two tiles' swizzles to match; a transposed tile is
-        # swizzled over its M/N extent (128 B), so the K tile must span 128 B as well.
-        if backend == "triton" or (cfg.block_k * jnp.dtype(a.dtype).itemsize == 128
-                                   and not cfg.warpgroup_lowering):
+        if reads_transposed_as_stored(backend, cfg, a.dtype):
             return _launch(a, b, bias, activation=activation, out_dtype=jnp.dtype(out_dtype),
                            backend=backend, config=cfg, transposed=transposed,
                            save_preactivation=save_preactivation)
