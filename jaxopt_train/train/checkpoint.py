@@ -62,24 +62,32 @@ class Checkpointer:
                                   meta=ocp.args.JsonSave(meta))
         return bool(self._manager.save(step, args=args, force=True))
 
-    def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+    def restore(self, abstract_state: Any, step: int | None = None, *,
+                part_settings: dict[str, str] | None = None) -> tuple[Any, dict[str, Any]]:
         """Restores `(state, meta)` at `step` (default: latest) into `abstract_state`'s structure.
 
         `abstract_state` is a pytree of `jax.ShapeDtypeStruct` (with shardings)
-        or concrete arrays of the target shapes.
+        or concrete arrays of the target shapes. `part_settings`: top-level parts of the
+        state that the caller's settings add or leave out (name -> the words for that
+        setting); a checkpoint that holds one of them and the target not, or the other
+        way round, is refused naming the setting.
         """
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint to restore in {self.directory}")
         target = jax.tree.map(as_abstract, abstract_state)
-        self._check_saved_arrays(step, target)
+        self._check_saved_arrays(step, target, part_settings or {})
         args = ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                   meta=ocp.args.JsonRestore())
         restored = self._manager.restore(step, args=args)
         return restored["state"], dict(restored["meta"] or {})
 
-    def _check_saved_arrays(self, step: int, target: Any) -> None:
-        """Raises RunDirError naming the arrays whose saved shape or dtype differs from `target`'s.
+    def _check_saved_arrays(self, step: int, target: Any, part_settings: dict[str, str]) -> None:
+        """Raises RunDirError naming the state parts (`part_settings`) that only one of the
+        checkpoint and `target` holds, or else the arrays whose saved shape or dtype differs.
+
+        Orbax refuses a missing or extra part only with "tree structures do not match",
+        which reads as a damaged checkpoint: the run is sound, the settings are not its own.
 
         Orbax refuses another shape too, but with a message that names no
         array and suggests padding/truncation. Cases that must not load: a
@@ -100,6 +108,7 @@ class Checkpointer:
         expected = {_path_name(path): _stored_shape_dtype(leaf)
                     for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]
                     if hasattr(leaf, "shape") and hasattr(leaf, "dtype")}  # not Python scalars
+        self._check_parts(step, saved, expected, part_settings)
         # One saved array where this run has a tree of them (stage 3's old flat params).
         found = [f"{name}: expected a tree of arrays, found one array of shape {shape}"
                  for name, (shape, _) in saved.items() if name not in expected
@@ -126,6 +135,22 @@ class Checkpointer:
                 "that keeps every value (int32 to int64, bf16/f16 to f32, f32 to f64) loads. It was written "
                 "with other precision settings (param or optimizer-state dtype). Resume it with "
                 "the settings that wrote it, or start a new --run-dir.")
+
+    def _check_parts(self, step: int, saved, expected, part_settings: dict[str, str]) -> None:
+        # Only these parts: another layout of params or moments (an old ZeRO checkpoint) has
+        # its own message, from the shape check.
+        differ = []
+        for part, setting in part_settings.items():
+            had = sorted(n for n in saved if n.split("/")[0] == part)
+            wants = sorted(n for n in expected if n.split("/")[0] == part)
+            if had != wants:
+                differ.append(f"{setting}: saved {_some(had)}, this run {_some(wants)}")
+        if differ:
+            raise RunDirError(
+                f"cannot resume from the checkpoint at step {step} in {self.directory}: it holds "
+                f"another train state than this run's settings build ({'; '.join(differ)}). Resume "
+                "with the settings that wrote it (see config.json in the run directory), or start a "
+                "new --run-dir.")
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
         """The JSON record of a checkpoint, without touching its arrays."""
@@ -165,6 +190,12 @@ def _exact_widening(saved: np.dtype, target: np.dtype) -> bool:
         return (want.nmant >= have.nmant and want.maxexp >= have.maxexp
                 and want.minexp - want.nmant <= have.minexp - have.nmant)  # subnormals too
     return False
+
+
+def _some(names: list[str]) -> str:
+    if not names:
+        return "none"
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def _shown(found: list[str]) -> str:

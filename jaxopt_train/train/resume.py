@@ -16,8 +16,7 @@ from typing import Any
 
 import jax
 
-from jaxopt_train.train.checkpoint import (Checkpointer, RunDirError, _path_name, _saved_arrays,
-                                           as_abstract, check_same_model)
+from jaxopt_train.train.checkpoint import Checkpointer, RunDirError, as_abstract, check_same_model
 from jaxopt_train.train.config import TrainConfig, shape_overrides
 
 
@@ -69,53 +68,16 @@ _STATE_PART_SETTINGS = {
 }
 
 
-def _check_state_parts(ckpt: Checkpointer, target) -> None:
-    """Raises RunDirError naming the parts of the train state that the latest checkpoint
-    holds and this run's state does not, or the other way round (e.g. the fp16 loss scale).
-
-    Orbax refuses such a restore only with "tree structures do not match", which `_damaged`
-    would report as a damaged checkpoint to delete with --overwrite: the run is sound, the
-    settings are not its own.
-    """
-    step = ckpt.latest_step()
-    saved = _saved_arrays(os.path.join(ckpt.directory, str(step), "state"))
-    if saved is None:  # no readable metadata: orbax's own checks apply
-        return
-    expected = {_path_name(path) for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]
-                if hasattr(leaf, "shape") and hasattr(leaf, "dtype")}
-    differ = []
-    # Only these parts: another layout of params or moments (an old ZeRO checkpoint) has
-    # its own message, from Checkpointer.restore.
-    for part, what in _STATE_PART_SETTINGS.items():
-        had = sorted(n for n in saved if n.split("/")[0] == part)
-        wants = sorted(n for n in expected if n.split("/")[0] == part)
-        if had != wants:
-            differ.append(f"{what}: saved {_some(had)}, this run {_some(wants)}")
-    if differ:
-        raise RunDirError(
-            f"cannot resume from the checkpoint at step {step} in {ckpt.directory}: it holds "
-            f"another train state than this run's settings build ({'; '.join(differ)}). Resume "
-            "with the settings that wrote it (see config.json in the run directory), or start a "
-            "new --run-dir.")
-
-
-def _some(names: list[str]) -> str:
-    if not names:
-        return "none"
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-
 def restore(ckpt: Checkpointer, state):
     """The checkpoint's state, in the layout of `state`, whose arrays are freed first:
     a resume then needs no more device memory than the run (two states would not fit
     where one just does, e.g. gpt-1b within 16 GiB). The run stops if this raises."""
     target = jax.tree.map(as_abstract, state)
-    _check_state_parts(ckpt, target)
     for leaf in jax.tree.leaves(state):
         if isinstance(leaf, jax.Array):
             leaf.delete()
     try:
-        restored, _ = ckpt.restore(target)
+        restored, _ = ckpt.restore(target, part_settings=_STATE_PART_SETTINGS)
     except RunDirError:
         raise
     except Exception as err:  # noqa: BLE001 - orbax/tensorstore raise many kinds on bad files
