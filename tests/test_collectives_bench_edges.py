@@ -38,6 +38,27 @@ def test_non_finite_flags_exit_2(argv, message, monkeypatch, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("size", ["infK", "1e400K", "9" * 400 + "M"])
+def test_an_infinite_size_is_an_argparse_error_not_a_traceback(size, capsys):
+    # float("inf") * 1024 reached int() and raised OverflowError, which argparse does not catch.
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--sizes", size])
+    assert exc.value.code == 2
+    assert "cannot read a size from" in capsys.readouterr().err
+
+
+def test_a_gpt_trace_folder_that_cannot_be_written_is_refused_before_the_sweep(monkeypatch, tmp_path,
+                                                                              capsys):
+    # It was first used after the whole all-reduce sweep and the GPT step's first timings.
+    monkeypatch.setattr(bench, "bench_collectives", _no_sweep)
+    not_a_folder = tmp_path / "trace"
+    not_a_folder.write_text("a file")
+    with pytest.raises(SystemExit) as exc:
+        bench.main(_quick("--gpt", "--gpt-trace", str(not_a_folder)))
+    assert exc.value.code == 2
+    assert f"argument --gpt-trace: expected a writable folder; '{not_a_folder}' exists" in capsys.readouterr().err
+
+
 def test_a_variant_with_non_finite_output_is_wrong_and_the_json_stays_strict(monkeypatch, tmp_path,
                                                                               capsys):
     real = bench.variants

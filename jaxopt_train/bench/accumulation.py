@@ -7,6 +7,8 @@ All three variants consume the same global batch per optimizer step:
 - full: one jit call, `value_and_grad` over the whole batch, then AdamW.
 - scan: one jit call, `accumulate_gradients(loss, K)` (lax.scan, f32 accumulators), then AdamW.
 - multisteps: K jit calls of `multi_steps(adamw, K)`, one micro-batch each (host-fed).
+Every variant's `final_loss` is the whole batch's loss at its last optimizer step (for
+multisteps, the mean of that step's K micro-batch losses, as scan takes it).
 Each variant is warmed up, then timed in bursts of back-to-back optimizer steps with one
 `block_until_ready` per burst; the median per-step time is reported with its ratio to full.
 """
@@ -104,10 +106,20 @@ def _steps(loss_fn, optimizer, num_microbatches: int) -> tuple[dict[str, Callabl
     micro = make(jax.value_and_grad(loss_fn), multi_steps(optimizer, num_microbatches))
 
     def multisteps(params, opt_state, micro_batches):
+        losses = []
         for mb in micro_batches:  # K host-driven jit calls = one optimizer step
             params, opt_state, loss = micro(params, opt_state, mb)
-        return params, opt_state, loss
+            losses.append(loss)
+        # The whole batch's loss, as full and scan report it (the same f32 mean of the
+        # micro-batch losses that `accumulate_gradients` takes), not the last micro-batch's.
+        return params, opt_state, _mean_loss(*losses)  # one async dispatch per optimizer step
     return {"full": full, "scan": scan, "multisteps": multisteps}, micro
+
+
+@jax.jit
+def _mean_loss(*losses):
+    stacked = jnp.stack(losses)
+    return jnp.mean(stacked.astype(jnp.float32)).astype(stacked.dtype)
 
 
 def _time(step, params, opt_state, batch, *, warmup: int, steps: int, repeats: int):

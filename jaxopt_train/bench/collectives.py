@@ -22,7 +22,6 @@ each variant's result must equal psum's: a variant that differs is reported
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import platform
@@ -31,28 +30,20 @@ import sys
 import time
 from typing import Any, Callable
 
-DTYPES = {"f32": "float32", "bf16": "bfloat16"}
+from jaxopt_train.bench import collectives_flags as flags
+# The flags' parser and names, also importable from here as before the split.
+from jaxopt_train.bench.collectives_flags import DTYPES, RING_VARIANTS, build_parser, parse_size
+
+__all__ = ["DTYPES", "RING_VARIANTS", "bench_collectives", "build_parser", "fmt_size", "main",
+           "nvlink_peak", "parse_size", "print_table", "sweep_input", "time_burst", "trace_overlap",
+           "variants"]
+
 # NVLink bandwidth per direction by device kind, used when NVML cannot say (datasheets).
 NVLINK_PEAK_GBS = {"H200": 450.0, "H100": 450.0, "GH200": 450.0, "B200": 900.0, "A100": 300.0, "V100": 150.0}
 # Per-direction GB/s of one NVLink, keyed by what nvmlDeviceGetNvLinkVersion returns: an
 # nvmlNvlinkVersion_t enum, not the version (1: 1.0, 2: 2.0, 3: 2.2, 4: 3.0, 5: 3.1, 6: 4.0,
 # 7: 5.0). An A100 returns 5 (NVLink 3.x, 25 GB/s), an H100/H200 6 (4.0, 25 GB/s).
 PER_LINK_GBS = {1: 20.0, 2: 25.0, 3: 25.0, 4: 25.0, 5: 25.0, 6: 25.0, 7: 50.0}
-
-
-def parse_size(text: str) -> int:
-    """'64K', '1M', '1G' (KiB/MiB/GiB) or plain bytes -> bytes (> 0)."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    given, text = text, text.strip().upper().removesuffix("IB").removesuffix("B")
-    try:
-        size = (int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units
-                else int(text))
-    except ValueError:
-        raise ValueError(f"cannot read a size from {given!r}; expected bytes or a K/M/G "
-                         "suffix, e.g. 4096, 64K, 1M, 1G") from None
-    if size <= 0:
-        raise ValueError(f"size {given!r} must be more than 0 bytes")
-    return size
 
 
 def fmt_size(nbytes: int) -> str:
@@ -136,10 +127,6 @@ def trace_overlap(fn: Callable, args: tuple, logdir: str, *, iters: int) -> dict
     if not per_device:
         return dict.fromkeys(keys)
     return {k: statistics.fmean(getattr(d, k) for d in per_device) for k in keys}
-
-
-# The `--methods` names: the ring variants that `variants` builds besides psum.
-RING_VARIANTS = ("ring", "ring_bidir", "ring_wire_bf16", "hierarchical", "peer", "peer_wire_bf16")
 
 
 def variants(n: int, dtype: str, chunks: list[int]) -> dict[str, Callable]:
@@ -265,181 +252,16 @@ def _wrong(row: dict) -> bool:
     return bool(row.get("max_abs_diff_vs_psum") or row.get("non_finite_output"))
 
 
-def _csv(kind, example: str):
-    """An argparse type: a comma list of `kind`; a bad item names itself and an example."""
-    def parse(text):
-        try:
-            items = [kind(t) for t in text.split(",") if t]
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(f"{err}; the flag takes a comma list like {example}") from None
-        if not items:
-            raise argparse.ArgumentTypeError(f"empty list; expected e.g. {example}")
-        return items
-    return parse
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(f"{value} is not >= 1")
-    return value
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jaxopt-train bench collectives", description=__doc__.split("\n")[0])
-    p.add_argument("--sizes", type=_csv(parse_size, "1M,16M,256M,1G"), default=None,
-                   help="bytes per device, e.g. 1M,16M,256M,1G (default 1M..1G by 4x; --quick: 64K,1M)")
-    p.add_argument("--dtypes", type=_csv(str, "f32,bf16"), default=["f32", "bf16"], help="f32,bf16")
-    p.add_argument("--chunks", type=_csv(_positive_int, "1,4"), default=None, help="ring pipeline chunks to try (default 1,4; --quick: 1,2)")
-    p.add_argument("--methods", type=_csv(str, "ring,ring_bidir"), default=None,
-                   help="variants besides psum: ring,ring_bidir,ring_wire_bf16,hierarchical,peer,peer_wire_bf16 "
-                        "(default all; peer ones on 2 Hopper GPUs only)")
-    # None: unset, so --quick can pick smaller defaults without overriding a given value.
-    p.add_argument("--warmup", type=int, default=None, help="untimed calls after the one that compiles "
-                   "(default 3; --quick: 1)")
-    p.add_argument("--iters", type=int, default=None, help="calls per timed burst (default 10; --quick: 3)")
-    p.add_argument("--bursts", type=int, default=None, help="timed bursts (default 5; --quick: 3)")
-    p.add_argument("--peak", type=float, default=None, help="link peak GB/s per direction (default: NVML/table)")
-    p.add_argument("--gpt", action="store_true", help="also time a data-parallel GPT step per grad-sync method")
-    p.add_argument("--gpt-config", default=None, help="GPT preset (default gpt-tiny)")
-    p.add_argument("--gpt-overrides", default=None,
-                   help="GPTConfig overrides FIELD=VALUE,..., values read as JSON else as strings, "
-                        "e.g. n_layers=4,dtype=bfloat16,use_bias=false (--quick default: n_layers=1)")
-    p.add_argument("--gpt-batch", type=int, default=None, help="sequences per device (default 4; --quick: 2)")
-    p.add_argument("--gpt-iters", type=int, default=None, help="calls per timed burst of the step "
-                                                                   "(default 5; --quick: 2)")
-    p.add_argument("--gpt-methods", type=_csv(str, "psum,ring"), default=None,
-                   help="grad-sync methods to time besides psum, the baseline (default psum,ring)")
-    p.add_argument("--gpt-grad-dtype", choices=("param", "compute"), default=None,
-                   help="gradients in the params' dtype (default) or the model's compute dtype")
-    p.add_argument("--gpt-embedding-exchange", action="store_true",
-                   help="also time each method with the embedding lookup's gradient exchanged as "
-                        "gathered rows (collectives.embedding_grad_exchange) instead of a dense table")
-    p.add_argument("--gpt-zero1", action="store_true",
-                   help="also time the step with per-leaf ZeRO-1 (params sharded, gathered at the "
-                        "step's start; gradients reduce-scattered per leaf: jaxopt_train.zero)")
-    p.add_argument("--gpt-trace", default=None, metavar="DIR",
-                   help="also profile each DP step into DIR/<method> and report the reduction time "
-                        "concurrent with compute, exposed, and the compute slowdown (GPU traces)")
-    p.add_argument("--bucket-mb", type=float, default=None, help="gradient bucket MiB of the GPT step (default 25)")
-    p.add_argument("--quick", action="store_true", help="tiny sizes and few calls (CPU smoke run)")
-    p.add_argument("--json", default=None, help="write the raw figures here")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
-    return p
-
-
-# Unset counts: (default, --quick default); checked against the minimum before either applies.
-_COUNT_DEFAULTS = {"warmup": (3, 1), "iters": (10, 3), "bursts": (5, 3), "gpt_batch": (4, 2), "gpt_iters": (5, 2)}
-
-
-# Flags that only the --gpt step reads, with their defaults (None: filled elsewhere).
-_GPT_FLAGS = {"gpt_config": "gpt-tiny", "gpt_overrides": None, "gpt_batch": None, "gpt_iters": None,
-              "gpt_methods": ("psum", "ring"), "gpt_grad_dtype": "param", "gpt_embedding_exchange": None,
-              "gpt_zero1": None, "gpt_trace": None, "bucket_mb": 25.0}
-
-
-def _check_gpt_flags(parser: argparse.ArgumentParser, args) -> None:
-    """A GPT-step flag without --gpt would be silently ignored: refuse it."""
-    given = [f"--{k.replace('_', '-')}" for k in _GPT_FLAGS if getattr(args, k) not in (None, False)]
-    if given and not args.gpt:
-        parser.error(f"{', '.join(given)} only apply to the GPT step; add --gpt or drop them")
-
-
-# What each --methods name needs to be built by `variants` (those not listed: any run).
-_METHOD_NEEDS = {"hierarchical": "an even number of devices, at least 4",
-                 "peer": "2 Hopper GPUs in one process", "peer_wire_bf16": "2 Hopper GPUs in one process "
-                 "and f32 in --dtypes", "ring_wire_bf16": "f32 in --dtypes (it sends f32 data as bf16)"}
-
-
-def _check_methods_run(parser: argparse.ArgumentParser, args, n: int, platform_name: str) -> None:
-    """Refuses --methods / --gpt-methods that this run cannot time, before any timing."""
-    import contextlib  # noqa: PLC0415
-    import io  # noqa: PLC0415
-
-    with contextlib.redirect_stderr(io.StringIO()):  # variants' own "skipped" note
-        built = {k.split("/")[0] for d in args.dtypes for k in variants(n, d, args.chunks)}
-    missing = [m for m in args.methods or () if m not in built]
-    if missing:
-        parser.error(f"argument --methods: {missing} cannot run here ({n} {platform_name} devices, "
-                     f"--dtypes {','.join(args.dtypes)}); "
-                     + "; ".join(f"{m} needs {_METHOD_NEEDS.get(m, 'other devices')}" for m in missing))
-    if args.gpt and "peer" in args.gpt_methods:
-        from jaxopt_train.collectives.peer import check_platform  # noqa: PLC0415
-
-        try:
-            if n != 2:
-                raise ValueError(f"it exchanges between exactly 2 devices; this run has {n}")
-            check_platform()
-        except (ValueError, NotImplementedError) as err:
-            parser.error(f"argument --gpt-methods: 'peer' cannot run here: {err}")
-
-
-def _check_json(parser: argparse.ArgumentParser, path: str | None, overwrite: bool) -> None:
-    """Checked (and its folder created) before the sweep, not at its first row."""
-    if path:
-        from jaxopt_train.bench.train_report import output_file_problem  # noqa: PLC0415
-
-        problem = output_file_problem(path, overwrite=overwrite)
-        if problem:
-            parser.error(f"argument --json: expected a writable file path; {problem}")
-
-
-def _check_sizes(parser: argparse.ArgumentParser, sizes: list[int] | None, dtypes: list[str]) -> None:
-    """Each size must be whole elements of every dtype, else fewer bytes are timed than reported."""
-    import jax.numpy as jnp  # noqa: PLC0415
-
-    for dtype in dtypes:
-        itemsize = jnp.dtype(DTYPES[dtype]).itemsize
-        bad = [size for size in sizes or () if size % itemsize]
-        if bad:
-            parser.error(f"argument --sizes: {bad} bytes must each be a positive multiple of the "
-                         f"{itemsize}-byte item size of --dtypes {dtype}")
-
-
-def _apply_defaults(args) -> None:
-    """Fills flags left unset with the normal or the --quick defaults."""
-    for flag, (normal, quick) in _COUNT_DEFAULTS.items():
-        if getattr(args, flag) is None:
-            setattr(args, flag, quick if args.quick else normal)
-    if args.gpt_overrides is None:
-        args.gpt_overrides = "n_layers=1" if args.quick else ""
-    for flag, default in _GPT_FLAGS.items():
-        if getattr(args, flag) is None and default is not None:
-            setattr(args, flag, list(default) if isinstance(default, tuple) else default)
-    if args.quick:
-        args.sizes = args.sizes or [64 << 10, 1 << 20]
-    args.sizes = args.sizes or [1 << s for s in range(20, 31, 2)]
-    args.chunks = args.chunks or ([1, 2] if args.quick else [1, 4])
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(__doc__.split("\n")[0])
     args = parser.parse_args(argv)
-    bad = [d for d in args.dtypes if d not in DTYPES]
-    if bad:
-        print(f"--dtypes {bad} unknown; expected some of {sorted(DTYPES)}", file=sys.stderr)
+    problem = flags.value_problem(args)
+    if problem:
+        print(problem, file=sys.stderr)
         return 2
-    from jaxopt_train.collectives import METHODS  # noqa: PLC0415
-
-    for flag, given, legal in (("--methods", args.methods, RING_VARIANTS),
-                               ("--gpt-methods", args.gpt_methods, METHODS)):
-        bad = [m for m in given or () if m not in legal]
-        if bad:
-            print(f"{flag} {bad} unknown; expected some of {list(legal)}", file=sys.stderr)
-            return 2
-    for flag in ("peak", "bucket_mb"):  # inf would reach the JSON as Infinity
-        value = getattr(args, flag)
-        if value is not None and not (value > 0 and math.isfinite(value)):
-            print(f"--{flag.replace('_', '-')}={value} must be > 0 and finite", file=sys.stderr)
-            return 2
-    for flag in _COUNT_DEFAULTS:
-        value, least = getattr(args, flag), 0 if flag == "warmup" else 1
-        if value is not None and value < least:  # before the defaults: 0 is not "unset"
-            print(f"--{flag.replace('_', '-')}={value} must be >= {least}", file=sys.stderr)
-            return 2
-    _check_gpt_flags(parser, args)
-    _check_sizes(parser, args.sizes, args.dtypes)
-    _apply_defaults(args)
+    flags.check_gpt_flags(parser, args)
+    flags.check_sizes(parser, args.sizes, args.dtypes)
+    flags.apply_defaults(args)
     from jaxopt_train.bench import collectives_gpt  # noqa: PLC0415
 
     # Before any benchmark: a bad override must not cost a whole sweep first.
@@ -453,8 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"bench collectives needs at least 2 devices, found {jax.device_count()} "
                          f"({jax.devices()[0].platform}); on CPU set "
                          "XLA_FLAGS=--xla_force_host_platform_device_count=8")
-    _check_methods_run(parser, args, jax.device_count(), device.platform)
-    _check_json(parser, args.json, args.overwrite)  # last: a refused run leaves no folder behind
+    flags.check_methods_run(parser, args, jax.device_count(), device.platform, variants)
+    # Last: these create their folders, and a refused run should leave none behind.
+    flags.check_json(parser, args.json, args.overwrite)
+    flags.check_gpt_trace(parser, args.gpt_trace)
     peak_note = "--peak given"
     if args.peak is None:
         args.peak, peak_note = nvlink_peak(device)
