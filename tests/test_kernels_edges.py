@@ -123,3 +123,76 @@ def test_transposed_tuning_times_only_configs_that_read_the_operand_as_stored(mo
                                          r"on backend='mosaic_gpu' \(mosaic_gpu needs block_k"):
         autotune([(64, 64, 128)], backend="mosaic_gpu", candidates=[copy_k], transposed="b",
                  timer=lambda fn: 1.0, input_sets=1, write_cache=False)
+
+
+@pytest.mark.parametrize("name, stored", [("bf16", "bfloat16"), ("fp16", "float16"),
+                                          ("f32", "bfloat16"), ("BF16", "bfloat16")])
+def test_autotune_takes_the_dtype_names_matmul_takes(tmp_path, name, stored):
+    """matmul(out_dtype="bf16") works; autotune(dtype="bf16") failed with numpy's "data type
+    'bf16' not understood"."""
+    autotune([(16, 16, 16)], name, backend="interpret", candidates=[SMALL], timer=lambda fn: 1e-3,
+             input_sets=1)
+    keys = json.loads((tmp_path / "matmul_autotune.json").read_text())
+    assert keys and all(f"|{stored}|" in key for key in keys), keys
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"dtype": "int8"}, r"dtype='int8' is not a known dtype name; expected one of \["),
+    ({"dtype": "float64"}, r"dtype=float64 is not a matmul input dtype"),
+    ({"input_sets": True}, r"input_sets=True must be an int >= 1"),  # was taken as 1
+    ({"input_sets": 2.0}, r"input_sets=2.0 must be an int >= 1"),
+])
+def test_autotune_refuses_a_dtype_name_or_input_sets_it_cannot_use(kwargs, match):
+    _refuses_before_timing(ValueError, match, **kwargs)
+
+
+def test_autotune_takes_a_numpy_int_of_input_sets():
+    winners = autotune([(16, 16, 16)], backend="interpret", candidates=[SMALL],
+                       timer=lambda fn: 1e-3, input_sets=np.int64(1), write_cache=False)
+    assert winners == {(16, 16, 16): SMALL}
+
+
+def test_a_cache_dir_under_home_is_expanded(tmp_path, monkeypatch):
+    """JAXOPT_TRAIN_CACHE_DIR="~/x" made a folder literally named "~" in the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("JAXOPT_TRAIN_CACHE_DIR", "~/tuned")
+    monkeypatch.chdir(tmp_path)
+    assert autotune_mod.cache_path() == tmp_path / "home" / "tuned" / "matmul_autotune.json"
+    autotune_mod.store("interpret", "cpu", 16, 16, 16, "bfloat16", SMALL, 1e-3)
+    assert (tmp_path / "home" / "tuned" / "matmul_autotune.json").is_file()
+    assert not (tmp_path / "~").exists()
+
+
+@pytest.mark.parametrize("cache_dir", [None, "~/tuned"])
+def test_without_a_home_lookups_find_nothing_and_stores_say_what_to_set(tmp_path, monkeypatch,
+                                                                        caplog, cache_dir):
+    """With no $HOME and no password entry, Path.home() raised RuntimeError inside the cache
+    lookup, so every non-xla matmul failed."""
+    import logging
+    import pwd
+
+    monkeypatch.chdir(tmp_path)  # where an unexpanded "~/tuned" would be made
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", lambda uid: (_ for _ in ()).throw(KeyError(uid)))
+    if cache_dir is None:
+        monkeypatch.delenv("JAXOPT_TRAIN_CACHE_DIR")
+    else:
+        monkeypatch.setenv("JAXOPT_TRAIN_CACHE_DIR", cache_dir)
+    with caplog.at_level(logging.DEBUG, logger=autotune_mod.__name__):
+        assert autotune_mod.lookup("interpret", "cpu", 16, 16, 16, "bfloat16") is None
+    assert "no autotune cache to read" in caplog.text
+    with pytest.raises(RuntimeError, match=r"cannot be resolved .*set \$JAXOPT_TRAIN_CACHE_DIR"):
+        autotune_mod.store("interpret", "cpu", 16, 16, 16, "bfloat16", SMALL, 1e-3)
+    _refuses_before_timing(OSError, r"set \$JAXOPT_TRAIN_CACHE_DIR to an absolute folder, or "
+                                    r"pass write_cache=False", write_cache=True)
+
+
+def test_two_corrupt_caches_moved_aside_in_one_second_are_both_kept(tmp_path, monkeypatch):
+    """The second `.corrupt-<time>` replaced the first: the user's file was lost."""
+    monkeypatch.setattr(autotune_mod.time, "strftime", lambda fmt, *args: "20250101-000000")
+    path = tmp_path / "matmul_autotune.json"
+    for content in (b"[1]", b"[2]"):
+        path.write_bytes(content)
+        autotune_mod.store("interpret", "cpu", 16, 16, 16, "bfloat16", SMALL, 1e-3)
+    kept = sorted(tmp_path.glob("matmul_autotune.json.corrupt-*"))
+    assert sorted(p.read_bytes() for p in kept) == [b"[1]", b"[2]"], kept

@@ -132,8 +132,36 @@ def test_demo_prints_summary_and_writes_json(monkeypatch, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "DCGM_FI_DEV_GPU_UTIL/gpu1" in out and "matmul calls" in out
     saved = json.loads(path.read_text())
+    assert saved["gpu_found"] is True
     assert saved["summary"]["DCGM_FI_DEV_POWER_USAGE/gpu0"]["max"] == 350.0
     assert len(saved["samples"]["gpu0"]) >= 2 and "time" in saved["samples"]["gpu0"][0]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--seconds", "-1"], "--seconds must be a finite number >= 0; got -1.0"),  # was time.sleep's
+    (["--seconds", "nan"], "--seconds must be a finite number >= 0; got nan"),
+    (["--interval", "0"], "--interval: interval_s must be a positive"),
+])
+def test_demo_refuses_bad_durations_as_usage_errors(argv, match, capsys):
+    from jaxopt_train.runtime import monitor_demo
+
+    with pytest.raises(SystemExit) as exit_info:
+        monitor_demo.main(argv)
+    assert exit_info.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_demo_without_a_gpu_writes_json_saying_why(monkeypatch, tmp_path):
+    """--json PATH wrote nothing on a machine without a GPU: a script reading PATH failed."""
+    import json
+
+    from jaxopt_train.runtime import monitor_demo
+
+    install_fake_nvml(monkeypatch, make_fake_nvml([FakeGPU()], init_error=True))
+    path = tmp_path / "monitor.json"
+    assert monitor_demo.main(["--seconds", "0", "--json", str(path)]) == 0
+    saved = json.loads(path.read_text())
+    assert saved["gpu_found"] is False and "Driver Not Loaded" in saved["reason"]
+    assert saved["summary"] == {} and saved["samples"] == {}
 
 
 @pytest.mark.parametrize("devices, error, match", [

@@ -45,6 +45,20 @@ def test_memory_env_fraction_and_options():
                    "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
 
 
+@pytest.mark.parametrize("given", ["BFC", "Platform", "CUDA_ASYNC"])
+def test_memory_env_allocator_is_matched_as_jaxlib_matches_it(given):
+    """jaxlib lowercases XLA_PYTHON_CLIENT_ALLOCATOR (jaxlib/xla_client.py), so "BFC" runs
+    the bfc allocator there; it was refused here."""
+    env = memory_env(fraction=0.5, allocator=given)
+    assert env["XLA_PYTHON_CLIENT_ALLOCATOR"] == given.lower()
+
+
+@pytest.mark.parametrize("given", [" bfc", 5])  # jaxlib does not strip spaces
+def test_memory_env_refuses_an_allocator_jaxlib_would_refuse(given):
+    with pytest.raises(ValueError, match="allocator must be one of"):
+        memory_env(fraction=0.5, allocator=given)
+
+
 def test_memory_env_bytes_with_total():
     env = memory_env(bytes="35GiB", total_bytes="140GiB")
     assert env == {"XLA_CLIENT_MEM_FRACTION": "0.2500"}

@@ -103,6 +103,16 @@ def test_collective_overlap_bad_input(tmp_path):
             overlap.collective_overlap(logdir, steps=bad)
 
 
+def test_collective_overlap_takes_numpy_int_steps_and_refuses_bools(tmp_path):
+    """np.int64(2), e.g. a step count from a numpy array, was refused as not an int;
+    True was taken as 1 step."""
+    logdir = _write_trace(tmp_path, [(10, 0, 100, "loop_fusion")])
+    (gpu,) = overlap.collective_overlap(logdir, steps=np.int64(2))
+    assert gpu.compute_ms == pytest.approx(100 / 2e3) and type(gpu.compute_ms) is float
+    with pytest.raises(ValueError, match="steps must be a positive int .*steps=True"):
+        overlap.collective_overlap(logdir, steps=True)
+
+
 def test_is_collective_kernel():
     assert overlap.is_collective_kernel("ncclDevKernel_SendRecv(x)")
     assert overlap.is_collective_kernel("Memcpy PtoP (Device -> Device)")

@@ -44,8 +44,22 @@ _loaded: dict[str, dict] = {}  # cache path -> its parsed contents (read once pe
 
 
 def cache_path() -> pathlib.Path:
-    root = os.environ.get("JAXOPT_TRAIN_CACHE_DIR") or pathlib.Path.home() / ".cache" / "jaxopt_train"
-    return pathlib.Path(root) / "matmul_autotune.json"
+    """The cache file: under `$JAXOPT_TRAIN_CACHE_DIR` (a leading `~` expanded) if set,
+    else `~/.cache/jaxopt_train`.
+
+    Raises:
+        RuntimeError: when `~` cannot be resolved (no $HOME and no password entry, as in
+            some containers), naming the variable that fixes it.
+    """
+    root = os.environ.get("JAXOPT_TRAIN_CACHE_DIR") or "~/.cache/jaxopt_train"
+    try:
+        # Unexpanded, "~/x" made a folder literally named "~" in the working directory.
+        folder = pathlib.Path(root).expanduser()
+    except RuntimeError as err:
+        raise RuntimeError(f"the autotune cache folder {root!r} names a home directory that "
+                           f"cannot be resolved ({err}); set $JAXOPT_TRAIN_CACHE_DIR to an "
+                           f"absolute folder") from err
+    return folder / "matmul_autotune.json"
 
 
 def shape_bucket(m: int, n: int, k: int) -> str:
@@ -104,8 +118,15 @@ def lookup(backend: str, device_kind: str, m: int, n: int, k: int, dtype,
            transposed: str | None = None) -> MatmulConfig | None:
     """The cached winner for this problem in this operand layout (tuned on this exact
     shape if it was, else on its bucket), or None. An entry that is not a valid config
-    (hand-edited, or written by a version with other fields) is skipped with a warning."""
-    data = _read(cache_path())
+    (hand-edited, or written by a version with other fields) is skipped with a warning.
+    Without a resolvable cache folder there is no cached entry: matmul runs on the
+    shipped defaults instead of every call raising."""
+    try:
+        path = cache_path()
+    except RuntimeError as err:
+        logger.debug("no autotune cache to read: %s", err)
+        return None
+    data = _read(path)
     for exact in (True, False):
         name = cache_key(backend, device_kind, m, n, k, dtype, transposed, exact=exact)
         entry = data.get(name)
@@ -115,7 +136,7 @@ def lookup(backend: str, device_kind: str, m: int, n: int, k: int, dtype,
             return MatmulConfig.from_dict(entry["config"])
         except (KeyError, TypeError, ValueError) as err:
             logger.warning("autotune cache %s: skipping entry %r, not a valid config (%s: %s)",
-                           cache_path(), name, type(err).__name__, err)
+                           path, name, type(err).__name__, err)
     return None
 
 
@@ -140,7 +161,10 @@ def _locked(path: pathlib.Path):
 def check_cache_writable() -> pathlib.Path:
     """Raises OSError, saying what to do, when winners could not be stored: checked before
     tuning, so that a sweep's results are not lost after it has run."""
-    path = cache_path()
+    try:
+        path = cache_path()
+    except RuntimeError as err:
+        raise OSError(f"{err}, or pass write_cache=False") from err
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".write_check"):
@@ -152,6 +176,16 @@ def check_cache_writable() -> pathlib.Path:
     return path
 
 
+def _unused_name(path: pathlib.Path) -> pathlib.Path:
+    """`path`, or `path-1`, `path-2`, ...: the first that does not exist. Called under the
+    cache lock: two corrupt files moved aside in one second each keep their own name."""
+    candidate, counter = path, 0
+    while candidate.exists():
+        counter += 1
+        candidate = path.with_name(f"{path.name}-{counter}")
+    return candidate
+
+
 def store(backend: str, device_kind: str, m: int, n: int, k: int, dtype, config: MatmulConfig,
           seconds: float, transposed: str | None = None) -> None:
     """Adds one winner to the cache file, under its exact shape and its bucket (atomic
@@ -159,7 +193,10 @@ def store(backend: str, device_kind: str, m: int, n: int, k: int, dtype, config:
 
     The file is re-read under a lock before the merge, so entries another process stored
     since this one read it are kept. A file that cannot be parsed is not overwritten: it is
-    renamed to `<name>.corrupt-<time>` (with a warning) and a new one is started.
+    renamed to `<name>.corrupt-<time>[-<n>]` (with a warning) and a new one is started.
+
+    Raises:
+        RuntimeError: when the cache folder cannot be resolved (see `cache_path`).
     """
     path = cache_path()
     entry = {"config": config.to_dict(), "seconds": float(seconds), "shape": [m, n, k],
@@ -168,7 +205,8 @@ def store(backend: str, device_kind: str, m: int, n: int, k: int, dtype, config:
     with _locked(path):
         data, problem = _parse(path)
         if problem is not None:
-            kept = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            kept = _unused_name(path.with_name(f"{path.name}.corrupt-{stamp}"))
             path.replace(kept)
             logger.warning("autotune cache %s was unreadable (%s); moved it to %s and started "
                            "a new one", path, problem, kept)
@@ -332,8 +370,9 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
 
     Args:
         shapes: (M, N, K) triples.
-        dtype: input dtype: bfloat16 or float16; float32 tunes bfloat16, which is what
-            `matmul` runs f32 inputs as (and the cache entry it reads).
+        dtype: input dtype, or its name as `matmul`'s `out_dtype` takes it ("bf16",
+            "fp16", "f32", ...): bfloat16 or float16; float32 tunes bfloat16, which is
+            what `matmul` runs f32 inputs as (and the cache entry it reads).
         backend: a kernel backend, or "auto".
         candidates: configs (or dicts of their fields) to sweep; default
             `default_candidates(backend, quick=quick)`
@@ -362,12 +401,17 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
     backend = matmul_mod.resolve_backend(backend)
     if backend == "xla":
         raise ValueError("backend resolved to 'xla', which has nothing to tune; pass a kernel backend")
-    if not isinstance(input_sets, int) or input_sets < 1:
+    # True would pass as 1 input set.
+    if isinstance(input_sets, bool) or not isinstance(input_sets, (int, np.integer)) \
+            or input_sets < 1:
         raise ValueError(f"input_sets={input_sets!r} must be an int >= 1")
+    input_sets = int(input_sets)
     if budget_s is not None and (isinstance(budget_s, bool)
                                  or not isinstance(budget_s, (int, float, np.integer, np.floating))
                                  or not budget_s >= 0):
         raise ValueError(f"budget_s={budget_s!r} must be None or a number >= 0 of seconds")
+    if isinstance(dtype, str):  # the names matmul's out_dtype takes ("bf16", "fp16", "f32")
+        dtype = matmul_mod.as_float_dtype(dtype, "dtype")
     if jnp.dtype(dtype) not in matmul_mod.INPUT_DTYPES:
         raise ValueError(f"dtype={jnp.dtype(dtype)} is not a matmul input dtype; expected "
                          f"bfloat16, float16 or float32")

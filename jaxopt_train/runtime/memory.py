@@ -127,9 +127,10 @@ def memory_env(*, fraction: float | None = None, bytes: int | str | None = None,
             raise TypeError(f"preallocate must be True, False or None, got {preallocate=}")
         env[_PREALLOCATE_VAR] = "true" if preallocate else "false"
     if allocator is not None:
-        if allocator not in ALLOCATORS:
-            raise ValueError(f"allocator must be one of {ALLOCATORS}, got {allocator=}")
-        env[_ALLOCATOR_VAR] = allocator
+        # jaxlib lowercases the variable's value before checking it: "BFC" is bfc there.
+        if not isinstance(allocator, str) or allocator.lower() not in ALLOCATORS:
+            raise ValueError(f"allocator must be one of {ALLOCATORS} (any case), got {allocator=}")
+        env[_ALLOCATOR_VAR] = allocator.lower()
     return env
 
 
@@ -152,7 +153,8 @@ def limit_memory(fraction: float | None = None, bytes: int | str | None = None, 
         on demand (`False`: idle processes hold less, but the pool is then made of regions
         and no buffer spans two of them, so a step whose temporaries fill most of the cap
         may not fit: gpt-1b's 8.6 GiB of temporaries under a 16 GiB cap did not).
-      allocator: XLA_PYTHON_CLIENT_ALLOCATOR, one of `ALLOCATORS`; "platform" frees
+      allocator: XLA_PYTHON_CLIENT_ALLOCATOR, one of `ALLOCATORS` in any case (jaxlib
+        lowercases it; the lowercase name is written); "platform" frees
         memory immediately (slow; for debugging out-of-memory errors).
 
     Returns:

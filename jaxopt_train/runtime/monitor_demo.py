@@ -7,6 +7,8 @@ monitoring work on a GPU machine (utilisation near 100% and power rising under l
 
 from __future__ import annotations
 
+import json
+import math
 import time
 
 from jaxopt_train.runtime.monitor import GPUMonitor
@@ -30,25 +32,40 @@ def _matmul_load(seconds: float) -> int:
     return calls
 
 
+def _write_json(path: str, report: dict) -> None:
+    with open(path, "w", encoding="utf-8") as file:
+        json.dump(report, file, indent=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Demo: sample the GPUs for a few seconds (optionally under a matmul load) and print a summary."""
     import argparse
-    import json
 
     parser = argparse.ArgumentParser(prog="python -m jaxopt_train.runtime.monitor_demo",
                                      description="Sample DCGM-named GPU fields via NVML and summarise them.")
     parser.add_argument("--seconds", type=float, default=5.0, help="how long to sample")
     parser.add_argument("--interval", type=float, default=0.25, help="seconds between samples")
     parser.add_argument("--load", action="store_true", help="run bf16 matmuls meanwhile")
-    parser.add_argument("--json", metavar="PATH", help="write the summary and all samples as JSON")
+    parser.add_argument("--json", metavar="PATH", help="write the summary and all samples as JSON "
+                        "(without a GPU: gpu_found false and the reason)")
     args = parser.parse_args(argv)
+    if not (math.isfinite(args.seconds) and args.seconds >= 0):  # time.sleep raised on < 0
+        parser.error(f"--seconds must be a finite number >= 0; got {args.seconds}")
+    try:
+        monitor = GPUMonitor(interval_s=args.interval)
+    except ValueError as err:
+        parser.error(f"--interval: {err}")
     calls = 0
-    with GPUMonitor(interval_s=args.interval) as monitor:
+    with monitor:
         if args.load:
             calls = _matmul_load(args.seconds)
         else:
             time.sleep(args.seconds)
     if not monitor.enabled:
+        # A script reading PATH gets the reason rather than a missing file.
+        if args.json:
+            _write_json(args.json, {"gpu_found": False, "reason": monitor.reason,
+                                    "summary": {}, "samples": {}})
         return 0
     summary = monitor.summary()
     print(f"{'field':<40} {'mean':>10} {'min':>10} {'max':>10} {'samples':>8}")
@@ -59,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"load: {calls} matmul calls in {args.seconds:.1f} s")
     if args.json:
         samples = {f"gpu{i}": [{"time": t, **s} for t, s in buf] for i, buf in monitor.samples.items()}
-        with open(args.json, "w", encoding="utf-8") as file:
-            json.dump({"summary": summary, "samples": samples}, file, indent=1)
+        _write_json(args.json, {"gpu_found": True, "summary": summary, "samples": samples})
     return 0
 
 

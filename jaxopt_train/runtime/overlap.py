@@ -26,6 +26,7 @@ import dataclasses
 import glob
 import gzip
 import json
+import numbers
 import os
 import re
 
@@ -134,8 +135,10 @@ def collective_overlap(logdir_or_file: str, *, steps: int = 1) -> list[DeviceOve
     Returns:
       One `DeviceOverlap` per GPU found in the trace (empty for a CPU-only trace).
     """
-    if not isinstance(steps, int) or steps < 1:
+    # numbers.Integral takes numpy ints (np.int64(2)); True is an Integral too, not a count.
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
         raise ValueError(f"steps must be a positive int (training steps in the traced window); got {steps=}")
+    steps = int(steps)
     trace = read_trace(logdir_or_file)
     processes, streams = trace.processes, trace.gpu_streams
     kernels = collections.defaultdict(lambda: ([], [], collections.Counter()))
