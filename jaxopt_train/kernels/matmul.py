@@ -167,7 +167,7 @@ def resolve_config(backend: str, m: int, n: int, k: int, dtype,
     entry only: a plain A @ B winner is no evidence for the transposed kernel (on an
     H200 it made gpt-1b's backward slower), so an untuned layout gets the default.
     """
-    from jaxopt_train.kernels.autotune import lookup
+    from jaxopt_train.kernels.autotune_cache import lookup
 
     cached = lookup(backend, _device_kind(), m, n, k, dtype, transposed)
     if cached is not None:

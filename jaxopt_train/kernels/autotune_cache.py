@@ -1,0 +1,202 @@
+"""The autotune cache: one JSON file of tuned matmul configs, read by `matmul` and written
+by `autotune` (see `jaxopt_train.kernels.autotune` for what the keys mean).
+
+The file is shared by processes (a lock and an atomic replace on write, a re-read before
+each merge) and by versions (an entry that is not a valid config is skipped with a
+warning); a file that cannot be parsed is moved aside, never overwritten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import pathlib
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jaxopt_train.kernels.configs import MatmulConfig
+
+# The autotuner's logger: the name users filter its messages by.
+logger = logging.getLogger("jaxopt_train.kernels.autotune")
+
+_loaded: dict[str, dict] = {}  # cache path -> its parsed contents (read once per process)
+
+
+def cache_path() -> pathlib.Path:
+    """The cache file: under `$JAXOPT_TRAIN_CACHE_DIR` (a leading `~` expanded) if set,
+    else `~/.cache/jaxopt_train`.
+
+    Raises:
+        RuntimeError: when `~` cannot be resolved (no $HOME and no password entry, as in
+            some containers), naming the variable that fixes it.
+    """
+    root = os.environ.get("JAXOPT_TRAIN_CACHE_DIR") or "~/.cache/jaxopt_train"
+    try:
+        # Unexpanded, "~/x" made a folder literally named "~" in the working directory.
+        folder = pathlib.Path(root).expanduser()
+    except RuntimeError as err:
+        raise RuntimeError(f"the autotune cache folder {root!r} names a home directory that "
+                           f"cannot be resolved ({err}); set $JAXOPT_TRAIN_CACHE_DIR to an "
+                           f"absolute folder") from err
+    return folder / "matmul_autotune.json"
+
+
+def shape_bucket(m: int, n: int, k: int) -> str:
+    """Rounds each dim up to a power of two: (1000, 777, 513) -> 'm1024_n1024_k1024'."""
+    up = [1 << max(0, int(x - 1).bit_length()) for x in (m, n, k)]
+    return f"m{up[0]}_n{up[1]}_k{up[2]}"
+
+
+TRANSPOSED = (None, "a", "b")  # A @ B, A^T @ B (a stored K x M), A @ B^T (b stored N x K)
+
+
+def _check_transposed(transposed) -> None:
+    if transposed not in TRANSPOSED:
+        raise ValueError(f"transposed={transposed!r} must be one of {TRANSPOSED}")
+
+
+def cache_key(backend: str, device_kind: str, m: int, n: int, k: int, dtype,
+              transposed: str | None = None, exact: bool = False) -> str:
+    """The cache entry's name, for the shape's bucket ('m1024_n1024_k1024') or, with
+    `exact`, for the shape itself ('1000x777x513'); plain products keep the key they
+    had before layouts."""
+    _check_transposed(transposed)
+    parts = [device_kind, f"jax{jax.__version__}", backend, str(jnp.dtype(dtype)),
+             f"{m}x{n}x{k}" if exact else shape_bucket(m, n, k)]
+    if transposed is not None:
+        parts.append(f"{transposed}T")
+    return "|".join(parts)
+
+
+def _parse(path: pathlib.Path) -> tuple[dict, str | None]:
+    """The cache file's entries, and why it could not be used (None when it could).
+    A missing file is an empty cache; anything but a JSON object is unusable."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}, None
+    except (OSError, ValueError) as err:  # ValueError: bad JSON or bytes that are not UTF-8
+        return {}, f"{type(err).__name__}: {err}"
+    if not isinstance(data, dict):
+        return {}, f"expected a JSON object of entries, got a JSON {type(data).__name__}"
+    return data, None
+
+
+def _read(path: pathlib.Path) -> dict:
+    key = str(path)
+    if key not in _loaded:
+        data, problem = _parse(path)
+        if problem is not None:
+            logger.warning("ignoring unreadable autotune cache %s (%s); the shipped defaults "
+                           "apply, and the next autotune run moves it aside", path, problem)
+        _loaded[key] = data
+    return _loaded[key]
+
+
+def lookup(backend: str, device_kind: str, m: int, n: int, k: int, dtype,
+           transposed: str | None = None) -> MatmulConfig | None:
+    """The cached winner for this problem in this operand layout (tuned on this exact
+    shape if it was, else on its bucket), or None. An entry that is not a valid config
+    (hand-edited, or written by a version with other fields) is skipped with a warning.
+    Without a resolvable cache folder there is no cached entry: matmul runs on the
+    shipped defaults instead of every call raising."""
+    try:
+        path = cache_path()
+    except RuntimeError as err:
+        logger.debug("no autotune cache to read: %s", err)
+        return None
+    data = _read(path)
+    for exact in (True, False):
+        name = cache_key(backend, device_kind, m, n, k, dtype, transposed, exact=exact)
+        entry = data.get(name)
+        if entry is None:
+            continue
+        try:
+            return MatmulConfig.from_dict(entry["config"])
+        except (KeyError, TypeError, ValueError) as err:
+            logger.warning("autotune cache %s: skipping entry %r, not a valid config (%s: %s)",
+                           path, name, type(err).__name__, err)
+    return None
+
+
+@contextlib.contextmanager
+def _locked(path: pathlib.Path):
+    """Holds an exclusive lock on `path`'s lock file, so that two processes storing
+    winners at once (two GPUs tuning, two CLI runs) both keep theirs. POSIX only; elsewhere
+    no lock (the last writer wins, as before)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        yield
+        return
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def check_cache_writable() -> pathlib.Path:
+    """Raises OSError, saying what to do, when winners could not be stored: checked before
+    tuning, so that a sweep's results are not lost after it has run."""
+    try:
+        path = cache_path()
+    except RuntimeError as err:
+        raise OSError(f"{err}, or pass write_cache=False") from err
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".write_check"):
+            pass
+    except OSError as err:
+        raise OSError(f"the autotune cache folder {str(path.parent)!r} is not writable "
+                      f"({type(err).__name__}: {err}); set $JAXOPT_TRAIN_CACHE_DIR to a writable "
+                      f"folder, or pass write_cache=False") from err
+    return path
+
+
+def _unused_name(path: pathlib.Path) -> pathlib.Path:
+    """`path`, or `path-1`, `path-2`, ...: the first that does not exist. Called under the
+    cache lock: two corrupt files moved aside in one second each keep their own name."""
+    candidate, counter = path, 0
+    while candidate.exists():
+        counter += 1
+        candidate = path.with_name(f"{path.name}-{counter}")
+    return candidate
+
+
+def store(backend: str, device_kind: str, m: int, n: int, k: int, dtype, config: MatmulConfig,
+          seconds: float, transposed: str | None = None) -> None:
+    """Adds one winner to the cache file, under its exact shape and its bucket (atomic
+    rename; other entries kept, except an earlier winner of the bucket).
+
+    The file is re-read under a lock before the merge, so entries another process stored
+    since this one read it are kept. A file that cannot be parsed is not overwritten: it is
+    renamed to `<name>.corrupt-<time>[-<n>]` (with a warning) and a new one is started.
+
+    Raises:
+        RuntimeError: when the cache folder cannot be resolved (see `cache_path`).
+    """
+    path = cache_path()
+    entry = {"config": config.to_dict(), "seconds": float(seconds), "shape": [m, n, k],
+             "transposed": transposed}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path):
+        data, problem = _parse(path)
+        if problem is not None:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            kept = _unused_name(path.with_name(f"{path.name}.corrupt-{stamp}"))
+            path.replace(kept)
+            logger.warning("autotune cache %s was unreadable (%s); moved it to %s and started "
+                           "a new one", path, problem, kept)
+        for exact in (True, False):
+            data[cache_key(backend, device_kind, m, n, k, dtype, transposed, exact)] = entry
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)
+    _loaded[str(path)] = data
