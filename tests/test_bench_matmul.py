@@ -171,3 +171,46 @@ def test_a_kernel_with_non_finite_output_gets_an_error_row_and_strict_json(tmp_p
     xla_dot, xla = json.loads(path.read_text(), parse_constant=refuse)["plain"]
     assert "error" not in xla_dot and "max_rel_error" not in xla
     assert xla["error"] == "FloatingPointError: non-finite output (max_rel_error=nan)"
+
+
+@pytest.mark.parametrize("dtype, scale, wrong", [
+    ("bfloat16", 1.1, True),     # 10% off: timed and reported normally before, exit 0
+    ("bfloat16", 1.008, False),  # within bf16's 2e-2 (the autotuner's rule)
+    ("float16", 1.008, True),    # beyond fp16's 5e-3
+])
+def test_a_finite_but_wrong_backend_is_reported_wrong_and_fails_the_run(tmp_path, monkeypatch, capsys,
+                                                                       dtype, scale, wrong):
+    real = bench._plain_fn
+    monkeypatch.setattr(bench, "_plain_fn", lambda backend: real(backend) if backend == "xla_dot"
+                        else jax.jit(lambda a, b, bias: jnp.dot(a, b) * jnp.asarray(scale, a.dtype)))
+    path = tmp_path / "matmul.json"
+    # Not --quick, where any ERROR row fails the run: a wrong result fails every run.
+    rc = bench.main(["--dtype", dtype, "--calls", "1", "--bursts", "1", "--input-sets", "1",
+                     "--warmup-s", "0", "--shapes", "24x40x8", "--no-fused", "--no-layer",
+                     "--backends", "xla", "--json", str(path)])
+    xla_dot, xla = json.loads(path.read_text())["plain"]
+    assert "error" not in xla_dot and xla_dot["max_rel_error"] < 5e-3
+    captured = capsys.readouterr()
+    if not wrong:
+        assert rc == 0 and "error" not in xla and "vs_xla" in xla
+        return
+    assert rc == 1 and xla["wrong_output"] is True
+    assert xla["max_rel_error"] == pytest.approx(scale - 1, abs=1e-2)
+    assert xla["error"].startswith("WrongOutputError: max_rel_error")
+    assert not {"tflops", "vs_xla", "ms"} & set(xla)  # no figure claimed for a wrong kernel
+    assert re.search(r"24x40x8 +xla +WRONG WrongOutputError", captured.out)
+    assert "wrong output (vs the f32 reference) from ['xla 24x40x8 (plain)']" in captured.err
+
+
+def test_an_error_without_a_message_still_gets_its_row(tmp_path, monkeypatch):
+    """`str(err).splitlines()[0]` of an empty message raised IndexError out of the handler
+    and ended the whole sweep."""
+    def broken(a, b, bias):
+        raise AssertionError()
+    real = bench._plain_fn
+    monkeypatch.setattr(bench, "_plain_fn", lambda backend: real(backend) if backend == "xla_dot" else broken)
+    path = tmp_path / "matmul.json"
+    assert bench.main(["--quick", "--shapes", "24x40x8", "--no-fused", "--no-layer", "--backends",
+                       "xla", "--json", str(path)]) == 1
+    xla_dot, xla = json.loads(path.read_text())["plain"]
+    assert "error" not in xla_dot and xla["error"] == "AssertionError: " and "wrong_output" not in xla

@@ -313,6 +313,33 @@ def test_row_without_peak_has_no_mfu_and_table_says_na():
     assert "| n/a |" in line and "1.00x" in line
 
 
+@pytest.mark.parametrize("flops, wall_s, devices, peak", [
+    (2e12, [0.5, 0.25, 0.75], 1, 989.0), (6.3e15, [0.087, 0.09, 0.088], 8, 989.0),
+    (1.234e9, [1e-3], 2, 312.0), (2e12, [0.5], 4, None),
+])
+def test_row_mfu_is_the_tested_mfu_formula(monkeypatch, flops, wall_s, devices, peak):
+    """row_figures had its own inline MFU; the figures stay what that formula gave."""
+    from jaxopt_train.train.mfu import mfu
+
+    def row(peak_tflops):
+        timing = _timing.BurstTiming(wall_s, [0.1] * len(wall_s), 4)
+        return train_report.row_figures(
+            name="r", timing=timing, trace=_timing.Trace([0.5], [100], [50]), compile_s=1.0,
+            items_per_step=1000, flops_per_step=flops, unit="tokens", num_devices=devices,
+            peak_tflops=peak_tflops, peak_memory=(None, "unavailable"), dataset_items=1e6,
+            gpu_hour_usd=3.0, steps_per_call=1)
+
+    step_s = float(np.median(wall_s))
+    got = row(peak)["mfu"]
+    assert got == mfu(flops, step_s, peak, devices)
+    if peak is None:
+        assert got is None
+    else:  # the inline formula it replaced, up to rounding
+        assert got == pytest.approx(flops / step_s / 1e12 / (peak * devices), rel=1e-12)
+    monkeypatch.setattr(train_report, "mfu", lambda *args: ("the one formula", args))
+    assert row(peak)["mfu"] == ("the one formula", (flops, step_s, peak, devices))
+
+
 def test_ablations_switch_one_technique_each():
     workload = train_steps.Workload("gpt-tiny", 8, 2)
     baseline = train_steps.RunConfig("baseline")

@@ -77,6 +77,22 @@ def test_bad_lists_are_argparse_errors(argv, message, capsys):
         bench.parse_size("-1K")
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--dtypes", "f32,f32"], "argument --dtypes: 'f32,f32' repeats ['f32'] (an earlier item's value); "
+                              "give each item once, e.g. f32,bf16"),
+    (["--sizes", "1M,4K,1024K"], "argument --sizes: '1M,4K,1024K' repeats ['1024K']"),
+    (["--methods", "ring,ring_bidir,ring"], "argument --methods: 'ring,ring_bidir,ring' repeats ['ring']"),
+    (["--chunks", "1,4,1"], "argument --chunks: '1,4,1' repeats ['1']"),
+    (["--gpt", "--gpt-methods", "ring,ring"], "argument --gpt-methods: 'ring,ring' repeats ['ring']"),
+])
+def test_repeated_list_items_are_refused(monkeypatch, argv, message, capsys):
+    """--dtypes f32,f32 ran the whole sweep twice; the other repeats timed or dropped copies."""
+    monkeypatch.setattr(bench, "bench_collectives", _no_sweep)
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--quick", *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 # Every method once (f32 gradients); the bf16-gradient case on the ring alone, where the
 # gradient dtype reaches our own reduction (all five methods twice took ~75 s of CI).
 @pytest.mark.parametrize("grad_dtype, expected, extra, methods", [
@@ -227,6 +243,7 @@ def test_nvlink_peak_reads_nvml_version_as_the_enum_it_is(monkeypatch):
     nvml = types.SimpleNamespace(NVMLError=RuntimeError, NVML_NVLINK_MAX_LINKS=18, nvmlInit=lambda: None,
                                  nvmlShutdown=lambda: None, nvmlDeviceGetHandleByIndex=lambda i: i)
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     device = types.SimpleNamespace(platform="gpu", local_hardware_id=0, device_kind="NVIDIA A100-SXM4-80GB")
     for kind, links, enum, want in [("NVIDIA A100-SXM4-80GB", 12, 5, 300.0), ("NVIDIA H200", 18, 6, 450.0),
                                     ("NVIDIA B200", 18, 7, 900.0)]:
@@ -235,6 +252,31 @@ def test_nvlink_peak_reads_nvml_version_as_the_enum_it_is(monkeypatch):
         nvml.nvmlDeviceGetNvLinkVersion = lambda _h, _link, enum=enum: enum
         peak, source = bench.nvlink_peak(device)
         assert peak == want and source.startswith("NVML"), (kind, peak, source)
+
+
+def test_nvlink_peak_asks_nvml_for_the_gpu_cuda_visible_devices_maps_to(monkeypatch):
+    """NVML numbers every GPU of the host: with CUDA_VISIBLE_DEVICES=3,2 JAX's GPU 1 is
+    NVML's 2 (it asked NVML for GPU 1, another GPU's links)."""
+    asked = []
+
+    def handle(index):
+        asked.append(index)
+        return index
+    nvml = types.SimpleNamespace(NVMLError=RuntimeError, NVML_NVLINK_MAX_LINKS=18, nvmlInit=lambda: None,
+                                 nvmlShutdown=lambda: None, nvmlDeviceGetHandleByIndex=handle,
+                                 nvmlDeviceGetNvLinkState=lambda h, _link: h == 2,
+                                 nvmlDeviceGetNvLinkVersion=lambda _h, _link: 6)
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    device = types.SimpleNamespace(platform="gpu", id=1, local_hardware_id=1, device_kind="NVIDIA H200")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,2")
+    assert bench.nvlink_peak(device) == (450.0, "NVML: 18 active NVLink links (version enum 6)")
+    assert asked == [2]
+    # GPUs named by UUID cannot be mapped: NVML is not asked, the datasheet answers and says why.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-0f3c")
+    peak, source = bench.nvlink_peak(device)
+    assert peak == 450.0 and asked == [2]
+    assert source == ("datasheet table (H200); NVML not asked: CUDA_VISIBLE_DEVICES='GPU-0f3c' names "
+                      "GPUs by UUID; not mapped to NVML")
 
 
 def _quick(*argv):

@@ -6,6 +6,7 @@ The sweep's smoke tests are in test_collectives_bench.py; these cover its edges.
 import json
 import time
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -131,3 +132,57 @@ def test_gpt_table_marks_clamped_hidden_fractions(capsys):
     out = capsys.readouterr().out
     assert "1.00*" in out and "0.40*" not in out
     assert "* clamped to [0, 1] from psum 3.03" in out
+
+
+def _raise(message):
+    def body(_x):
+        raise RuntimeError(message)
+    return body
+
+
+def test_a_failed_variant_is_a_row_and_fails_the_run_after_the_table(monkeypatch, tmp_path, capsys):
+    """It was only printed to stderr, and the run exited 0 with the other rows."""
+    real = bench.variants
+    monkeypatch.setattr(bench, "variants", lambda n, dtype, chunks: {
+        **real(n, dtype, chunks), "ring_bidir/c1": _raise("link down")})
+    out = tmp_path / "coll.json"
+    assert bench.main(_quick("--methods", "ring,ring_bidir", "--json", str(out))) == 1
+    psum, ring, bidir = _strict_json(out.read_text())["allreduce"]
+    assert "error" not in psum and ring["max_abs_diff_vs_psum"] == 0 and ring["ratio_to_psum"]
+    assert bidir["variant"] == "ring_bidir/c1" and bidir["error"] == "RuntimeError: link down"
+    assert "time_s" not in bidir
+    captured = capsys.readouterr()
+    assert "ring/c1" in captured.out and "ring_bidir/c1          FAILED RuntimeError: link down" in captured.out
+    assert "bench collectives: failed: ['ring_bidir/c1 f32 4K'] (see the errors above)" in captured.err
+
+
+def test_a_failed_psum_baseline_fails_the_run_and_says_its_size_is_unchecked(monkeypatch, tmp_path,
+                                                                             capsys):
+    real = bench.variants
+
+    def psum_fails_at_8k(v):  # per device 8K of f32 is 2048 elements
+        if v.shape[0] == 2048:
+            raise RuntimeError("psum broke")
+        return jax.lax.psum(v, "data")
+    monkeypatch.setattr(bench, "variants", lambda n, dtype, chunks: {
+        **real(n, dtype, chunks), "psum": psum_fails_at_8k})
+    out = tmp_path / "coll.json"
+    assert bench.main(["--quick", "--sizes", "4K,8K", "--dtypes", "f32", "--chunks", "1",
+                       "--methods", "ring", "--json", str(out)]) == 1
+    rows = {(r["variant"], r["size_bytes"]): r for r in _strict_json(out.read_text())["allreduce"]}
+    assert rows["psum", 8192]["error"] == "RuntimeError: psum broke"
+    assert rows["ring/c1", 8192]["max_abs_diff_vs_psum"] is None  # nothing to check it against
+    assert rows["ring/c1", 8192]["ratio_to_psum"] is None
+    assert rows["ring/c1", 4096]["max_abs_diff_vs_psum"] == 0
+    err = capsys.readouterr().err
+    assert "failed: ['psum f32 8K'] (see the errors above); where psum failed the other variants " \
+           "have no check and no ratio" in err
+
+
+def test_a_variant_this_machine_cannot_run_is_skipped_not_failed(monkeypatch, capsys):
+    """On 2 devices without Hopper GPUs the peer variants are not built: a note, exit 0."""
+    real = bench.variants
+    monkeypatch.setattr(bench, "variants", lambda n, dtype, chunks: real(2, dtype, chunks))
+    assert bench.main(_quick("--methods", "ring")) == 0
+    err = capsys.readouterr().err
+    assert "peer variants skipped" in err and "failed" not in err

@@ -11,10 +11,13 @@ throughput against one device at equal per-device batch.
 
 Timing: one untimed call that compiles, `--warmup` more untimed calls, then
 bursts of back-to-back calls with one `block_until_ready` at the end; the
-median over bursts is reported. The
-inputs are random small integers, exact in every dtype and partial sum, so
-each variant's result must equal psum's: a variant that differs is reported
-(`max_abs_diff_vs_psum`) and the command exits 1.
+median over bursts is reported. The inputs are random small integers, exact in
+every dtype and partial sum, so each variant's result must equal psum's: a variant
+that differs is reported (`max_abs_diff_vs_psum`) and the command exits 1. So does
+one that raises (a FAILED row, its "error" in the JSON; where psum itself failed,
+that size's other rows have no check and no ratio), once the table and the JSON are
+out. Variants this machine cannot run (peer off two Hopper GPUs, hierarchical on
+fewer than 4 devices) are not built, and do not count as failed.
 
     python -m jaxopt_train.bench.collectives --quick
     python -m jaxopt_train.bench.collectives --sizes 1M,16M,256M,1G --dtypes f32,bf16 --json out.json
@@ -57,12 +60,30 @@ def nvlink_peak(device) -> tuple[float | None, str]:
     """(GB/s per direction, where the figure came from) for `device`, or (None, why not)."""
     if device.platform != "gpu":
         return None, f"no NVLink on platform {device.platform!r}"
+    from jaxopt_train.bench._timing import nvml_indices  # noqa: PLC0415
+
+    # NVML numbers every GPU of the host, JAX only the visible ones (CUDA_VISIBLE_DEVICES).
+    indices, reason = nvml_indices([device])
+    if indices is not None:
+        peak, reason = _nvml_nvlink_peak(indices[0])
+        if peak is not None:
+            return peak, reason
+    else:
+        reason = f"NVML not asked: {reason}"
+    for kind, peak in NVLINK_PEAK_GBS.items():
+        if kind in device.device_kind:
+            return peak, f"datasheet table ({kind}); {reason}"
+    return None, f"unknown device kind {device.device_kind!r}; {reason}"
+
+
+def _nvml_nvlink_peak(index: int) -> tuple[float | None, str]:
+    """(GB/s per direction of NVML GPU `index`'s active NVLinks, source) or (None, why not)."""
     try:
         import pynvml  # noqa: PLC0415 (GPU-only, lazy)
 
         pynvml.nvmlInit()
         try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(device.local_hardware_id)
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             links, version = 0, None
             for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
                 try:
@@ -71,19 +92,14 @@ def nvlink_peak(device) -> tuple[float | None, str]:
                         version = version or pynvml.nvmlDeviceGetNvLinkVersion(handle, link)
                 except pynvml.NVMLError:
                     continue
-            if links and version in PER_LINK_GBS:
-                return links * PER_LINK_GBS[version], f"NVML: {links} active NVLink links (version enum {version})"
         finally:
             pynvml.nvmlShutdown()
-    except Exception as err:  # noqa: BLE001 (fall back to the table)
-        reason = f"NVML unavailable ({type(err).__name__})"
-    else:
-        reason = (f"NVML reports {links} active NVLink links of unknown version enum {version}" if links
+    except Exception as err:  # noqa: BLE001 (the caller falls back to the table)
+        return None, f"NVML unavailable ({type(err).__name__})"
+    if links and version in PER_LINK_GBS:
+        return links * PER_LINK_GBS[version], f"NVML: {links} active NVLink links (version enum {version})"
+    return None, (f"NVML reports {links} active NVLink links of unknown version enum {version}" if links
                   else "NVML reports no active NVLink")
-    for kind, peak in NVLINK_PEAK_GBS.items():
-        if kind in device.device_kind:
-            return peak, f"datasheet table ({kind}); {reason}"
-    return None, f"unknown device kind {device.device_kind!r}; {reason}"
 
 
 def time_burst(fn: Callable, args: tuple, *, warmup: int, iters: int, bursts: int) -> float:
@@ -207,15 +223,19 @@ def bench_collectives(args, record: Callable[[dict], None]) -> list[dict]:
             for name, body in fns.items():
                 fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
                                            check_vma=False))
+                row = {"kind": "allreduce", "dtype": dtype, "size_bytes": size, "variant": name, "devices": n}
                 try:
                     seconds = time_burst(fn, (x,), warmup=args.warmup, iters=args.iters, bursts=args.bursts)
                     out = fn(x)
                 except Exception as err:  # noqa: BLE001 (one failing variant must not lose the sweep)
                     print(f"  {name} {dtype} {fmt_size(size)} failed: {type(err).__name__}: {err}", file=sys.stderr)
+                    # Kept as a row, so the JSON says what failed and main fails the run at the end.
+                    row["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+                    rows.append(row)
+                    record(row)
                     continue
                 algbw = size / seconds / 1e9
-                row = {"kind": "allreduce", "dtype": dtype, "size_bytes": size, "variant": name, "devices": n,
-                       "time_s": seconds, "algbw_gbs": algbw, "busbw_gbs": algbw * 2 * (n - 1) / n}
+                row.update(time_s=seconds, algbw_gbs=algbw, busbw_gbs=algbw * 2 * (n - 1) / n)
                 if name == "psum":
                     base, want = row, out
                 # Exact inputs: any difference from psum is a wrong result, not rounding.
@@ -240,6 +260,9 @@ def print_table(rows: list[dict], peak_note: str) -> None:
     print(f"{'dtype':<5} {'size':>6} {'variant':<22} {'time_us':>10} {'algbw':>8} {'busbw':>8} "
           f"{'x psum':>7} {'peak%':>6}")
     for r in rows:
+        if "error" in r:
+            print(f"{r['dtype']:<5} {fmt_size(r['size_bytes']):>6} {r['variant']:<22} FAILED {r['error'][:90]}")
+            continue
         ratio = f"{r['ratio_to_psum']:.3f}" if r.get("ratio_to_psum") else "-"
         share = f"{100 * r['share_of_nvlink_peak']:.0f}" if r.get("share_of_nvlink_peak") else "-"
         wrong = "  WRONG RESULT" if _wrong(r) else ""
@@ -317,15 +340,27 @@ def main(argv: list[str] | None = None) -> int:
     dump()
     print_table(rows, peak_note)
     collectives_gpt.print_gpt(gpt_rows)
-    if not rows:
+    return _exit_status(rows, gpt_failed)
+
+
+def _exit_status(rows: list[dict], gpt_failed: bool) -> int:
+    """1 with a line on stderr per kind of failure (after the table and the JSON), else 0.
+
+    A variant this machine cannot run (peer off 2 Hopper GPUs) is never built, so never
+    a row: only variants that were built and then raised count as failed."""
+    if not any("error" not in r for r in rows):
         print("bench collectives: every all-reduce variant failed (see the errors above)", file=sys.stderr)
         return 1
+    failed = [f"{r['variant']} {r['dtype']} {fmt_size(r['size_bytes'])}" for r in rows if "error" in r]
+    if failed:
+        note = ("; where psum failed the other variants have no check and no ratio"
+                if any(f.startswith("psum ") for f in failed) else "")
+        print(f"bench collectives: failed: {failed} (see the errors above){note}", file=sys.stderr)
     wrong = sorted({f"{r['variant']} {r['dtype']}" for r in rows if _wrong(r)})
     if wrong:
         print(f"bench collectives: {wrong} differ from lax.psum on exact inputs: their timings are of "
               "a wrong all-reduce (see max_abs_diff_vs_psum, non_finite_output)", file=sys.stderr)
-        return 1
-    return 1 if gpt_failed else 0
+    return 1 if failed or wrong or gpt_failed else 0
 
 
 if __name__ == "__main__":

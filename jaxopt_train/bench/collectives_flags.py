@@ -32,14 +32,22 @@ def parse_size(text: str) -> int:
 
 
 def _csv(kind, example: str):
-    """An argparse type: a comma list of `kind`; a bad item names itself and an example."""
+    """An argparse type: a comma list of `kind`; a bad item names itself and an example.
+
+    An item given twice is refused: every list here names things to run, and a repeat
+    would time the same thing again (or, for sizes, "1M,1024K" the same size)."""
     def parse(text):
+        texts = [t for t in text.split(",") if t]
         try:
-            items = [kind(t) for t in text.split(",") if t]
+            items = [kind(t) for t in texts]
         except ValueError as err:
             raise argparse.ArgumentTypeError(f"{err}; the flag takes a comma list like {example}") from None
         if not items:
             raise argparse.ArgumentTypeError(f"empty list; expected e.g. {example}")
+        repeats = [t for i, t in enumerate(texts) if items[i] in items[:i]]
+        if repeats:
+            raise argparse.ArgumentTypeError(f"{text!r} repeats {repeats} (an earlier item's value); "
+                                             f"give each item once, e.g. {example}")
         return items
     return parse
 

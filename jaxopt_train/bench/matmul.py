@@ -2,9 +2,12 @@
 
 For each shape, every backend runs on random bf16 data rotating over several
 input sets (together larger than L2, so no call finds its operands cached),
-is checked against the f32 reference, warmed up, then timed in bursts of
-back-to-back calls with one sync per burst; the median burst gives TFLOP/s,
-the ratio to XLA's `jnp.dot` measured in the same run, and % of dense peak.
+is checked against the f32 reference (max error over max |reference| within the
+autotuner's tolerance: 2e-2 for bf16, 5e-3 for fp16; a backend outside it, or with
+nan/inf output, is reported WRONG, not timed, and the command exits 1 at the end),
+warmed up, then timed in bursts of back-to-back calls with one sync per burst; the
+median burst gives TFLOP/s, the ratio to XLA's `jnp.dot` measured in the same run,
+and % of dense peak.
 A second table compares the fused matmul+bias+gelu with XLA's dot followed by
 bias and gelu. A third times that layer as a training step runs it, forward and
 backward (dA, dB and dbias for a fixed cotangent), for each kernel backend with the
@@ -25,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxopt_train.kernels import available_backends, matmul, matmul_reference
+# The autotuner's acceptance rule, so a config it tuned is never called wrong here.
+from jaxopt_train.kernels.autotune import _tolerance as autotune_tolerance
 from jaxopt_train.kernels.autotune import burst_timer, parse_shapes, rotating
 from jaxopt_train.kernels.configs import BACKENDS
 from jaxopt_train.kernels.matmul import resolve_backend, resolve_config
@@ -103,6 +108,10 @@ def _layer_fn(backend: str, cotangent):
     return with_backward(layer, cotangent)
 
 
+class WrongOutputError(ArithmeticError):
+    """A backend's output is farther from the f32 reference than the tolerance allows."""
+
+
 def with_backward(layer, cotangent):
     """Jitted (out, dA, dB, dbias) of `layer(a, b, bias)` for the fixed `cotangent`."""
     def step(a, b, bias):
@@ -134,7 +143,8 @@ def _measure_layer(backends, shape, dtype, args, peak):
                            for suffix in ("", "+saved")]
     entries = [({"shape": list(shape), "backend": name, "layer": True},
                 lambda row, name=name: _layer_fn(name, cotangent)) for name in names]
-    return _timed_rows(entries, sets, args, peak, 3 * 2 * m * n * k, rel_error)
+    return _timed_rows(entries, sets, args, peak, 3 * 2 * m * n * k, rel_error,
+                       autotune_tolerance(dtype))
 
 
 def _measure(make_fn, backends, shape, dtype, args, peak, fused: bool):
@@ -155,28 +165,36 @@ def _measure(make_fn, backends, shape, dtype, args, peak, fused: bool):
     entries = [({"shape": list(shape), "backend": backend, "fused": fused}, build(backend))
                for backend in backends]
     return _timed_rows(entries, sets, args, peak, 2 * m * n * k,
-                       lambda out: float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))) / scale)
+                       lambda out: float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))) / scale,
+                       autotune_tolerance(dtype))
 
 
-def _timed_rows(entries, sets, args, peak, flops: int, rel_error):
+def _timed_rows(entries, sets, args, peak, flops: int, rel_error, tolerance: float):
     """Fills each (row, make) entry's row: `make(row)` builds the jitted function (and may
     note its config in the row), `rel_error` scores its result on the first input set,
     then it is timed; TFLOP/s of `flops` per call, % of `peak`, and the ratio to the
-    "xla_dot" row. One broken backend must not hide the rest: its row gets "error"."""
+    "xla_dot" row. One broken backend must not hide the rest: its row gets "error", and
+    "wrong_output" too when its result is non-finite or off by more than `tolerance`
+    (such a row is not timed: a fast wrong kernel has no TFLOP/s to claim)."""
     rows = []
     for row, make in entries:
         try:
             fn = make(row)
             row["max_rel_error"] = rel_error(fn(*sets[0]))
             if not math.isfinite(row["max_rel_error"]):  # nan/inf out: a broken kernel, no figure
+                row["wrong_output"] = True
                 raise FloatingPointError(f"non-finite output (max_rel_error={row.pop('max_rel_error')})")
+            if row["max_rel_error"] > tolerance:
+                row["wrong_output"] = True
+                raise WrongOutputError(f"max_rel_error {row['max_rel_error']:.3g} vs the f32 "
+                                       f"reference exceeds the tolerance {tolerance:g}")
             seconds = time_fn(fn, sets, calls=args.calls, bursts=args.bursts, warmup_s=args.warmup_s,
                               per_dispatch=args.launches_per_dispatch)
             row["ms"] = seconds * 1e3
             row["tflops"] = flops / seconds / 1e12
             row["pct_peak"] = None if peak is None else 100 * row["tflops"] * 1e12 / peak
         except Exception as err:  # noqa: BLE001
-            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            row["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     base = next((r for r in rows if r["backend"] == "xla_dot" and "tflops" in r), None)
@@ -192,7 +210,8 @@ def _table(rows, title):
     for r in rows:
         shape = "x".join(map(str, r["shape"]))
         if "error" in r:
-            lines.append(f"{shape:<20} {r['backend']:<16} ERROR {r['error'][:90]}")
+            label = "WRONG" if r.get("wrong_output") else "ERROR"
+            lines.append(f"{shape:<20} {r['backend']:<16} {label} {r['error'][:90]}")
             continue
         pct = "-" if r.get("pct_peak") is None else f"{r['pct_peak']:.1f}"
         ratio = "-" if "vs_xla" not in r else f"{r['vs_xla']:.3f}"
@@ -328,7 +347,14 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None:
             print(f"geomean vs XLA over the 4 large shapes, {backend}: {value:.3f}")
     errors = [r for r in rows + fused_rows + layer_rows if "error" in r]
-    return 1 if errors and args.quick else 0
+    # A wrong result fails any run; other errors (a backend that cannot compile a shape)
+    # only the --quick smoke run.
+    wrong = [f"{r['backend']} {'x'.join(map(str, r['shape']))} "
+             f"({'layer' if r.get('layer') else 'fused' if r.get('fused') else 'plain'})"
+             for r in errors if r.get("wrong_output")]
+    if wrong:
+        print(f"bench matmul: wrong output (vs the f32 reference) from {wrong}", file=sys.stderr)
+    return 1 if wrong or (errors and args.quick) else 0
 
 
 if __name__ == "__main__":

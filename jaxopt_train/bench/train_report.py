@@ -17,6 +17,7 @@ from typing import Any
 
 from jaxopt_train.bench._timing import BurstTiming, Trace
 from jaxopt_train.bench.train_remat import remat_label
+from jaxopt_train.train.mfu import mfu
 
 GIB = 2**30
 REPORT_FILES = ("train_bench.md", "train_bench.json", "train_bench.png")  # what --out holds
@@ -66,7 +67,7 @@ def row_figures(*, name: str, timing: BurstTiming, trace: Trace, compile_s: floa
         f"{unit}_per_s": items_per_step / step_s,
         "throughput": items_per_step / step_s,
         "tflops": tflops,
-        "mfu": None if peak_tflops is None else tflops / (peak_tflops * num_devices),
+        "mfu": mfu(flops_per_step, step_s, peak_tflops, num_devices),
         "peak_memory_bytes": peak_bytes,
         "peak_memory_source": peak_source,
         "memory_swing_bytes": trace.swing_bytes,
