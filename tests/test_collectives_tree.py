@@ -419,3 +419,39 @@ def test_compressed_psum_is_typed_varying_as_documented(mesh):
     assert (rows == rows[0]).all()
     assert "every method with `compression`" in all_reduce_tree.__doc__
     assert '`out_specs=P()` fails with "could not infer replication"' in all_reduce_tree.__doc__
+
+
+def test_nvlink_counts_ask_nvml_for_the_gpus_cuda_visible_devices_maps_to(monkeypatch):
+    """NVML numbers every GPU of the host: under CUDA_VISIBLE_DEVICES=2,3 JAX's GPUs 0 and 1
+    are NVML's 2 and 3 (it asked for 0 and 1, other GPUs' links)."""
+    import sys
+    import types
+
+    from jaxopt_train.collectives.topology import nvlink_counts
+
+    asked = []
+    links = {2: [3, 3], 3: [2]}  # NVML index -> the NVML index each active link leads to
+
+    class Bus:
+        def __init__(self, index):
+            self.busId = f"0000:{index:02x}:00.0"
+
+    def handle(index):
+        asked.append(index)
+        return index
+
+    def remote(h, link):
+        return Bus(links[h][link])
+
+    nvml = types.SimpleNamespace(
+        NVMLError=RuntimeError, NVML_NVLINK_MAX_LINKS=4, nvmlInit=lambda: None, nvmlShutdown=lambda: None,
+        nvmlDeviceGetHandleByIndex=handle, nvmlDeviceGetPciInfo=Bus,
+        nvmlDeviceGetNvLinkState=lambda h, link: link < len(links.get(h, [])),
+        nvmlDeviceGetNvLinkRemotePciInfo=remote)
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    devices = [SimpleNamespace(platform="gpu", id=i, local_hardware_id=i) for i in range(2)]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert nvlink_counts(devices) == [[0, 2], [1, 0]]
+    assert asked == [2, 3]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-0f3c,GPU-1a2b")  # cannot be mapped: no guess
+    assert nvlink_counts(devices) is None and asked == [2, 3]

@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import io
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +25,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from jaxopt_train.runtime.nvml import nvml_indices
 
 ALLOCATOR = "allocator"
 LIVE_ARRAYS = "live-arrays"
@@ -206,28 +207,6 @@ def trace_steps(step: StepFn, state: Any, *, calls: int, steps_per_call: int,
         trace.step_s.append((time.perf_counter() - start) / steps_per_call)
         trace.bytes_at_rest.append(bytes_in_use(device))
     return _give_back(handoff, state), trace
-
-
-def nvml_indices(devices) -> tuple[list[int] | None, str]:
-    """The NVML indices of these JAX GPU devices, or None and why they cannot be named.
-
-    NVML numbers every GPU of the host and ignores CUDA_VISIBLE_DEVICES, while JAX numbers
-    the visible ones: with CUDA_VISIBLE_DEVICES=1 JAX's GPU 0 is NVML's GPU 1. Both follow
-    the PCI bus order here (CUDA's default order lists identical GPUs that way).
-    """
-    if not devices or any(d.platform != "gpu" for d in devices):
-        return None, "not running on GPUs"
-    local = [d.id if getattr(d, "local_hardware_id", None) is None else d.local_hardware_id
-             for d in devices]
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-    if not visible:
-        return local, ""
-    entries = [e.strip() for e in visible.split(",") if e.strip()]
-    if not all(e.isdigit() for e in entries):
-        return None, f"CUDA_VISIBLE_DEVICES={visible!r} names GPUs by UUID; not mapped to NVML"
-    if max(local) >= len(entries):
-        return None, f"JAX device ids {local} exceed CUDA_VISIBLE_DEVICES={visible!r}"
-    return [int(entries[i]) for i in local], ""
 
 
 @contextlib.contextmanager

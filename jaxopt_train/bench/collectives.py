@@ -60,7 +60,7 @@ def nvlink_peak(device) -> tuple[float | None, str]:
     """(GB/s per direction, where the figure came from) for `device`, or (None, why not)."""
     if device.platform != "gpu":
         return None, f"no NVLink on platform {device.platform!r}"
-    from jaxopt_train.bench._timing import nvml_indices  # noqa: PLC0415
+    from jaxopt_train.runtime.nvml import nvml_indices  # noqa: PLC0415
 
     # NVML numbers every GPU of the host, JAX only the visible ones (CUDA_VISIBLE_DEVICES).
     indices, reason = nvml_indices([device])

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxopt_train.collectives._axis import check_permutation
-from jaxopt_train.runtime.nvml import as_text, nvml_session
+from jaxopt_train.runtime.nvml import as_text, nvml_indices, nvml_session
 
 
 def _snake_key(device: Any) -> tuple:
@@ -34,11 +34,16 @@ def nvlink_counts(devices: Sequence[Any]) -> list[list[int]] | None:
     """
     if not devices or any(getattr(d, "platform", "") != "gpu" for d in devices):
         return None
+    # NVML numbers every GPU of the host; under CUDA_VISIBLE_DEVICES=2,3 JAX's GPU 0 is
+    # NVML's 2, so its own id would read another GPU's links.
+    indices, _ = nvml_indices(devices)
+    if indices is None:
+        return None
     with nvml_session() as (nvml, _):
         if nvml is None:
             return None
         try:
-            handles = [nvml.nvmlDeviceGetHandleByIndex(d.local_hardware_id) for d in devices]
+            handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
             bus = [as_text(nvml.nvmlDeviceGetPciInfo(h).busId).lower() for h in handles]
             counts = [[0] * len(devices) for _ in devices]
             for i, handle in enumerate(handles):

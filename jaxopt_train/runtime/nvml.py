@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import os
 from collections.abc import Iterator, Mapping
 from types import ModuleType
 from typing import Any
@@ -140,3 +141,25 @@ def read_dcgm_fields(nvml: ModuleType, handle: Any) -> dict[str, float]:
         if value is not None:
             sample[name] = float(value)
     return sample
+
+
+def nvml_indices(devices) -> tuple[list[int] | None, str]:
+    """The NVML indices of these JAX GPU devices, or None and why they cannot be named.
+
+    NVML numbers every GPU of the host and ignores CUDA_VISIBLE_DEVICES, while JAX numbers
+    the visible ones: with CUDA_VISIBLE_DEVICES=1 JAX's GPU 0 is NVML's GPU 1. Both follow
+    the PCI bus order here (CUDA's default order lists identical GPUs that way).
+    """
+    if not devices or any(d.platform != "gpu" for d in devices):
+        return None, "not running on GPUs"
+    local = [d.id if getattr(d, "local_hardware_id", None) is None else d.local_hardware_id
+             for d in devices]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if not visible:
+        return local, ""
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if not all(e.isdigit() for e in entries):
+        return None, f"CUDA_VISIBLE_DEVICES={visible!r} names GPUs by UUID; not mapped to NVML"
+    if max(local) >= len(entries):
+        return None, f"JAX device ids {local} exceed CUDA_VISIBLE_DEVICES={visible!r}"
+    return [int(entries[i]) for i in local], ""
