@@ -210,3 +210,52 @@ def test_an_edited_text_corpus_is_read_again_not_served_from_the_cache(tmp_path)
     os.utime(folder / "a.txt", ns=(1, 1))
     (folder / "b.txt").write_bytes(b"cc")
     assert load_text_corpus(folder).tobytes() == b"bbbbcc"
+
+
+def test_a_text_corpus_past_16_mib_is_read_whole(tmp_path):
+    # Was: a user's corpus was cut to its first 16 MiB (the cap meant for the embedded
+    # corpus) without a word, and the "val" split came from the middle of the text.
+    from jaxopt_train.data.text import DEFAULT_MAX_BYTES
+
+    path = tmp_path / "big.txt"
+    tail = b"the end of the corpus\n"
+    path.write_bytes(b"a" * DEFAULT_MAX_BYTES + tail)
+    corpus = load_text_corpus(path)
+    assert corpus.size == DEFAULT_MAX_BYTES + len(tail) and corpus[-len(tail):].tobytes() == tail
+    assert load_text_corpus(path, max_bytes=10).tobytes() == b"a" * 10  # an explicit cap still cuts
+    assert load_text_corpus().size <= DEFAULT_MAX_BYTES  # the embedded corpus keeps its cap
+
+
+def test_ragged_images_stored_as_objects_are_refused_naming_the_file(tmp_path):
+    # Was: numpy's "Object arrays cannot be loaded when allow_pickle=False", naming neither
+    # the file nor the array, and hinting at allow_pickle (wrong advice for image data).
+    path = tmp_path / "ragged.npz"
+    ragged = np.empty(2, dtype=object)
+    ragged[:] = [np.zeros((4, 4, 3), np.uint8), np.zeros((5, 5, 3), np.uint8)]
+    np.savez(path, images=ragged, labels=np.arange(2))
+    with pytest.raises(ValueError, match=r"ragged.npz'.*'images' is stored as Python objects "
+                                         r"\(dtype=object.*expected images \(N, H, W, C\)"):
+        load_image_npz(path)
+
+
+def test_a_folder_given_as_a_token_or_image_file_is_named_a_folder(tmp_path):
+    # Was: "does not exist" for a folder that does exist.
+    for name, load in (("data.bin", load_token_file), ("images.npz", load_image_npz)):
+        (tmp_path / name).mkdir()
+        with pytest.raises(ValueError, match=rf"{name}' is a folder, not a file"):
+            load(tmp_path / name)
+
+
+def test_check_labels_takes_a_numpy_int_num_classes(tmp_path):
+    # Was: "num_classes=np.int64(3) must be a positive int" for labels.max() + 1.
+    from jaxopt_train.data import check_labels
+
+    labels = np.array([0, 1, 2])
+    check_labels(labels, labels.max() + 1)
+    with pytest.raises(ValueError, match=r"values 2; first at index 2\).*num_classes=2"):
+        check_labels(labels, np.int32(2))
+    path = tmp_path / "images.npz"
+    np.savez(path, images=np.zeros((3, 4, 4, 3), np.uint8), labels=labels)
+    assert load_image_npz(path, num_classes=labels.max() + 1)["labels"].tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="num_classes=True must be a positive int"):
+        check_labels(labels, True)

@@ -253,3 +253,25 @@ def test_missing_xla_flags_file_fails(monkeypatch):
     check = _by_name(checks)["XLA_FLAGS"]
     assert check.status == "fail" and not backend_safe
     assert "path of a file of flags, and that file cannot be read" in check.detail
+
+
+def test_versions_below_what_jaxopt_train_requires_fail(monkeypatch):
+    # Was: any installed version passed, so jax 0.4.30 read "[PASS] jax: 0.4.30".
+    old = {"jax": "0.4.30", "jaxlib": "0.4.30", "flax": "0.12.8", "optax": "0.2.4",
+           "orbax-checkpoint": "0.11.0rc1"}
+    monkeypatch.setattr(doctor, "_version", old.get)
+    checks = _by_name(doctor.check_packages())
+    assert checks["jax"].status == doctor.FAIL and "0.4.30, below 0.10" in checks["jax"].detail
+    assert checks["jax"].fix == "pip install -U 'jax>=0.10'"
+    assert checks["optax"].status == doctor.FAIL and checks["flax"].status == doctor.PASS
+    assert checks["orbax-checkpoint"].status == doctor.PASS  # a pre-release of the minimum
+
+
+def test_doctor_minimum_versions_are_pyproject_dependencies():
+    import pathlib
+    import tomllib
+
+    pyproject = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
+    dependencies = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    for dist, minimum in doctor.MIN_VERSIONS.items():
+        assert f"{dist}>={minimum}" in dependencies

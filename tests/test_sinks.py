@@ -321,3 +321,28 @@ def test_metrics_logger_refuses_metrics_named_like_the_record_fields(tmp_path, n
         writer.write(1, {name: 1.0})
     writer.close()
     assert (tmp_path / "other.jsonl").read_text() == ""
+
+
+def test_tensorboard_hides_the_steps_a_resumed_run_logs_again(tmp_path):
+    # Was: a run resumed from a checkpoint older than its last log line left the crashed
+    # run's later points in TensorBoard, so each curve went back and repeated its steps.
+    import io
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from jaxopt_train.train.metrics import MetricsLogger
+
+    for start, steps, loss in ((0, (10, 20, 30, 40), 1.0), (20, (30, 40), 2.0)):
+        logger = MetricsLogger(str(tmp_path), total_steps=40, start_step=start, tensorboard=True,
+                               progress="lines", stream=io.StringIO())
+        for step in steps:
+            logger.log(step, {"loss": loss})
+        logger.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [
+        (10, 1.0), (20, 1.0), (30, 2.0), (40, 2.0)]
+    sink = TensorBoardSink(tmp_path / "direct", purge_step=3)  # the sink alone takes it too
+    sink.close()
+    with pytest.raises(ValueError, match="purge_step=-1 must be a non-negative int"):
+        TensorBoardSink(tmp_path / "bad", purge_step=-1)

@@ -24,10 +24,13 @@ def load_image_npz(path: str | os.PathLike, *, num_classes: int | None = None) -
 
     Raises:
       FileNotFoundError: no such file.
-      ValueError: missing arrays, wrong ranks/dtypes, mismatched lengths, or
-        labels out of range.
+      ValueError: a folder, missing or object (ragged) arrays, wrong ranks/dtypes,
+        mismatched lengths, or labels out of range.
     """
     path = pathlib.Path(path)
+    if path.is_dir():
+        raise ValueError(f"image file path={str(path)!r} is a folder, not a file; expected an .npz "
+                         "written by np.savez(path, images=..., labels=...)")
     if not path.is_file():
         raise FileNotFoundError(f"image file path={str(path)!r} does not exist")
     with _open_npz(path) as npz:
@@ -37,7 +40,7 @@ def load_image_npz(path: str | os.PathLike, *, num_classes: int | None = None) -
                 f"{str(path)!r} lacks arrays {sorted(missing)}; expected 'images' "
                 f"(N, H, W, C) and 'labels' (N,), found {sorted(npz.files)}"
             )
-        images, labels = npz["images"], npz["labels"]
+        images, labels = (_read_array(npz, path, name) for name in ("images", "labels"))
     check_image_arrays(images, labels)
     source = f"labels of {str(path)!r}"
     if num_classes is not None:
@@ -70,6 +73,24 @@ def _open_npz(path: pathlib.Path):
     return loaded
 
 
+def _read_array(npz, path: pathlib.Path, name: str) -> np.ndarray:
+    """``npz[name]``, refusing an object array with what was expected.
+
+    A list of images of different sizes saves as dtype=object, which np.load reads only
+    with pickling; its own message names neither the file nor the array.
+    """
+    try:
+        return npz[name]
+    except ValueError as err:
+        if "allow_pickle" not in str(err):
+            raise
+        raise ValueError(
+            f"{str(path)!r}: array {name!r} is stored as Python objects (dtype=object, as a list "
+            "of images of different sizes saves); expected images (N, H, W, C) uint8 or float, "
+            "all of one size, and labels (N,) int: resize the images to one shape and save "
+            "np.stack(images)") from None
+
+
 def check_labels(labels: np.ndarray, num_classes: int, source: str = "labels") -> None:
     """Raises ValueError unless every label is a class id in [0, num_classes).
 
@@ -77,8 +98,7 @@ def check_labels(labels: np.ndarray, num_classes: int, source: str = "labels") -
     logit to pick; under `jit` the loss would turn it into NaN mid-run, so it is
     refused here, before anything is compiled, naming the offending values.
     """
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
-        raise ValueError(f"num_classes={num_classes!r} must be a positive int")
+    check_positive_int("num_classes", num_classes)  # numpy ints too (labels.max() + 1)
     labels = np.asarray(labels)
     fixes = []
     if np.any(labels < 0):

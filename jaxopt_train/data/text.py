@@ -7,7 +7,7 @@ is sorted (deterministic across runs and machines with the same Python), and
 ``site-packages``, ``test``/``tests``, ``idlelib`` and ``__pycache__`` folders
 are skipped: installed packages differ between machines and the test suites
 are half the stdlib with repetitive fixture data. Python 3.11/3.12 give
-about 10 MiB; the corpus is capped at ``max_bytes`` (16 MiB by default).
+about 10 MiB; this corpus is capped at ``max_bytes`` (16 MiB by default).
 
 Tokens are bytes (vocab 256), so the corpus *is* the token array.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
+import sys
 import sysconfig
 
 import numpy as np
@@ -121,7 +122,7 @@ def _cached_corpus(path: str | None, max_bytes: int, signature: tuple) -> np.nda
 
 
 def load_text_corpus(
-    path: str | os.PathLike | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES
+    path: str | os.PathLike | None = None, *, max_bytes: int | None = None
 ) -> np.ndarray:
     """Loads a byte-level corpus as a read-only uint8 array (cached per process).
 
@@ -130,14 +131,18 @@ def load_text_corpus(
         sorted order and concatenated (``__pycache__`` folders and binary files,
         those with a NUL byte in their first 8 KiB, are skipped; a folder with
         ``.bin`` token files is refused). None: the stdlib sources (see module doc).
-      max_bytes: Keep only the first ``max_bytes`` bytes.
+      max_bytes: Keep only the first ``max_bytes`` bytes. None: the stdlib corpus is
+        capped at `DEFAULT_MAX_BYTES`, a ``path`` is read whole (the user's corpus, all
+        of it: a cap there would quietly drop the rest and take "val" from its middle).
 
     Raises:
       FileNotFoundError: ``path`` does not exist.
       ValueError: the corpus is empty, a folder holds ``.bin`` token files, or
         ``max_bytes`` is not positive.
     """
+    if max_bytes is None:
+        max_bytes = DEFAULT_MAX_BYTES if path is None else sys.maxsize
     if not isinstance(max_bytes, int) or max_bytes < 1:
-        raise ValueError(f"max_bytes={max_bytes!r} must be a positive int")
+        raise ValueError(f"max_bytes={max_bytes!r} must be a positive int or None")
     key = None if path is None else str(pathlib.Path(path).resolve())
     return _cached_corpus(key, max_bytes, () if key is None else _file_signature(key))

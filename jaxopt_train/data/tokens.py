@@ -22,7 +22,7 @@ def load_token_file(path: str | os.PathLike, dtype: str | np.dtype = "uint16") -
 
     Raises:
       FileNotFoundError: no such file.
-      ValueError: illegal dtype, a file size that is not a whole number of tokens,
+      ValueError: a folder, an illegal dtype, a file size that is not a whole number of tokens,
         or ids whose layout says the file holds the other width (`check_token_width`).
     """
     name = np.dtype(dtype).name if _is_dtype_like(dtype) else repr(dtype)
@@ -34,6 +34,9 @@ def load_token_file(path: str | os.PathLike, dtype: str | np.dtype = "uint16") -
         raise ValueError(f"dtype={dtype!r} is big-endian; token files are little-endian: "
                          f"pass {name!r}, or convert the file")
     path = pathlib.Path(path)
+    if path.is_dir():
+        raise ValueError(f"token file path={str(path)!r} is a folder, not a file; expected a .bin "
+                         "file of token ids (e.g. nanoGPT's train.bin inside it)")
     if not path.is_file():
         raise FileNotFoundError(f"token file path={str(path)!r} does not exist")
     size = path.stat().st_size

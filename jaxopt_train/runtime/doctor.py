@@ -14,6 +14,7 @@ import dataclasses
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 from types import ModuleType
@@ -25,6 +26,9 @@ PASS, WARN, FAIL = "pass", "warn", "fail"
 # Minimum Linux driver per CUDA major version of JAX's CUDA wheels (CUDA toolkit
 # release notes, "minor version compatibility"; JAX's install guide quotes the same).
 MIN_DRIVER = {12: (525, 60, 13), 13: (580, 65, 6)}
+
+# The oldest versions jaxopt_train takes (pyproject.toml's dependencies; a test keeps them equal).
+MIN_VERSIONS = {"jax": "0.10", "flax": "0.12", "optax": "0.2.5", "orbax-checkpoint": "0.11"}
 
 # Bits of nvmlDeviceGetCurrentClocksEventReasons that mean the GPU is being slowed.
 _SLOWDOWN_REASONS = {0x8: "hardware slowdown", 0x20: "software thermal slowdown",
@@ -65,9 +69,14 @@ def check_packages() -> list[Check]:
     checks = [Check("python", PASS if py >= (3, 11) else FAIL, sys.version.split()[0],
                     "" if py >= (3, 11) else "jaxopt_train needs Python >= 3.11")]
     for dist in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint"):
-        version = _version(dist)
-        checks.append(Check(dist, PASS if version else FAIL, version or "not installed",
-                            "" if version else f"pip install -U {dist}"))
+        version, minimum = _version(dist), MIN_VERSIONS.get(dist)
+        if version is None:
+            checks.append(Check(dist, FAIL, "not installed", f"pip install -U {dist}"))
+        elif minimum and _release(version) < _release(minimum):
+            checks.append(Check(dist, FAIL, f"{version}, below {minimum}, the oldest jaxopt_train takes",
+                                f"pip install -U '{dist}>={minimum}'"))
+        else:
+            checks.append(Check(dist, PASS, version))
     jax_v, jaxlib_v = _version("jax"), _version("jaxlib")
     if jax_v and jaxlib_v and jax_v.split(".")[:2] != jaxlib_v.split(".")[:2]:
         checks.append(Check("jax/jaxlib", FAIL, f"jax {jax_v} with jaxlib {jaxlib_v}",
@@ -82,6 +91,19 @@ def check_packages() -> list[Check]:
         version = _version(dist)
         checks.append(Check(dist, PASS, version or f"not installed (optional: only {why} needs it)"))
     return checks
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The release numbers of a version: "0.11.0rc1" -> (0, 11, 0).
+
+    More lenient than PEP 440 on purpose: a release candidate or nightly of the minimum
+    itself is not failed.
+    """
+    match = re.match(r"\d+(\.\d+)*", version)
+    parts = tuple(int(part) for part in match.group().split(".")) if match else ()
+    while parts and parts[-1] == 0:  # (0, 10, 0) == (0, 10)
+        parts = parts[:-1]
+    return parts
 
 
 def _xla_flags_parse_error() -> str | None:

@@ -107,14 +107,32 @@ class TensorBoardSink:
 
     Uses tensorboard's own event writer and protobufs; `tensorboard --logdir LOGDIR`
     (or its EventAccumulator) reads them. Tags are the metric names.
+
+    Args:
+      logdir: the folder of the event files (a new file per sink; earlier ones stay).
+      flush_secs: how often events reach the file.
+      purge_step: a resumed run's first step to come: TensorBoard hides the events at
+        this step and after it that earlier files hold (a `SessionLog.START` marker, as
+        PyTorch's ``SummaryWriter(purge_step=)`` writes), so the points a crashed run
+        logged past its last checkpoint do not stay beside the ones logged again.
     """
 
-    def __init__(self, logdir: str | os.PathLike, *, flush_secs: float = 10.0):
+    def __init__(self, logdir: str | os.PathLike, *, flush_secs: float = 10.0,
+                 purge_step: int | None = None):
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+        if purge_step is not None and (isinstance(purge_step, bool) or not isinstance(purge_step, int)
+                                       or purge_step < 0):
+            raise ValueError(f"purge_step={purge_step!r} must be a non-negative int or None")
         os.makedirs(logdir, exist_ok=True)
         self.logdir = os.fspath(logdir)
         self._writer = EventFileWriter(self.logdir, flush_secs=flush_secs)
+        if purge_step is not None:
+            from tensorboard.compat.proto import event_pb2
+
+            start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+            self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=purge_step,
+                                                   session_log=start))
 
     def check(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
         """What `write` would write, validated (TypeError for a non-scalar value)."""

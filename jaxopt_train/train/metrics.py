@@ -104,7 +104,8 @@ class MetricsLogger:
     Args:
       run_dir: the run directory; metrics go to run_dir/metrics.jsonl.
       total_steps: for the progress bar.
-      start_step: the first step of this (possibly resumed) run.
+      start_step: the steps done before this run (a resumed checkpoint's step); its
+        records come after it, and TensorBoard hides an earlier run's past it.
       tensorboard: also write TensorBoard events to run_dir/tb.
       prometheus_port: also serve the metrics on this port.
       progress: "auto" (bar on a terminal, lines otherwise), "bar" or "lines".
@@ -118,7 +119,8 @@ class MetricsLogger:
         self.stream = stream or sys.stdout
         self.jsonl = JsonlWriter(os.path.join(run_dir, "metrics.jsonl")) if self.is_main else None
         try:
-            self.sinks = _optional_sinks(run_dir, tensorboard, prometheus_port) if self.is_main else []
+            self.sinks = (_optional_sinks(run_dir, tensorboard, prometheus_port, start_step)
+                          if self.is_main else [])
         except BaseException:
             if self.jsonl is not None:  # the caller never gets an object to close
                 self.jsonl.close()
@@ -208,7 +210,8 @@ def _make_bar(total: int, start: int, stream: TextIO):
     return tqdm(total=total, initial=start, file=stream, unit="step", dynamic_ncols=True)
 
 
-def _optional_sinks(run_dir: str, tensorboard: bool, prometheus_port: int | None) -> list:
+def _optional_sinks(run_dir: str, tensorboard: bool, prometheus_port: int | None,
+                    start_step: int) -> list:
     if not tensorboard and prometheus_port is None:
         return []
     try:
@@ -219,7 +222,9 @@ def _optional_sinks(run_dir: str, tensorboard: bool, prometheus_port: int | None
             f"import: {err}") from err
     out = []
     if tensorboard:
-        out.append(sinks.TensorBoardSink(os.path.join(run_dir, "tb")))
+        # The steps after start_step are (re)logged by this run: TensorBoard hides an
+        # earlier, crashed run's points there, as `jaxopt-train plot` drops its records.
+        out.append(sinks.TensorBoardSink(os.path.join(run_dir, "tb"), purge_step=int(start_step) + 1))
     if prometheus_port is not None:
         try:
             out.append(sinks.PrometheusSink(prometheus_port))
