@@ -56,7 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     if command not in _COMMANDS:
         return _usage_error(f"unknown command {command!r}; expected one of {list(_COMMANDS)}")
     module = importlib.import_module(_COMMANDS[command][0])
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except KeyboardInterrupt:
+        # Ctrl-C is the user's choice, not a crash: no traceback, the shell's status for
+        # SIGINT. (A training loop catches it itself and saves a checkpoint first.)
+        print(f"jaxopt-train {command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

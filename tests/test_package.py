@@ -74,3 +74,16 @@ def test_cli_dispatches_autotune(capsys):
         main(["autotune", "--shapes", "16x16"])
     assert exc.value.code == 2
     assert "jaxopt-train autotune: error: --shapes='16x16' must be a comma list of MxNxK" in capsys.readouterr().err
+
+
+def test_cli_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys):
+    import importlib
+
+    from jaxopt_train.cli import main
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+    plot = importlib.import_module("jaxopt_train.plot")
+    monkeypatch.setattr(plot, "main", interrupted)
+    assert main(["plot", "runs/x"]) == 130
+    assert capsys.readouterr().err == "jaxopt-train plot: interrupted\n"
