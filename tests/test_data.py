@@ -198,6 +198,27 @@ def test_token_width_check_passes_real_layouts(tokens):
     check_token_width(tokens)
 
 
+def _zipf_ids(vocab, size=200_000, seed=0):
+    ranks = np.random.default_rng(seed).zipf(1.2, size=4 * size)
+    return (ranks[ranks <= vocab][:size] - 1).astype(np.uint32)
+
+
+@pytest.mark.parametrize("vocab", [65, 4, 256, 50_257])
+def test_small_vocabulary_uint16_ids_read_as_uint32_are_refused(vocab):
+    """Character-level ids (shakespeare_char: 65) paired into uint32 stay under 2^24, so the
+    largest-id check passed them, and a vocabulary of ~4 M ids was built from the pairs."""
+    ids = _zipf_ids(vocab).astype(np.uint16)
+    ids[:vocab] = np.arange(vocab)  # every id present
+    with pytest.raises(ValueError, match=r"the layout of uint16 ids read two at a time.*dtype='uint16'"):
+        check_token_width(ids.view(np.uint32))
+
+
+@pytest.mark.parametrize("vocab", [100, 50_257, 128_256, 262_144, 2_000_000])
+def test_real_uint32_vocabularies_pass_the_paired_check(vocab):
+    check_token_width(_zipf_ids(vocab))  # Zipf, as text is
+    check_token_width(np.random.default_rng(1).integers(0, vocab, 100_000).astype(np.uint32))
+
+
 # ---------------------------------------------------------------- images, synthetic
 
 

@@ -58,6 +58,9 @@ def load_token_file(path: str | os.PathLike, dtype: str | np.dtype = "uint16") -
 _WIDTH_SAMPLE = 1 << 20
 _MIN_PAIRS = 64  # below this, a run of zeros in a real uint16 file is not rare enough
 _IMPLAUSIBLE_ID = 1 << 24  # no tokenizer has 16.7 M tokens; uint16 pairs read as uint32 exceed it
+# Distinct high 16-bit halves from which uint32 ids look paired: a real vocabulary of under
+# 2^18 ids has at most 4 (Gemma's 262,144), and a stream of 4 symbols (DNA) read paired has 4.
+_PAIRED_HIGH_VALUES = 4
 
 
 def check_token_width(tokens: np.ndarray, source: str = "tokens") -> None:
@@ -66,7 +69,10 @@ def check_token_width(tokens: np.ndarray, source: str = "tokens") -> None:
     uint32 ids below 65536 read as uint16 come out as (id, 0, id, 0, ...): every second
     16-bit word is zero. uint16 ids read as uint32 pair two ids into one,
     id_0 + 65536 * id_1, which lands past 2^24 as soon as an id_1 is 256 or more.
-    Both are checked on the first 2^20 ids.
+    Both are checked on the first 2^20 ids. A small vocabulary (characters, ids < 256)
+    stays below 2^24 when paired; its pairs show instead as high 16-bit halves that take
+    as many distinct values as the low halves (the same stream, shifted by one), where a
+    real uint32 vocabulary's high halves take a few (0..3 for 262,144 ids).
     """
     sample = np.asarray(tokens[:_WIDTH_SAMPLE])
     if sample.dtype == np.uint16:
@@ -84,6 +90,13 @@ def check_token_width(tokens: np.ndarray, source: str = "tokens") -> None:
                 f"any tokenizer's vocabulary (2^24 = {_IMPLAUSIBLE_ID:,}): the layout of uint16 "
                 "ids read two at a time; load it with dtype='uint16' "
                 "(jaxopt-train train: --token-dtype uint16)")
+        high, low = np.unique(sample >> 16).size, np.unique(sample & 0xFFFF).size
+        if sample.size >= 2 * _MIN_PAIRS and high >= _PAIRED_HIGH_VALUES and 2 * high >= low:
+            raise ValueError(
+                f"{source}: the first {sample.size:,} ids read as uint32 have {high} distinct high "
+                f"16-bit halves and {low} distinct low ones, the layout of uint16 ids read two at "
+                "a time (a real uint32 vocabulary's ids differ in their low halves); load it "
+                "with dtype='uint16' (jaxopt-train train: --token-dtype uint16)")
 
 
 def max_token_id(tokens: np.ndarray, chunk_size: int = 1 << 24) -> int:
