@@ -698,3 +698,12 @@ def test_resnet_stem_max_pool_is_differentiable_and_matches_reference():
     g = jax.jit(jax.grad(lambda x: jnp.sum(_max_pool_3x3_s2(x) ** 2)))(x)
     g_ref = jax.grad(lambda x: jnp.sum(reference(x) ** 2))(x)
     np.testing.assert_allclose(g, g_ref, rtol=1e-6, atol=1e-6)
+
+
+def test_vision_models_take_nested_lists_as_gpt_does():
+    # A list has no .ndim: the check said "'list' object has no attribute 'ndim'".
+    model = create_vision_model("cnn-small", num_classes=3, rngs=nnx.Rngs(0))
+    images = np.random.default_rng(0).normal(size=(1, 4, 4, 3)).astype(np.float32)
+    np.testing.assert_allclose(model(images.tolist(), train=False), model(images, train=False))
+    with pytest.raises(ValueError, match=r"float NHWC with 3 channels, got shape=\(1, 4, 4, 3\) dtype=int32"):
+        model([[[[1, 2, 3]] * 4] * 4], train=False)

@@ -274,3 +274,18 @@ def test_ids_check_passes_traced_ids_through():
 
     out = jax.jit(lambda x: (check_ids_in_range(x, 10, "t"), x)[1])(jnp.array([3, 11], jnp.int32))
     np.testing.assert_array_equal(out, [3, 11])
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.int16, jnp.int32])
+def test_negative_traced_ids_give_nan_rows_whatever_the_token_dtype(dtype):
+    # Under jit the ids cannot be checked; a negative one must not pass as a real token.
+    # int8/int16 ids had vocab_size wrap round in their own dtype (to 0, or -15232 ->
+    # row 35072 of 50304): a real row, silently.
+    vocab = 256 if dtype == jnp.int8 else 50304
+    cfg = small_cfg(n_layers=1, vocab_size=vocab, d_model=16, n_heads=2)
+    model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    state = jax.tree.map(lambda x: jnp.full(x.shape, 0.01, x.dtype), state)
+    embed = jax.jit(lambda s, t: nnx.merge(graphdef, s).embed(t))
+    rows = embed(state, jnp.asarray([[-1, 3]], dtype))
+    assert bool(jnp.all(jnp.isnan(rows[0, 0]))) and bool(jnp.all(jnp.isfinite(rows[0, 1])))

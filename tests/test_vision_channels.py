@@ -64,6 +64,15 @@ def test_wrong_channel_count_names_in_channels():
         model(jnp.zeros((2, 8, 8, 3)), train=False)
 
 
+
+def test_channels_first_images_are_told_to_transpose_not_to_rebuild():
+    # NCHW (PyTorch's layout) into an RGB model: the hint said to rebuild the model with
+    # in_channels=C, i.e. 32 "channels" here, instead of naming the layout.
+    model = create_vision_model("cnn-small", num_classes=3, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"got shape=\(2, 3, 32, 32\).*NCHW.*transpose") as err:
+        model(jnp.zeros((2, 3, 32, 32)), train=False)
+    assert "in_channels=C" not in str(err.value)
+
 @pytest.mark.parametrize("bad", [0, -1, True, 3.0, "1"])
 def test_create_vision_model_refuses_bad_in_channels(bad):
     with pytest.raises(ValueError, match=r"in_channels=.* must be a positive int"):

@@ -158,7 +158,7 @@ class ResNet(nnx.Module):
         self.head = layers.dense(cin, num_classes)
 
     def __call__(self, images: jax.Array, train: bool) -> jax.Array:
-        _check_images(images, self.in_channels)
+        images = _check_images(images, self.in_channels)
         x = jax.nn.relu(_normalise(self.stem_norm, self.stem(images), train))
         x = _max_pool_3x3_s2(x)
         for block in self.blocks:
@@ -179,22 +179,31 @@ class SmallCNN(nnx.Module):
         self.in_channels = in_channels
 
     def __call__(self, images: jax.Array, train: bool) -> jax.Array:
-        _check_images(images, self.in_channels)
-        x = images
+        x = _check_images(images, self.in_channels)
         for conv, norm in zip(self.convs, self.norms):
             x = jax.nn.relu(_normalise(norm, conv(x), train))
         return self.head(jnp.mean(x, axis=(1, 2)))
 
 
-def _check_images(images: jax.Array, channels: int) -> None:
+def _check_images(images, channels: int) -> jax.Array:
+    """`images` as an array, or ValueError unless they are float NHWC with `channels` channels."""
+    if not hasattr(images, "ndim"):  # a nested list: say what it holds, not "no .ndim" (as GPT)
+        images = jnp.asarray(images)
     if images.ndim != 4 or images.shape[-1] != channels or not jnp.issubdtype(images.dtype, jnp.floating):
-        # Name the fix when only the channel count is off (say grayscale into an RGB model).
-        hint = ("; build the model with create_vision_model(..., in_channels=C) for C-channel images"
-                if images.ndim == 4 and images.shape[-1] != channels else "")
+        # Name the fix when only the channel count is off (say grayscale into an RGB model),
+        # or when the channels come first (PyTorch's NCHW), where rebuilding is the wrong fix.
+        hint = ""
+        if images.ndim == 4 and images.shape[-1] != channels:
+            hint = ("; build the model with create_vision_model(..., in_channels=C) for C-channel "
+                    "images")
+            if images.shape[1] == channels:
+                hint = ("; these look like NCHW (channels first): transpose them to NHWC with "
+                        "jnp.transpose(images, (0, 2, 3, 1))")
         raise ValueError(
             f"images must be float NHWC with {channels} channels, got shape={images.shape} "
             f"dtype={images.dtype}{hint}"
         )
+    return images
 
 
 def create_vision_model(

@@ -48,9 +48,27 @@ def init_train_state(params, model_state, optimizer: optax.GradientTransformatio
                       nonfinite_streak=jnp.zeros((), jnp.int32), grad_error=grad_error)
 
 
+# Flax's names for biases and norm scales (nnx and linen: Linear, Conv, LayerNorm, BatchNorm, RMSNorm).
+_NO_DECAY_NAMES = ("bias", "scale")
+
+
+def _leaf_name(path) -> str | None:
+    """The parameter's own name: the last dict key or attribute of `path`, past an nnx
+    Variable's "value"."""
+    for key in reversed(path):
+        name = getattr(key, "key", getattr(key, "name", None))
+        if isinstance(name, str) and name != "value":
+            return name
+    return None
+
+
 def _decay_mask(params):
-    # No weight decay on biases, norm scales and other vectors (GPT-2/nanoGPT).
-    return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+    # No weight decay on biases, norm scales and other vectors (GPT-2/nanoGPT). By name too,
+    # not only by rank: stacked layers (scan_layers, nn.scan) give each bias and scale a
+    # leading layer axis, and a rank test alone decayed them (a scanned model trained
+    # unlike its unrolled copy).
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p: jnp.ndim(p) >= 2 and _leaf_name(path) not in _NO_DECAY_NAMES, params)
 
 
 def default_optimizer(*, lr: float, total_steps: int, warmup: int = 0, weight_decay: float = 0.1,
