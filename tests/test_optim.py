@@ -126,6 +126,8 @@ def test_bf16_state_still_wraps_transformations_without_extra_args():
     (dict(b2=1.0), "b2=1.0 must be in [0, 1)"),  # NaN updates from the first step
     (dict(b1=-0.1), "b1=-0.1 must be in [0, 1)"),
     (dict(weight_decay=-0.1), "weight_decay=-0.1 must be"),
+    (dict(total_steps=True), "total_steps=True must be an int >= 1"),  # ran as 1 step
+    (dict(lr="3e-4"), "lr='3e-4' must be a number"),  # a bare comparison TypeError
 ])
 def test_default_optimizer_refuses_impossible_settings(bad, message):
     from jaxopt_train.train.state import default_optimizer  # noqa: PLC0415
@@ -133,3 +135,13 @@ def test_default_optimizer_refuses_impossible_settings(bad, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         default_optimizer(**{"lr": 1e-2, "total_steps": 10, **bad})
 
+
+
+def test_default_optimizer_takes_numpy_ints_and_floats():
+    from jaxopt_train.train.state import default_optimizer  # noqa: PLC0415
+
+    opt = default_optimizer(lr=np.float32(1e-2), total_steps=np.int64(10), warmup=np.int32(2))
+    params = {"w": jnp.ones((2, 2))}
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and int32 counts
+        updates, _ = opt.update(params, opt.init(params), params)
+    assert np.isfinite(np.asarray(updates["w"])).all()

@@ -8,6 +8,7 @@ lives here; the step number also fixes the data order (`batch(step)`).
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -78,15 +79,21 @@ def default_optimizer(*, lr: float, total_steps: int, warmup: int = 0, weight_de
 
     `clip_norm=0` disables clipping. The schedule's cosine spans `total_steps`.
     """
+    for name, value in (("lr", lr), ("clip_norm", clip_norm), ("weight_decay", weight_decay),
+                        ("b1", b1), ("b2", b2)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{name}={value!r} must be a number")
     if not 0 < lr < math.inf:
         raise ValueError(f"lr={lr} must be a finite number > 0")
-    if not isinstance(total_steps, int) or total_steps < 1:
+    if isinstance(total_steps, bool) or not isinstance(total_steps, numbers.Integral) or total_steps < 1:
         raise ValueError(f"total_steps={total_steps!r} must be an int >= 1")
     # optax takes these silently: a negative warmup bends the schedule (it started at
     # 0.78 * lr and only fell), and clip_by_global_norm(-c) multiplies every clipped
     # gradient by -c/|g|, i.e. gradient ascent.
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+    if isinstance(warmup, bool) or not isinstance(warmup, numbers.Integral) or warmup < 0:
         raise ValueError(f"warmup={warmup!r} must be an int >= 0 (steps of linear warmup)")
+    total_steps, warmup = int(total_steps), int(warmup)  # numpy numbers welcome
+    lr, clip_norm, weight_decay, b1, b2 = (float(x) for x in (lr, clip_norm, weight_decay, b1, b2))
     if not 0 <= clip_norm < math.inf:
         raise ValueError(f"clip_norm={clip_norm!r} must be a finite number >= 0 (0 disables "
                          "clipping)")
