@@ -136,3 +136,23 @@ def test_a_failing_eval_at_a_checkpoint_step_keeps_that_steps_checkpoint(tmp_pat
     with pytest.raises(RuntimeError, match="eval went out of memory"):
         train(cfg)
     assert len(calls) == 1 and existing_checkpoint_steps(cfg.run_dir) == [2]
+
+
+def test_a_resume_on_data_of_another_size_says_its_batches_differ(tmp_path):
+    """Batch `step` is drawn from a permutation of the data: appended text (or a corpus past
+    16 MiB, which earlier versions cut there) gives other batches. Allowed, but said."""
+    import io
+
+    corpus = tmp_path / "corpus.txt"
+    text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(400))
+    corpus.write_text(text)
+    cfg = _tiny(tmp_path, data=str(corpus))
+    train(cfg, until_step=4, stream=io.StringIO())
+    same = io.StringIO()
+    train(dataclasses.replace(cfg, resume=True), until_step=6, stream=same)
+    assert "warning: the training data" not in same.getvalue()
+    corpus.write_text(text + text[:5000])
+    grown = io.StringIO()
+    train(dataclasses.replace(cfg, resume=True), stream=grown)
+    assert (f"warning: the training data holds {len(text) + 5000:,} tokens now, {len(text):,} when "
+            "the checkpoint at step 6 was written") in grown.getvalue()

@@ -136,3 +136,20 @@ def check_resume_data_order(run_dir: str, cfg: TrainConfig, ckpt: Checkpointer) 
             "seed, so the resumed run would skip or repeat examples. Resume with the saved "
             "values (--batch-size, --seed; on fewer devices --microbatches keeps the global "
             "batch), or start a new --run-dir.")
+
+
+def data_size_change(ckpt: Checkpointer, data_size: int | None, unit: str) -> str | None:
+    """A warning if the run's data has another size than when its latest checkpoint was
+    written (None if it has not, or either size is unknown).
+
+    Not refused: appending to a corpus and training on is a choice. But batch `step` is
+    then drawn from another permutation, so the user should hear that the run does not
+    continue the original data order.
+    """
+    saved = (ckpt.read_meta().get("data_order") or {}).get("data_size")
+    if saved is None or data_size is None or saved == data_size:
+        return None
+    return (f"warning: the training data holds {data_size:,} {unit} now, {saved:,} when the "
+            f"checkpoint at step {ckpt.latest_step()} was written (changed or appended data; "
+            "or a text corpus over 16 MiB, which earlier versions cut at 16 MiB): from here on "
+            "the run draws other batches than the original run would have")

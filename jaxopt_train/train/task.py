@@ -28,6 +28,9 @@ class Task:
     units_per_example: int      # seq_len for GPT, 1 for images
     flops_per_example: float    # training FLOPs (forward + backward) of one example
     description: str
+    # The data's size (tokens, or images) where it is read from files, None for synthetic
+    # data: a resume on data of another size draws other batches (`resume.data_size_change`).
+    data_size: int | None = None
 
 
 def build_task(cfg: TrainConfig, policy: Policy) -> Task:
@@ -135,7 +138,8 @@ def _gpt_task(cfg: TrainConfig, policy: Policy) -> Task:
         unit="tokens", units_per_example=model_cfg.seq_len,
         flops_per_example=float(gpt_flops_per_token(model_cfg)) * model_cfg.seq_len,
         description=(f"{cfg.preset} (d_model={model_cfg.d_model}, layers={model_cfg.n_layers}, "
-                     f"seq_len={model_cfg.seq_len}, matmul {cfg.matmul}) on {description}"))
+                     f"seq_len={model_cfg.seq_len}, matmul {cfg.matmul}) on {description}"),
+        data_size=int(tokens.size))
 
 
 def _vision_task(cfg: TrainConfig, policy: Policy) -> Task:
@@ -164,6 +168,7 @@ def _vision_task(cfg: TrainConfig, policy: Policy) -> Task:
         # Both counts: on a small set the held-out share is rounded to at least one example.
         description = (f"images {cfg.data} ({train_ds.num_examples:,} train / "
                        f"{val_ds.num_examples:,} val examples, {height}x{width}x{channels})")
+        data_size = int(len(arrays["labels"]))
     else:
         from jaxopt_train.data.synthetic import synthetic_image_batch  # noqa: PLC0415
 
@@ -177,6 +182,7 @@ def _vision_task(cfg: TrainConfig, policy: Policy) -> Task:
             return synthetic_image_batch(cfg.batch_size, image_size=image_size,
                                          num_classes=num_classes, seed=2**40 + cfg.seed * 1_000_003 + i)
         description = f"synthetic {image_size}x{image_size} images (random labels)"
+        data_size = None
     model = create_vision_model(cfg.preset, num_classes=num_classes, dtype=policy.compute_dtype,
                                 param_dtype=policy.param_dtype, rngs=nnx.Rngs(cfg.seed),
                                 in_channels=channels,
@@ -185,7 +191,7 @@ def _vision_task(cfg: TrainConfig, policy: Policy) -> Task:
     return Task(fns=fns, train_batch=train_batch, eval_batch=eval_batch, unit="images",
                 units_per_example=1,
                 flops_per_example=_vision_flops(cfg.preset, image_size, channels, num_classes),
-                description=f"{cfg.preset} on {description}")
+                description=f"{cfg.preset} on {description}", data_size=data_size)
 
 
 def _vision_flops(preset: str, image_size: int | tuple[int, int], channels: int,
