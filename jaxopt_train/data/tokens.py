@@ -188,7 +188,10 @@ class TokenDataset:
             turn it into another id).
         """
         items, epochs = batch_indices(step, batch_size, self.num_sequences, self.seed, rows)
-        shifts = np.array([self._epoch_shift(int(e)) for e in epochs], dtype=np.int64)
+        # One shift per epoch in the batch (one or two), not per row: each is a seeded
+        # generator, ~27 us apiece, 14 of the 21 ms of a 512-row batch.
+        unique, where = np.unique(epochs, return_inverse=True)
+        shifts = np.array([self._epoch_shift(int(e)) for e in unique], dtype=np.int64)[where]
         starts = items * self.seq_len + shifts
         window = np.asarray(self.tokens[starts[:, None] + np.arange(self.seq_len + 1)])
         _check_int32_ids(window, step)
