@@ -145,3 +145,19 @@ def test_default_optimizer_takes_numpy_ints_and_floats():
     with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and int32 counts
         updates, _ = opt.update(params, opt.init(params), params)
     assert np.isfinite(np.asarray(updates["w"])).all()
+
+
+def test_bf16_state_keeps_every_leafs_dtype_across_updates():
+    # With bf16 params, prodigy's and D-Adaptation's scalar estimates are bf16; the update
+    # widened them to f32 and left them there, so the state's dtypes changed after one step
+    # (the Trainer's select between old and new state, a scan over steps_per_dispatch and a
+    # restore into the saved dtypes all failed: "estim_lr has dtype float32; expected bfloat16").
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _params())
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 0.01), params)
+    for inner in (optax.contrib.prodigy(1.0), optax.contrib.dadapt_adamw(1.0)):
+        opt = low_precision_state(inner, "bf16")
+        state = opt.init(params)
+        with jax.numpy_dtype_promotion("standard"):
+            _, new = jax.jit(opt.update)(grads, state, params)
+        dtypes = lambda tree: jax.tree.map(lambda x: x.dtype, tree)  # noqa: E731
+        assert dtypes(new) == dtypes(state)

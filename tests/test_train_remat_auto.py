@@ -133,3 +133,49 @@ def test_auto_with_a_pool_that_holds_the_step_compiles_it_once(tmp_path, monkeyp
     err = capsys.readouterr().err
     assert "remat none: needs" in err and "fits" in err and "remat auto -> none" in err
     assert result.step == TINY_RUN["steps"] and len(compiles) == 1  # the search's compile is the run's
+
+
+def test_auto_decides_on_the_most_any_process_needs(monkeypatch):
+    """Each process compiles its own copy of a candidate; on GPUs their analyses may differ
+    (autotuned workspaces), and a candidate that fits on one host only made the hosts pick
+    different models, whose collectives then never met. Here another process needs 8 bytes
+    more for every candidate (its pool is larger: the smallest, ours, is the budget)."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather",
+                        lambda x: np.stack([np.asarray(x), np.asarray(x) + 8]))
+    # Alone, "none" (260) fits 260; with the other's 268 it does not.
+    _, (cfg, _task, _trainer, trials) = _search(monkeypatch, 260)
+    assert (cfg.remat, cfg.model_overrides.get("remat_layers")) == ("dots_attention", 1)
+    assert [t["needed_bytes"] for t in trials] == [268, 204, 260]
+
+
+def test_auto_without_a_memory_analysis_is_none_and_says_why(monkeypatch, capsys):
+    # A pool but no analysis: every candidate was taken as too large, all four were built
+    # and compiled, and the error said that no remat fits without a single figure.
+    monkeypatch.setattr(_FakeTrainer, "memory_fit", lambda self, budget: None)
+    built, (cfg, _task, trainer, trials) = _search(monkeypatch, 100)
+    assert cfg.remat == "none" and len(built) == 1 and trainer.cfg == cfg
+    assert "remat auto -> none: no memory analysis" in capsys.readouterr().err
+
+
+def test_auto_takes_devices_as_any_iterable(monkeypatch):
+    # `mesh.devices.flat` (a one-pass iterator) reached build_run empty after the pool was
+    # read from it, and a numpy array of devices raised "truth value ... is ambiguous".
+    import jax
+    import numpy as np
+
+    seen = []
+    monkeypatch.setattr(loop, "build_run", lambda cfg, devices=None: seen.append(list(devices))
+                        or (_FakeTask(), _FakeTrainer(cfg)))
+    monkeypatch.setattr("jaxopt_train.train.step.device_pool_limit", lambda device: 260)
+    monkeypatch.setattr(remat_search, "allocator_reserve", lambda budget: 0)
+    cfg = TrainConfig(preset="gpt-tiny", remat="auto", model_overrides={"n_layers": LAYERS})
+    mesh_devices = np.asarray(jax.devices()[:2])
+    for devices in (mesh_devices, mesh_devices.flat):
+        seen.clear()
+        chosen, *_ = remat_search.build_fitting_run(cfg, devices)
+        assert chosen.remat == "none" and seen == [list(mesh_devices)]

@@ -382,3 +382,29 @@ _WARMUP = optax.warmup_cosine_decay_schedule(0.0, 3e-4, 2000, 100_000)
 def test_zero_accepts_an_elementwise_user_optimizer_with_a_per_leaf_mask(optimizer):
     Trainer(_MLP(nnx.Rngs(0), hidden=32), _mse, zero=1, devices=jax.devices()[:4],
             optimizer=optimizer)
+
+
+@functools.cache
+def _user_optimizer_run(zero):
+    """A user optimizer (SGD with momentum) with a user clip on 2 devices, over 3 steps of
+    which the second has a NaN input (cached: the reference serves both stages)."""
+    trainer = Trainer(_MLP(nnx.Rngs(0), hidden=32), _mse, zero=zero, clip_norm=0.1,
+                      optimizer=optax.sgd(0.1, momentum=0.9), microbatches=2,
+                      devices=jax.devices()[:2])
+    batches = _batches()
+    batches[1] = {**batches[1], "x": batches[1]["x"].copy()}
+    batches[1]["x"][0, 0] = np.nan
+    return trainer, [bool(trainer.step(b)["finite"][0]) for b in batches]
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_user_optimizer_with_a_skipped_step_matches_replicated(zero):
+    reference, want = _user_optimizer_run(0)
+    trainer, got = _user_optimizer_run(zero)
+    assert got == want == [True, False, True]  # the NaN step skipped, the others taken
+    assert int(trainer.state.step) == 3 and int(trainer.state.nonfinite_streak) == 0
+    # The clip (by the step, over the whole gradient) and the momentum match zero=0's chain.
+    _assert_trees_close(trainer.params, reference.params, rtol=1e-5, atol=1e-6)
+    trace = trainer.state.opt_state[0].trace
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(trace))
+    _assert_trees_close(trace, reference.state.opt_state[1][0].trace, rtol=1e-5, atol=1e-6)

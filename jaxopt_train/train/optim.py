@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxopt_train.loss_scale import is_floating_array
 from jaxopt_train.precision import cast_floating
 
 STATE_DTYPES = ("f32", "bf16")  # the names the CLIs offer
@@ -73,9 +74,19 @@ def low_precision_state(inner: optax.GradientTransformation, dtype: Any = jnp.bf
     def update(updates, state, params=None, **extra_args):
         wide = cast_floating(state, jnp.float32)
         updates, wide = inner.update(updates, wide, params, **extra_args)
-        return updates, _narrow(wide, dtype)
+        # Scalars back to the dtype they were stored in: one kept in bf16 (prodigy's
+        # estimate with bf16 params) came back f32, and the state's dtypes changed.
+        return updates, jax.tree.map(_scalar_like, _narrow(wide, dtype), state)
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _scalar_like(new, old):
+    """A floating scalar `new` in `old`'s dtype; anything else as it is."""
+    if (is_floating_array(new) and not jnp.ndim(new) and is_floating_array(old)
+            and new.dtype != old.dtype):
+        return new.astype(old.dtype)
+    return new
 
 
 def _narrow(state, dtype):

@@ -19,6 +19,8 @@ import math
 import sys
 from typing import Callable
 
+import numpy as np
+
 # Least recomputed (most memory) first: "dots_attention" keeps cuDNN attention's
 # forward results, so only the LayerNorms, GELU and q/k/v slices are recomputed.
 REMAT_ORDER = ("none", "dots_attention", "dots", "full")
@@ -102,12 +104,34 @@ def search_remat(attempt: Callable, rebuild: Callable, layers: int | None, budge
 # The trainer's search ---------------------------------------------------------------------
 
 
+def agreed_needed_bytes(needed: int | None) -> int | None:
+    """The most bytes any process's compile of a candidate needs (`needed`: this one's),
+    None if any process has no memory analysis.
+
+    Each process compiles the candidate itself, and on GPUs the analyses may differ
+    (autotuned workspaces): deciding on its own figure, one host could keep a candidate
+    another drops, and the hosts would then build different steps whose collectives
+    never meet.
+    """
+    import jax  # noqa: PLC0415
+
+    if jax.process_count() == 1:
+        return needed
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    every = np.asarray(multihost_utils.process_allgather(
+        np.int64(-1 if needed is None else needed))).ravel()
+    return None if (every < 0).any() else int(every.max())
+
+
 def build_fitting_run(cfg, devices=None, *, stream=None):
     """`loop.build_run(cfg)`, with `remat="auto"` resolved to the least remat that fits.
 
     The budget is the smallest memory pool of the devices, over every process
-    (`step.smallest_pool`, after any `--memory-limit`), less `allocator_reserve`.
-    Where remat cannot apply (vision presets) or no pool is known (CPU), "auto"
+    (`step.smallest_pool`, after any `--memory-limit`), less `allocator_reserve`; a
+    candidate fits if the most any process's compile of it needs is within it
+    (`agreed_needed_bytes`), so every process picks alike. Where remat cannot apply
+    (vision presets), no pool is known (CPU) or XLA gives no memory analysis, "auto"
     means "none". Each candidate's run is built and compiled once; the chosen one is
     returned as it is, with no rebuild.
 
@@ -129,6 +153,9 @@ def build_fitting_run(cfg, devices=None, *, stream=None):
     if cfg.remat != "auto":
         return (cfg, *build_run(cfg, devices), [])
     stream = sys.stderr if stream is None else stream
+    # Read more than once (the pool, then each build): a one-pass iterator (mesh.devices.flat)
+    # would reach the builds empty.
+    devices = list(jax.devices() if devices is None else devices)
     overrides = shape_overrides(cfg.model_overrides)
 
     def with_remat(remat, remat_layers=None, remat_rest="none"):
@@ -137,7 +164,7 @@ def build_fitting_run(cfg, devices=None, *, stream=None):
             extra["remat_rest"] = remat_rest
         return dataclasses.replace(cfg, remat=remat, model_overrides={**overrides, **extra})
 
-    pool = None if cfg.is_vision else smallest_pool(devices or jax.devices())
+    pool = None if cfg.is_vision else smallest_pool(devices)
     reason = ("remat applies to GPT presets only" if cfg.is_vision else
               "no device reports a memory pool (CPU)" if pool is None else None)
     if reason is not None:
@@ -160,16 +187,20 @@ def build_fitting_run(cfg, devices=None, *, stream=None):
 
     def attempt(remat, remat_layers, remat_rest):
         candidate, task, trainer, report = build(remat, remat_layers, remat_rest)
+        mine = None if report is None else report.needed_bytes
+        needed = agreed_needed_bytes(mine)
+        # No analysis: nothing to measure the candidate by, so it is taken as it is.
+        fits = needed is None or needed <= budget
         trials.append({"remat": remat, "remat_layers": remat_layers, "remat_rest": remat_rest,
-                       "budget_bytes": budget,
-                       "needed_bytes": None if report is None else report.needed_bytes,
-                       "fits": bool(report)})
+                       "budget_bytes": budget, "needed_bytes": needed, "fits": fits})
+        others = ("" if needed in (None, mine) else
+                  f"; another process needs {needed / 2**30:.3f} GiB: "
+                  f"{'fits' if fits else 'does NOT fit'}")
         print(f"jaxopt-train train: remat {remat_label(remat, remat_layers, remat_rest)}: "
-              f"{'no memory analysis' if report is None else report} (the smallest pool, "
-              f"{pool / 2**30:.3f} GiB, less a {(pool - budget) / 2**30:.3f} GiB reserve)",
+              f"{'no memory analysis' if needed is None else report}{others} (the smallest "
+              f"pool, {pool / 2**30:.3f} GiB, less a {(pool - budget) / 2**30:.3f} GiB reserve)",
               file=stream, flush=True)
-        fits = bool(report)
-        return trials[-1]["needed_bytes"], fits, (candidate, task, trainer) if fits else None
+        return needed, fits, (candidate, task, trainer) if fits else None
 
     layers = None
     if not cfg.scan_layers:
@@ -190,5 +221,8 @@ def build_fitting_run(cfg, devices=None, *, stream=None):
     chosen, task, trainer = result
     picked = chosen.model_overrides
     label = remat_label(chosen.remat, picked.get("remat_layers"), picked.get("remat_rest", "none"))
+    if trials[-1]["needed_bytes"] is None:
+        label += (": no memory analysis from XLA on this backend, so nothing to compare with "
+                  "the pool; pick --remat yourself if the step does not fit")
     print(f"jaxopt-train train: remat auto -> {label}", file=stream, flush=True)
     return chosen, task, trainer, trials
