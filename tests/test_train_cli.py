@@ -236,7 +236,8 @@ def test_a_model_override_of_a_field_the_run_sets_itself_is_refused(override, fl
     assert "--model: model_overrides=" in err and f"use {flag} instead" in err
 
 
-@pytest.mark.parametrize("given, want", [([], "dots"), (["--remat", "full"], "full")])
+@pytest.mark.parametrize("given, want", [([], "dots"), (["--remat", "full"], "full"),
+                                         (["--model", "d_model=32"], "dots")])
 def test_resume_of_a_run_saved_with_a_remat_override_moves_it_to_its_flag(tmp_path, given, want, capsys):
     run_dir = str(tmp_path / "old")
     os.makedirs(run_dir)
@@ -246,3 +247,22 @@ def test_resume_of_a_run_saved_with_a_remat_override_moves_it_to_its_flag(tmp_pa
         json.dump({"config": saved}, f)
     cfg = cli.config_from_args(["--resume", "--run-dir", run_dir, "--steps", "10", *given])
     assert cfg.remat == want and cfg.model_overrides == {"d_model": 32} and cfg.steps == 10
+
+
+@pytest.mark.parametrize("extra, want", [([], {"d_model": 32}),
+                                         (["--model", "remat_layers=4"], {"d_model": 32, "remat_layers": 4})])
+def test_resume_with_another_remat_drops_the_saved_remat_layers(tmp_path, extra, want, capsys):
+    """An auto search saves remat_layers / remat_rest with its remat: resumed with
+    --remat full, they used to stay, and "full" covered only those blocks."""
+    run_dir = str(tmp_path / "auto")
+    os.makedirs(run_dir)
+    saved = dataclasses.asdict(TrainConfig(preset="gpt-tiny", steps=5, run_dir=run_dir,
+                                           remat="dots_attention",
+                                           model_overrides={"d_model": 32, "remat_layers": 13,
+                                                            "remat_rest": "dots"}))
+    with open(os.path.join(run_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump({"config": saved}, f)
+    cfg = cli.config_from_args(["--resume", "--run-dir", run_dir, "--remat", "full", *extra])
+    assert cfg.remat == "full" and cfg.model_overrides == want
+    kept = cli.config_from_args(["--resume", "--run-dir", run_dir, "--steps", "9"])
+    assert kept.model_overrides == {"d_model": 32, "remat_layers": 13, "remat_rest": "dots"}

@@ -176,8 +176,14 @@ def _resumed_values(parser, values: dict, given: set[str]) -> dict:
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     merged = {k: v for k, v in saved.items() if k in fields}  # a newer version's extra keys
     _move_owned_overrides(merged, given)
+    if "remat" in given and isinstance(merged.get("model_overrides"), dict):
+        # The saved run's remat_layers / remat_rest (e.g. an auto search's) belong to its
+        # remat: kept under another --remat, "full" ran on 13 of 16 blocks only. A --model
+        # remat_layers=k on this line still applies (merged below).
+        merged["model_overrides"] = {k: v for k, v in merged["model_overrides"].items()
+                                     if k not in ("remat_layers", "remat_rest")}
     for name in given & fields:
-        merged[name] = ({**saved.get(name, {}), **values[name]} if name == "model_overrides"
+        merged[name] = ({**merged.get(name, {}), **values[name]} if name == "model_overrides"
                         else values[name])
     merged.update(resume=True, overwrite=False, run_dir=values["run_dir"])
     changed = [f"{_flag_for_field(name)} {saved.get(name)!r} -> {merged[name]!r}"
