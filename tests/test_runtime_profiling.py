@@ -219,7 +219,7 @@ def test_train_loop_releases_monitor_and_logger_when_profiler_close_raises(tmp_p
         state=types.SimpleNamespace(step=0, params=None), compiled=True, compile_seconds=0.0,
         memory_report="", num_devices=1,
         policy=types.SimpleNamespace(compute_dtype=jnp.float32, matmul_precision="highest"))
-    task = types.SimpleNamespace(description="fake")
+    task = types.SimpleNamespace(description="fake", data_size=None)
     with pytest.raises(RuntimeError, match="profiler close failed"):
         loop_lib._run(TrainConfig(peak_tflops=100.0), task, trainer, ckpt=None, run_dir=str(tmp_path), target=0,
                       stream=None)  # target 0: straight to the clean-up
