@@ -28,9 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxopt_train.kernels import available_backends, matmul, matmul_reference
-# The autotuner's acceptance rule, so a config it tuned is never called wrong here.
-from jaxopt_train.kernels.autotune import _tolerance as autotune_tolerance
-from jaxopt_train.kernels.autotune import burst_timer, parse_shapes, rotating
+# The autotuner's acceptance rule: a config it tuned is never called wrong here.
+from jaxopt_train.kernels.autotune import burst_timer, parse_shapes, reference_tolerance, rotating
 from jaxopt_train.kernels.configs import BACKENDS
 from jaxopt_train.kernels.matmul import resolve_backend, resolve_config
 from jaxopt_train.train.mfu import peak_tflops
@@ -144,7 +143,7 @@ def _measure_layer(backends, shape, dtype, args, peak):
     entries = [({"shape": list(shape), "backend": name, "layer": True},
                 lambda row, name=name: _layer_fn(name, cotangent)) for name in names]
     return _timed_rows(entries, sets, args, peak, 3 * 2 * m * n * k, rel_error,
-                       autotune_tolerance(dtype))
+                       reference_tolerance(dtype))
 
 
 def _measure(make_fn, backends, shape, dtype, args, peak, fused: bool):
@@ -166,7 +165,7 @@ def _measure(make_fn, backends, shape, dtype, args, peak, fused: bool):
                for backend in backends]
     return _timed_rows(entries, sets, args, peak, 2 * m * n * k,
                        lambda out: float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))) / scale,
-                       autotune_tolerance(dtype))
+                       reference_tolerance(dtype))
 
 
 def _timed_rows(entries, sets, args, peak, flops: int, rel_error, tolerance: float):

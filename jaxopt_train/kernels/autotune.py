@@ -177,7 +177,9 @@ def _seconds(timer: Timer, fn: Callable[[], jax.Array], config: MatmulConfig) ->
     return value
 
 
-def _tolerance(dtype) -> float:
+def reference_tolerance(dtype) -> float:
+    """The largest error, over max |reference|, that a kernel's output of input `dtype` may
+    have against the f32 reference: what autotune accepts and `bench matmul` calls right."""
     return 2e-2 if jnp.dtype(dtype) in (jnp.bfloat16, jnp.float32) else 5e-3
 
 
@@ -303,7 +305,7 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
                 logger.info("autotune %s %s: %s failed: %s", backend, (m, n, k), config, err)
                 continue
             error = float(np.max(np.abs(out - reference))) / scale
-            if not error <= _tolerance(dtype):
+            if not error <= reference_tolerance(dtype):
                 logger.warning("autotune %s %s: %s rejected, relative error %.3g",
                                backend, (m, n, k), config, error)
                 continue

@@ -217,11 +217,8 @@ def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run
          target: int, stream: TextIO | None) -> TrainResult:
     k = cfg.steps_per_dispatch
     step = int(trainer.state.step)
-    data_order = resume.data_order(cfg)
-    if task.data_size is not None:
-        data_order["data_size"] = task.data_size
     meta = {"model_shape": json.loads(json.dumps(cfg.model_shape())), "preset": cfg.preset,
-            "data_order": data_order}
+            "data_order": resume.data_order(cfg, task.data_size)}
     logger = MetricsLogger(run_dir, total_steps=target, start_step=step,
                            tensorboard=cfg.tensorboard, prometheus_port=cfg.prometheus_port,
                            progress=cfg.progress, stream=stream)

@@ -116,8 +116,13 @@ def check_resume_shape(run_dir: str, cfg: TrainConfig, ckpt: Checkpointer) -> No
 DATA_ORDER_FIELDS = ("batch_size", "seed")
 
 
-def data_order(cfg: TrainConfig) -> dict[str, Any]:
-    return {name: getattr(cfg, name) for name in DATA_ORDER_FIELDS}
+def data_order(cfg: TrainConfig, data_size: int | None = None) -> dict[str, Any]:
+    """What a checkpoint records of its data order: the settings, and the data's size
+    where known (`data_size_change`)."""
+    order: dict[str, Any] = {name: getattr(cfg, name) for name in DATA_ORDER_FIELDS}
+    if data_size is not None:
+        order["data_size"] = data_size
+    return order
 
 
 def check_resume_data_order(run_dir: str, cfg: TrainConfig, ckpt: Checkpointer) -> None:
