@@ -8,15 +8,65 @@ import jax
 import pytest
 
 from jaxopt_train.bench import train_remat, train_steps
+from jaxopt_train.train import remat_search
 
 
-def test_partial_layers_from_the_two_estimates():
-    # 8 blocks; none needs 18, all-blocks remat 10: each block without remat adds 1.
-    assert train_remat.partial_remat_layers(18, 10, 16, 8) == [2, 3]
-    assert train_remat.partial_remat_layers(18, 10, 10, 8) == []  # k = 8: every block, nothing partial
-    assert train_remat.partial_remat_layers(18, 10, 17.5, 8) == [1, 2]
-    assert train_remat.partial_remat_layers(10, 10, 9, 8) == []  # remat saved nothing
-    assert train_remat.partial_remat_layers(18, 10, 11, 8) == [7]  # k + 1 = 8 is every block
+def test_next_layers_from_the_two_estimates():
+    # 8 blocks; none needs 18, all-blocks remat 10: each block under the policy saves 1.
+    nxt = train_remat.next_remat_layers
+    assert nxt(0, 18, 8, 10, 16) == 2
+    assert nxt(0, 18, 8, 10, 10) == 8  # every block: nothing partial
+    assert nxt(0, 18, 8, 10, 17.5) == 1
+    assert nxt(0, 18, 8, 10, 18) == 1  # at least one block more than k_lo
+    assert nxt(0, 10, 8, 10, 9) == 1  # the measurements do not fall: one block at a time
+    # k = 2 missed at 17 (the layout saves less early on): redrawn from (2, 17) to (8, 10)
+    assert nxt(2, 17, 8, 10, 16) == 3
+    assert nxt(2, 17, 8, 10, 12) == 7
+    with pytest.raises(ValueError, match="k_lo=8 is not below k_hi=8"):
+        nxt(8, 10, 8, 10, 9)
+
+
+def _table_attempt(table, budget, calls):
+    """An `attempt` whose step needs table[(remat, remat_layers)] bytes."""
+    def attempt(remat, layers, rest):
+        calls.append((remat, layers, rest))
+        needed = table(remat, layers)
+        return needed, needed <= budget, (remat, layers, rest)
+    return attempt
+
+
+def test_search_redraws_the_line_through_a_count_that_misses():
+    """A layout whose first blocks save little (the embedding's buffers stay live): the
+    straight line from none (18) to dots_attention everywhere (10) says 2 blocks fit
+    16, but 2 need 17.6; the line redrawn from there says 4, which needs 16.3; from
+    there, 5, the fewest that fit. The old search gave up after k + 1 = 3 and recomputed
+    every block."""
+    needs = {0: 18, 1: 17.8, 2: 17.6, 3: 16.9, 4: 16.3, 5: 15.6, 6: 14, 7: 12, 8: 10}
+
+    def table(remat, layers):
+        return 18 if remat == "none" else needs[8 if layers is None else layers]
+
+    calls, rebuilt = [], []
+    result = remat_search.search_remat(_table_attempt(table, 16, calls), rebuilt.append, 8, 16)
+    assert result == ("dots_attention", 5, "none") and not rebuilt
+    assert [c[1] for c in calls] == [None, None, 2, 4, 5]
+
+
+def test_search_rebuilds_every_block_when_the_tries_run_out():
+    def table(remat, layers):  # only the policy on every block fits
+        return 18 if remat == "none" else 10 if layers is None else 17.9
+
+    calls, rebuilt = [], []
+    result = remat_search.search_remat(_table_attempt(table, 16, calls), rebuilt.append, 8, 16)
+    assert rebuilt == ["dots_attention"] and result is None  # rebuilt's return, here None
+    assert len(calls) == 2 + remat_search.PARTIAL_TRIES
+
+
+def test_search_keeps_the_whole_run_when_one_block_is_all_there_is():
+    calls, rebuilt = [], []
+    table = lambda remat, layers: 18 if remat == "none" else 10  # noqa: E731
+    result = remat_search.search_remat(_table_attempt(table, 16, calls), rebuilt.append, 1, 16)
+    assert result == ("dots_attention", None, "none") and not rebuilt and len(calls) == 2
 
 
 def test_label_names_partial_remat():

@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from jaxopt_train.train.remat_search import (REMAT_ORDER, allocator_reserve, partial_remat_layers,
+from jaxopt_train.train.remat_search import (REMAT_ORDER, allocator_reserve, next_remat_layers,
                                              remat_label, search_remat)
 
 __all__ = ["REMAT_ORDER", "allocator_reserve", "choose_remat", "memory_budget",
-           "partial_remat_layers", "remat_label"]
+           "next_remat_layers", "remat_label"]
 
 
 def memory_budget(args, device) -> int | None:

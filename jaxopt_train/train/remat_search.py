@@ -6,9 +6,11 @@ same way: compile each candidate ahead of time, compare XLA's memory analysis
 REMAT_ORDER, least recomputed first; once one fits and the one before it did not,
 the fitting policy on only the first k blocks, with the one before it on the rest
 (`GPTConfig.remat_rest`), is tried, so only as much is recomputed as the budget
-needs. gpt-1b in 16 GiB on an H200: "dots_attention" on 15 of 16 blocks (none on
-the rest) in bench train; on 13 in the trainer under a hard 16 GiB cap, where XLA's
-compiler, knowing the pool, rematerialises some of the rest itself.
+needs: k from a straight line between the two measured steps, redrawn through each
+k that misses (`next_remat_layers`), for at most PARTIAL_TRIES compiles. gpt-1b in
+16 GiB on an H200: "dots_attention" on 15 of 16 blocks (none on the rest) in bench
+train; on 13 in the trainer under a hard 16 GiB cap, where XLA's compiler, knowing
+the pool, rematerialises some of the rest itself.
 """
 
 from __future__ import annotations
@@ -34,20 +36,29 @@ def allocator_reserve(budget: int) -> int:
     return min(budget // 32, 512 << 20)
 
 
-def partial_remat_layers(needed_rest: int, needed_all: int, budget: int, layers: int) -> list[int]:
-    """Block counts k < layers worth compiling for a policy on the first k blocks only.
+# Compiles the partial search may spend after the policy on every block fits and the
+# lighter one does not; each is a full AOT compile of the step (~10-20 s for gpt-1b).
+PARTIAL_TRIES = 4
 
-    `needed_all` is the step with the policy on every block, `needed_rest` with the
-    lighter policy the other blocks get ("none", or the previous one in REMAT_ORDER)
-    on every block. The estimate k assumes each block moved to the lighter policy adds
-    an equal share of the difference; k + 1 is the fallback when XLA's layout is less
-    linear.
+
+def next_remat_layers(k_lo: int, needed_lo: float, k_hi: int, needed_hi: float,
+                      budget: float) -> int:
+    """The block count to compile next, in (k_lo, k_hi]; k_hi means none in between.
+
+    `needed_lo` is what the step needs with the policy on its first `k_lo` blocks
+    (which did not fit), `needed_hi` with it on the first `k_hi` (which did). Each
+    block moved to the policy is taken to save an equal share of the difference, so
+    the answer is the fewest blocks the straight line between the two says fit. Where
+    XLA's layout is less linear and that count does not fit, its own measurement
+    becomes the new `k_lo` and the line is drawn again.
     """
-    saved_per_layer = (needed_rest - needed_all) / layers
-    if saved_per_layer <= 0:  # the policy saved nothing over the lighter one: no k helps
-        return []
-    k = max(1, math.ceil((needed_rest - budget) / saved_per_layer))
-    return [n for n in (k, k + 1) if n < layers]
+    if not k_lo < k_hi:
+        raise ValueError(f"the block counts must rise: {k_lo=} is not below {k_hi=}")
+    saved_per_layer = (needed_lo - needed_hi) / (k_hi - k_lo)
+    if saved_per_layer <= 0:  # the measurements do not fall: step one block at a time
+        return k_lo + 1
+    k = k_lo + math.ceil((needed_lo - budget) / saved_per_layer)
+    return min(max(k, k_lo + 1), k_hi)
 
 
 def remat_label(remat: str, layers: int | None = None, rest: str = "none") -> str:
@@ -87,17 +98,24 @@ def search_remat(attempt: Callable, rebuild: Callable, layers: int | None, budge
         gc.collect()
     if not fits or policy == "none" or layers is None or None in (needed_lighter, needed):
         return result
-    partial = partial_remat_layers(needed_lighter, needed, budget, layers)
-    if not partial:
+    if layers < 2 or needed_lighter <= needed:  # no partial count, or it would save nothing
+        return result
+    k = next_remat_layers(0, needed_lighter, layers, needed, budget)
+    if k >= layers:  # the line says every block: the run in hand is the one
         return result
     result = None  # one state on the device at a time while the partial ones compile
     gc.collect()
-    for k in partial:
-        _, fits_k, result_k = attempt(policy, k, lighter)
+    for _ in range(PARTIAL_TRIES):
+        needed_k, fits_k, result_k = attempt(policy, k, lighter)
         if fits_k:
             return result_k
         result_k = None
         gc.collect()
+        if needed_k is None:
+            break
+        k = next_remat_layers(k, needed_k, layers, needed, budget)
+        if k >= layers:
+            break
     return rebuild(policy)
 
 
