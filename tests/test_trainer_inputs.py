@@ -65,6 +65,28 @@ def test_a_step_larger_than_the_memory_pool_is_refused_before_it_runs(zero, monk
     assert issubclass(trainer_module.StepTooLargeError, ValueError)  # the CLI exits 2 on it
 
 
+def test_the_fit_check_refuses_on_every_process_when_any_needs_more(monkeypatch):
+    """Each process compiles its own step; on GPUs the analyses may differ. A step that fit
+    here but not on another host ran here and waited forever for that host's collectives.
+    Here the other process needs 2 MiB more than this one, and the pool is 1 MiB."""
+    from jax.experimental import multihost_utils
+
+    from jaxopt_train.train import trainer as trainer_module
+
+    trainer, batch = Trainer(_MLP(nnx.Rngs(0)), _mse, lr=0.1), _batch()
+    monkeypatch.setattr("jaxopt_train.train.step.device_pool_limit", lambda device: 1 << 20)
+    trainer.compile(batch)  # one process: fits
+    trainer, batch = Trainer(_MLP(nnx.Rngs(0)), _mse, lr=0.1), _batch()
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather",
+                        lambda x: np.stack([np.asarray(x), np.asarray(x) + (2 << 20)]))
+    with pytest.raises(trainer_module.StepTooLargeError,
+                       match=r"does not fit the smallest device memory pool of its mesh: it needs "
+                             r".* GiB of 0.001 GiB budget: fits \(.*\); another process's compile "
+                             r"needs 0.00\d GiB, so its first run would fail"):
+        trainer.compile(batch)
+
+
 @pytest.mark.parametrize("mine, others, want", [(100, [5], 5), (None, [7], 7), (None, [None], None),
                                                 (3, [9], 3)])
 def test_every_process_sees_the_smallest_pool_of_all(mine, others, want, monkeypatch):

@@ -21,8 +21,6 @@ import math
 import sys
 from typing import Callable
 
-import numpy as np
-
 # Least recomputed (most memory) first: "dots_attention" keeps cuDNN attention's
 # forward results, so only the LayerNorms, GELU and q/k/v slices are recomputed.
 REMAT_ORDER = ("none", "dots_attention", "dots", "full")
@@ -122,26 +120,6 @@ def search_remat(attempt: Callable, rebuild: Callable, layers: int | None, budge
 # The trainer's search ---------------------------------------------------------------------
 
 
-def agreed_needed_bytes(needed: int | None) -> int | None:
-    """The most bytes any process's compile of a candidate needs (`needed`: this one's),
-    None if any process has no memory analysis.
-
-    Each process compiles the candidate itself, and on GPUs the analyses may differ
-    (autotuned workspaces): deciding on its own figure, one host could keep a candidate
-    another drops, and the hosts would then build different steps whose collectives
-    never meet.
-    """
-    import jax  # noqa: PLC0415
-
-    if jax.process_count() == 1:
-        return needed
-    from jax.experimental import multihost_utils  # noqa: PLC0415
-
-    every = np.asarray(multihost_utils.process_allgather(
-        np.int64(-1 if needed is None else needed))).ravel()
-    return None if (every < 0).any() else int(every.max())
-
-
 def build_fitting_run(cfg, devices=None, *, stream=None):
     """`loop.build_run(cfg)`, with `remat="auto"` resolved to the least remat that fits.
 
@@ -165,7 +143,7 @@ def build_fitting_run(cfg, devices=None, *, stream=None):
 
     from jaxopt_train.train.config import shape_overrides  # noqa: PLC0415
     from jaxopt_train.train.loop import build_run, dispatch_batch  # noqa: PLC0415
-    from jaxopt_train.train.step import smallest_pool  # noqa: PLC0415
+    from jaxopt_train.train.step import agreed_needed_bytes, smallest_pool  # noqa: PLC0415
     from jaxopt_train.train.trainer import StepTooLargeError  # noqa: PLC0415
 
     if cfg.remat != "auto":

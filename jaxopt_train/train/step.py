@@ -343,6 +343,24 @@ def smallest_pool(devices) -> int | None:
     return mine if mine >= 0 else None
 
 
+def agreed_needed_bytes(needed: int | None) -> int | None:
+    """The most bytes any process's compile of a step needs (`needed`: this one's), None
+    if any process has no memory analysis.
+
+    Each process compiles the step itself, and on GPUs the analyses may differ
+    (autotuned workspaces): deciding on its own figure, one host could run a step (or
+    keep a remat candidate) that another refuses, and the others would then wait in
+    collectives that never meet.
+    """
+    if jax.process_count() == 1:
+        return needed
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    every = np.asarray(multihost_utils.process_allgather(
+        np.int64(-1 if needed is None else needed))).ravel()
+    return None if (every < 0).any() else int(every.max())
+
+
 def format_bytes(n: float) -> str:
     for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
         if abs(n) >= size:

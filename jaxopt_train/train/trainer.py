@@ -39,7 +39,7 @@ from jaxopt_train.train.checkpoint import as_abstract
 from jaxopt_train.train.model import ModelFns, linen_model_fns, nnx_model_fns
 from jaxopt_train.train.optim import low_precision_state
 from jaxopt_train.train.state import TrainState, default_optimizer, init_train_state
-from jaxopt_train.train.step import (AXIS, build_eval_step, build_train_step,
+from jaxopt_train.train.step import (AXIS, agreed_needed_bytes, build_eval_step, build_train_step,
                                      init_sharded_error_feedback, jit_steps, make_data_mesh,
                                      memory_summary, place_batch, replicate, smallest_pool)
 from jaxopt_train.train.zero_step import (check_elementwise_optimizer, check_zero, init_zero_state,
@@ -329,15 +329,21 @@ class Trainer:
         if limit is None:  # the backend reports no pool (CPU)
             return
         report = _fit_report(compiled, limit)
-        if report is not None and not report:
-            raise StepTooLargeError(
-                f"the compiled train step does not fit the smallest device memory pool of its "
-                f"mesh: it {report}, so its first run would fail. To fit: rematerialise blocks "
-                "(GPTConfig.remat, --remat auto|dots_attention|dots|full), more micro-batches "
-                "(microbatches=), gradients and AdamW moments in bf16 (grad_dtype='compute', "
-                "opt_state_dtype='bf16'), the state sharded over several GPUs (zero=3), or a "
-                "larger pool (runtime.limit_memory, --memory-limit)",
-                report=report)
+        # Every process decides on the most any of them needs: a refusal on one host only
+        # would leave the others waiting in the step's collectives.
+        needed = agreed_needed_bytes(None if report is None else report.needed_bytes)
+        if needed is None or needed <= limit:
+            return
+        where = ("" if needed == report.needed_bytes else
+                 f"; another process's compile needs {needed / 2**30:.3f} GiB")
+        raise StepTooLargeError(
+            f"the compiled train step does not fit the smallest device memory pool of its "
+            f"mesh: it {report}{where}, so its first run would fail. To fit: rematerialise "
+            "blocks (GPTConfig.remat, --remat auto|dots_attention|dots|full), more micro-batches "
+            "(microbatches=), gradients and AdamW moments in bf16 (grad_dtype='compute', "
+            "opt_state_dtype='bf16'), the state sharded over several GPUs (zero=3), or a "
+            "larger pool (runtime.limit_memory, --memory-limit)",
+            report=report)
 
     @property
     def compiled(self) -> bool:
