@@ -62,6 +62,8 @@ def test_config_column_names_the_layout_knobs():
     (["--quick", "--shapes", "16x0x16"], "positive dims"),
     (["--quick", "--shapes", "16xax16"], "must be a comma list of MxNxK"),
     (["--quick", "--json", "/"], "--json /: '/' is a folder"),
+    (["--quick", "--backends", "interpret,xla,interpret"], "repeats \\['interpret'\\]; give each backend once"),
+    (["--quick", "--shapes", "16x16x16,8x8x8,16x16x16"], "repeats \\['16x16x16'\\]; give each shape once"),
 ])
 def test_bad_arguments_are_refused_with_the_expected_values(argv, message, capsys):
     with pytest.raises(SystemExit):

@@ -1090,6 +1090,7 @@ def test_autotune_cli_refuses_a_layout_the_backend_cannot_read(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--backend", "interpret", "--shapes", "0x16x16"], "positive dims"),
     (["--backend", "interpret", "--shapes", "16x16"], "comma list of MxNxK"),
+    (["--backend", "interpret", "--shapes", "16x16x16,16x16x16"], "repeats ['16x16x16']"),
     (["--backend", "interpret", "--shapes", "16x16x16", "--budget-s", "-1"], "--budget-s must be >= 0"),
     (["--backend", "nope", "--shapes", "16x16x16"], "invalid choice: 'nope'"),
     (["--backend", "mosaic_gpu", "--shapes", "16x16x16"], "--backend mosaic_gpu: matmul backend"),

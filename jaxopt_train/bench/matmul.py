@@ -288,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     known = [b for b in BACKENDS if b != "auto"] + ["xla_dot"]
     if args.backends and (unknown := [b for b in args.backends.split(",") if b not in known]):
         parser.error(f"--backends: unknown {unknown}; expected a comma list of {known}")
+    listed = (args.backends or "").split(",")
+    if repeats := sorted({b for i, b in enumerate(listed) if b in listed[:i]}):
+        parser.error(f"--backends={args.backends!r} repeats {repeats}; give each backend once")
     for backend in [b for b in (args.backends or "").split(",") if b not in ("", "xla_dot")]:
         try:  # now, not as an ERROR row after the whole sweep
             resolve_backend(backend)

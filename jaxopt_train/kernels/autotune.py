@@ -323,8 +323,8 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
 
 
 def parse_shapes(parser, flag: str, text: str) -> list[tuple[int, int, int]]:
-    """A CLI's `MxNxK,...` list of matmul shapes (autotune, bench matmul); a bad list is
-    an argparse error naming `flag`."""
+    """A CLI's `MxNxK,...` list of matmul shapes (autotune, bench matmul); a bad list, or
+    one that names a shape twice, is an argparse error naming `flag`."""
     try:
         shapes = [tuple(int(x) for x in s.split("x")) for s in text.split(",")]
         if any(len(s) != 3 or min(s) < 1 for s in shapes):
@@ -332,6 +332,9 @@ def parse_shapes(parser, flag: str, text: str) -> list[tuple[int, int, int]]:
     except ValueError:
         parser.error(f"{flag}={text!r} must be a comma list of MxNxK with positive dims, "
                      f"e.g. 8192x8192x8192,1000x777x513")
+    # A repeat would tune or time the same shape twice and print it twice.
+    if repeats := sorted({"x".join(map(str, s)) for i, s in enumerate(shapes) if s in shapes[:i]}):
+        parser.error(f"{flag}={text!r} repeats {repeats}; give each shape once")
     return shapes
 
 
