@@ -125,6 +125,10 @@ def test_train_and_val_splits_do_not_overlap():
         (dict(tokens=np.arange(200), seq_len=0), ValueError, "seq_len=0 must be a positive int"),
         (dict(tokens=np.ones(200, np.float32), seq_len=8), ValueError, "1-D integer array"),
         (dict(tokens=np.arange(200), seq_len=8, val_fraction=1.0), ValueError, "val_fraction"),
+        # A string used to fail with a bare TypeError from the comparison.
+        (dict(tokens=np.arange(200), seq_len=8, val_fraction="0.1"), ValueError,
+         r"val_fraction='0.1' must be a number in \(0, 1\)"),
+        (dict(tokens=np.arange(200), seq_len=8, val_fraction=True), ValueError, "must be a number"),
     ],
 )
 def test_token_dataset_errors(kwargs, error, match):
@@ -232,10 +236,12 @@ def test_image_npz_and_dataset(tmp_path):
     assert ds.num_examples == 15 and ds.num_batches_per_epoch(4) == 3
     batch = ds.batch(1, 4)
     assert batch["images"].dtype == np.float32 and batch["images"].shape == (4, 8, 8, 3)
-    idx = [np.flatnonzero((images[:15] == (b * 255).round()).all(axis=(1, 2, 3)))[0] for b in batch["images"]]
-    np.testing.assert_array_equal(batch["labels"], labels[idx])
+    train_images, train_labels = images[ds.rows], labels[ds.rows]
+    idx = [np.flatnonzero((train_images == (b * 255).round()).all(axis=(1, 2, 3)))[0]
+           for b in batch["images"]]
+    np.testing.assert_array_equal(batch["labels"], train_labels[idx])
     seen = np.concatenate([ds.batch(s, 5)["labels"] for s in range(3)])
-    assert sorted(seen) == sorted(labels[:15])
+    assert sorted(seen) == sorted(train_labels)
 
 
 def test_image_npz_errors(tmp_path):
@@ -389,3 +395,16 @@ def test_two_processes_each_load_their_rows(tmp_path):
             pytest.fail("two-process shard_batch test timed out")
     for pid, (proc, out) in enumerate(zip(procs, outputs)):
         assert proc.returncode == 0 and f"OK {pid}" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("fraction, want", [(0.29, 29), (0.57, 57), (0.1, 10), (0.05, 5)])
+def test_the_held_out_share_is_what_the_fraction_says(fraction, want):
+    """100 * 0.29 is 28.999999999999996 in floats: int() of it held out 28 tokens or images
+    of 100 where 29 were asked for (0.57: 56)."""
+    tokens = TokenDataset(np.arange(100), seq_len=4, split="val", val_fraction=fraction)
+    assert tokens.tokens.size == want
+    images = ImageDataset(np.zeros((100, 2, 2, 1), np.uint8), np.zeros(100, np.int32),
+                          split="val", val_fraction=fraction)
+    assert images.num_examples == want
+    with pytest.raises(ValueError, match="val_fraction=nan must be a number in"):
+        ImageDataset(np.zeros((4, 2, 2, 1), np.uint8), np.zeros(4, np.int32), val_fraction=float("nan"))

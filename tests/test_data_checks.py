@@ -106,14 +106,70 @@ def test_small_image_sets_keep_one_val_example(num_examples, num_val):
     """val_fraction=0.1 (fixed in the trainer) used to leave 'val' empty, and refuse, below 10 examples."""
     train, val = _image_splits(num_examples)
     assert (train.num_examples, val.num_examples) == (num_examples - num_val, num_val)
-    # the last examples are held out: disjoint, covering the set, the same for every seed
-    cut = num_examples - num_val
-    np.testing.assert_array_equal(train.images[:, 0, 0, 0], np.arange(cut))
-    np.testing.assert_array_equal(val.images[:, 0, 0, 0], np.arange(cut, num_examples))
+    # disjoint, covering the set, the same for every batch-order seed
+    held = np.concatenate([train.images[:, 0, 0, 0], val.images[:, 0, 0, 0]])
+    np.testing.assert_array_equal(np.sort(held), np.arange(num_examples))
     again_train, again_val = _image_splits(num_examples, seed=7)
     np.testing.assert_array_equal(again_train.images, train.images)
     np.testing.assert_array_equal(again_val.labels, val.labels)
     assert val.batch(0, 4)["images"].shape == (4, 4, 4, 3)  # a batch wraps round one example
+
+
+def test_image_val_split_is_a_seeded_shuffle_not_the_last_examples():
+    """A set sorted by class used to hold out its last 10%: one class, never seen in training."""
+    num_examples = 200
+    index = np.arange(num_examples, dtype=np.float32)[:, None, None, None]
+    images = np.broadcast_to(index, (num_examples, 4, 4, 1))
+    labels = np.repeat(np.arange(10), 20)  # sorted by class, as a folder per class saves
+    train, val = (ImageDataset(images, labels, split=split) for split in ("train", "val"))
+    assert (train.num_examples, val.num_examples) == (180, 20)
+    assert len(np.unique(val.labels)) >= 5 and len(np.unique(train.labels)) == 10
+    train_ids, val_ids = train.images[:, 0, 0, 0].astype(int), val.images[:, 0, 0, 0].astype(int)
+    assert not set(train_ids) & set(val_ids)
+    np.testing.assert_array_equal(np.sort(np.concatenate([train_ids, val_ids])), np.arange(num_examples))
+    np.testing.assert_array_equal(val_ids, val.rows)
+    np.testing.assert_array_equal(val.labels, labels[val.rows])
+    # Pure integer hashing: the same split in every process, rerun and numpy version.
+    assert val.rows.tolist() == [1, 18, 25, 27, 43, 47, 58, 75, 126, 127, 130, 136, 145, 146, 154,
+                                 158, 170, 177, 187, 191]
+    # The batch-order seed leaves the split alone (train and val built with different seeds
+    # stay disjoint); split_seed moves it.
+    np.testing.assert_array_equal(ImageDataset(images, labels, split="val", seed=5).rows, val.rows)
+    other = ImageDataset(images, labels, split="val", split_seed=1).rows
+    assert other.size == 20 and not np.array_equal(other, val.rows)
+
+
+def test_image_split_of_a_memory_mapped_array_reads_only_its_batches(tmp_path):
+    # A shuffled split taken as images[rows] read a memory-mapped set whole into RAM when
+    # the dataset was built; the batches must come from the mapped file itself.
+    path = tmp_path / "images.npy"
+    images = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint8, shape=(50, 4, 4, 1))
+    images[:] = np.arange(50, dtype=np.uint8)[:, None, None, None]
+    labels = np.arange(50) % 5
+    train, val = (ImageDataset(images, labels, split=split) for split in ("train", "val"))
+    images[:] += 100  # the file changes after the datasets are built: still read from it
+    for ds in (train, val):
+        batch = ds.batch(3, 8)
+        ids = (batch["images"][:, 0, 0, 0] * 255).round().astype(int) - 100
+        assert set(ids) <= set(ds.rows)
+        np.testing.assert_array_equal(ids % 5, batch["labels"])
+        np.testing.assert_array_equal(ds.images[:, 0, 0, 0], np.asarray(ds.rows) + 100)
+
+
+def test_image_dataset_takes_labels_and_images_as_lists():
+    # Was: AttributeError: 'list' object has no attribute 'ndim'.
+    images = np.zeros((4, 2, 2, 1), np.float32)
+    ds = ImageDataset(images.tolist(), [0, 1, 2, 3], split="val", val_fraction=0.5)
+    np.testing.assert_array_equal(np.sort(ds.labels), ds.rows)
+    assert ds.batch(0, 2)["images"].shape == (2, 2, 2, 1)
+    with pytest.raises(ValueError, match=r"labels must be \(N,\) integers, got shape=\(4,\) dtype=float64"):
+        ImageDataset(images, [0.0, 1.0, 2.0, 3.0])
+
+
+@pytest.mark.parametrize("split_seed", [-1, 1.5, None, True])
+def test_bad_split_seeds_are_refused(split_seed):
+    with pytest.raises(ValueError, match=re.escape(f"split_seed={split_seed!r} must be a non-negative int")):
+        ImageDataset(np.zeros((10, 4, 4, 3), np.uint8), np.zeros(10, np.int32), split_seed=split_seed)
 
 
 def test_image_split_leaves_one_training_example():
@@ -210,6 +266,34 @@ def test_an_edited_text_corpus_is_read_again_not_served_from_the_cache(tmp_path)
     os.utime(folder / "a.txt", ns=(1, 1))
     (folder / "b.txt").write_bytes(b"cc")
     assert load_text_corpus(folder).tobytes() == b"bbbbcc"
+
+
+def test_an_edited_text_corpus_does_not_keep_its_old_versions_in_memory(tmp_path):
+    # Was: the cache was keyed by (path, size and mtime), so each edit left the old corpus
+    # cached where nothing could reach it: up to 8 copies of a corpus read whole.
+    import gc
+    import os
+    import weakref
+
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(b"version 0")
+    old = weakref.ref(load_text_corpus(path))
+    for version in range(1, 4):
+        path.write_bytes(b"version %d" % version)
+        os.utime(path, ns=(version, version))
+        assert load_text_corpus(path).tobytes() == b"version %d" % version
+    gc.collect()
+    assert old() is None
+    assert load_text_corpus(path) is load_text_corpus(path)  # the current version stays cached
+
+
+def test_text_corpus_max_bytes_takes_numpy_ints_and_refuses_bools(tmp_path):
+    # Was: np.int64(4) refused as "must be a positive int", and True read as a 1-byte corpus.
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(b"some text")
+    assert load_text_corpus(path, max_bytes=np.int64(4)).tobytes() == b"some"
+    with pytest.raises(ValueError, match="max_bytes=True must be a positive int or None"):
+        load_text_corpus(path, max_bytes=True)
 
 
 def test_a_text_corpus_past_16_mib_is_read_whole(tmp_path):

@@ -289,3 +289,15 @@ def test_negative_traced_ids_give_nan_rows_whatever_the_token_dtype(dtype):
     embed = jax.jit(lambda s, t: nnx.merge(graphdef, s).embed(t))
     rows = embed(state, jnp.asarray([[-1, 3]], dtype))
     assert bool(jnp.all(jnp.isnan(rows[0, 0]))) and bool(jnp.all(jnp.isfinite(rows[0, 1])))
+
+
+@pytest.mark.parametrize("bad_id", [2**31, 2**32 - 1])
+def test_uint32_traced_ids_past_int32_give_nan_rows_not_the_last_row(bad_id):
+    # The int32 cast turned 2**32 - 1 into -1, which read the last embedding row silently.
+    cfg = small_cfg(n_layers=1, d_model=16, n_heads=2)
+    model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    state = jax.tree.map(lambda x: jnp.full(x.shape, 0.01, x.dtype), state)
+    embed = jax.jit(lambda s, t: nnx.merge(graphdef, s).embed(t))
+    rows = embed(state, jnp.asarray([[bad_id, 3]], jnp.uint32))
+    assert bool(jnp.all(jnp.isnan(rows[0, 0]))) and bool(jnp.all(jnp.isfinite(rows[0, 1])))

@@ -7,7 +7,7 @@ import pathlib
 
 import numpy as np
 
-from jaxopt_train.data.sampling import batch_indices, check_positive_int, check_seed
+from jaxopt_train.data.sampling import batch_indices, check_positive_int, check_seed, held_out_count
 from jaxopt_train.data.tokens import SPLITS
 
 
@@ -164,16 +164,58 @@ def _val_size(num_examples: int, val_fraction: float) -> int:
     if num_examples < 2:
         raise ValueError(f"an image set needs at least 2 examples, one for the 'train' split and "
                          f"one for 'val', got num_examples={num_examples}; add examples")
-    return min(max(1, int(num_examples * val_fraction)), num_examples - 1)
+    return min(max(1, held_out_count(num_examples, val_fraction)), num_examples - 1)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser on uint64 (wrapping) arithmetic: a fixed integer hash."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def split_rows(num_examples: int, num_val: int, split_seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Returns the (train, val) example indices, each ascending: ``num_val`` for "val".
+
+    The ``num_val`` examples whose 64-bit hash of (``split_seed``, index) is smallest
+    are held out. Plain integer arithmetic, not a numpy Generator
+    (whose streams numpy does not promise to keep across versions) nor Python's
+    `hash` (salted per process): every process and every rerun gets the same split.
+
+    Example:
+      >>> [rows.tolist() for rows in split_rows(6, 2, 0)]
+      [[0, 2, 3, 5], [1, 4]]
+    """
+    seed_key = _splitmix64(np.array([split_seed & _MASK64], dtype=np.uint64))
+    keys = _splitmix64(np.arange(num_examples, dtype=np.uint64) ^ seed_key)
+    order = np.argsort(keys, kind="stable")
+    return np.sort(order[num_val:]), np.sort(order[:num_val])
 
 
 class ImageDataset:
     """Image batches ``{"images": float32 [B,H,W,C], "labels": int32 [B]}``.
 
-    Uses the same epoch-aware, seeded order as `TokenDataset`; the last
-    ``val_fraction`` of the examples form the "val" split, at least one example
-    and never all of them (`_val_size`), so both splits are disjoint and
-    non-empty and do not depend on the seed.
+    Uses the same epoch-aware, seeded order as `TokenDataset`. The "val" split is
+    ``val_fraction`` of the examples, at least one and never all of them
+    (`_val_size`), drawn by a seeded shuffle (`split_rows`) rather than taken
+    from the end: a file sorted by class would otherwise hold out one class.
+    The split depends only on ``split_seed`` and the number of examples, not on
+    ``seed`` (the batch order) nor on the numpy version or the process, so the
+    "train" and "val" datasets of one file are disjoint, cover it, and are the
+    same on every host and every rerun. Each split keeps its examples in file
+    order.
+
+    Args:
+      images: [N, H, W, C] uint8 or float.
+      labels: [N] integer class ids.
+      split: "train" or "val".
+      val_fraction: Share of the examples held out for "val", in (0, 1).
+      seed: Seed of the batch order.
+      split_seed: Seed of the train/val split; the same for both splits.
     """
 
     def __init__(
@@ -184,20 +226,33 @@ class ImageDataset:
         split: str = "train",
         val_fraction: float = 0.1,
         seed: int = 0,
+        split_seed: int = 0,
     ):
+        # Lists too (labels are often built as one): "'list' object has no attribute 'ndim'"
+        # otherwise. An ndarray, memory-mapped ones included, is kept as it is, uncopied.
+        images = images if isinstance(images, np.ndarray) else np.asarray(images)
+        labels = np.asarray(labels)
         check_image_arrays(images, labels)
         check_seed(seed)
+        if not isinstance(split_seed, (int, np.integer)) or isinstance(split_seed, bool) or split_seed < 0:
+            raise ValueError(f"split_seed={split_seed!r} must be a non-negative int")
         if split not in SPLITS:
             raise ValueError(f"split={split!r}; legal values: {SPLITS}")
-        if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"val_fraction={val_fraction!r} must be in (0, 1)")
         # The int32 cast below would wrap a larger id (2**32 + 4) round into another class.
         _check_range(labels, np.iinfo(np.int32).min, np.iinfo(np.int32).max + 1, "labels",
                      "labels must fit int32")
         num_val = _val_size(len(labels), val_fraction)
-        cut = slice(0, len(labels) - num_val) if split == "train" else slice(len(labels) - num_val, None)
-        self.images, self.labels = images[cut], labels[cut].astype(np.int32)
+        train_rows, val_rows = split_rows(len(labels), num_val, split_seed)
+        rows = train_rows if split == "train" else val_rows
+        self.rows = rows  # which examples of `images` this split holds, ascending
+        # Not images[rows]: that copy would read a memory-mapped image array whole into RAM.
+        self._all_images, self.labels = images, labels[rows].astype(np.int32)
         self.split, self.seed = split, seed
+
+    @property
+    def images(self) -> np.ndarray:
+        """This split's images, as stored (a copy, gathered on each access)."""
+        return self._all_images[self.rows]
 
     @property
     def num_examples(self) -> int:
@@ -210,7 +265,7 @@ class ImageDataset:
     def batch(self, step: int, batch_size: int, *, rows: slice | None = None) -> dict[str, np.ndarray]:
         """Returns batch ``step`` (uint8 images scaled to [0, 1])."""
         items, _ = batch_indices(step, batch_size, self.num_examples, self.seed, rows)
-        images = self.images[items]
+        images = self._all_images[self.rows[items]]
         if images.dtype == np.uint8:
             images = images.astype(np.float32) / np.float32(255.0)
         return {"images": images.astype(np.float32), "labels": self.labels[items]}

@@ -14,7 +14,7 @@ Tokens are bytes (vocab 256), so the corpus *is* the token array.
 
 from __future__ import annotations
 
-import functools
+import collections
 import os
 import pathlib
 import sys
@@ -108,8 +108,25 @@ def _file_signature(path: str) -> tuple:
     return tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
 
 
-@functools.lru_cache(maxsize=8)
-def _cached_corpus(path: str | None, max_bytes: int, signature: tuple) -> np.ndarray:  # noqa: ARG001
+# (path, max_bytes) -> (signature, corpus), least recently used first. Keyed without the
+# signature: an lru_cache keyed with it kept every stale version of an edited corpus
+# (up to 8 copies of a corpus read whole) although none could ever be served again.
+_CORPUS_CACHE: collections.OrderedDict[tuple, tuple[tuple, np.ndarray]] = collections.OrderedDict()
+_CORPUS_CACHE_SIZE = 8
+
+
+def _cached_corpus(path: str | None, max_bytes: int, signature: tuple) -> np.ndarray:
+    key = (path, max_bytes)
+    cached = _CORPUS_CACHE.pop(key, None)
+    if cached is None or cached[0] != signature:
+        cached = (signature, _read_corpus(path, max_bytes))
+    _CORPUS_CACHE[key] = cached
+    while len(_CORPUS_CACHE) > _CORPUS_CACHE_SIZE:
+        _CORPUS_CACHE.popitem(last=False)
+    return cached[1]
+
+
+def _read_corpus(path: str | None, max_bytes: int) -> np.ndarray:
     files = stdlib_source_files() if path is None else _text_files(pathlib.Path(path))
     corpus = _read_concatenated(files, max_bytes)
     if corpus.size == 0:
@@ -142,7 +159,9 @@ def load_text_corpus(
     """
     if max_bytes is None:
         max_bytes = DEFAULT_MAX_BYTES if path is None else sys.maxsize
-    if not isinstance(max_bytes, int) or max_bytes < 1:
+    # numpy ints count (as everywhere in jaxopt_train.data); True is not 1 byte.
+    if not isinstance(max_bytes, (int, np.integer)) or isinstance(max_bytes, bool) or max_bytes < 1:
         raise ValueError(f"max_bytes={max_bytes!r} must be a positive int or None")
+    max_bytes = int(max_bytes)
     key = None if path is None else str(pathlib.Path(path).resolve())
     return _cached_corpus(key, max_bytes, () if key is None else _file_signature(key))

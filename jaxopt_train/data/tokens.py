@@ -7,7 +7,7 @@ import pathlib
 
 import numpy as np
 
-from jaxopt_train.data.sampling import batch_indices, check_positive_int, check_seed
+from jaxopt_train.data.sampling import batch_indices, check_positive_int, check_seed, held_out_count
 
 TOKEN_FILE_DTYPES = ("uint16", "uint32")
 SPLITS = ("train", "val")
@@ -156,9 +156,7 @@ class TokenDataset:
         check_seed(seed)
         if split not in SPLITS:
             raise ValueError(f"split={split!r}; legal values: {SPLITS}")
-        if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"val_fraction={val_fraction!r} must be in (0, 1)")
-        num_val = int(tokens.size * val_fraction)
+        num_val = held_out_count(tokens.size, val_fraction)
         self.tokens = tokens[: tokens.size - num_val] if split == "train" else tokens[tokens.size - num_val :]
         if self.tokens.size < seq_len + 1:
             raise ValueError(

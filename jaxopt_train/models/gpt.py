@@ -289,8 +289,12 @@ class GPT(nnx.Module):
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
         # A negative id would wrap round to a real row (jnp.take); moved out of range it
         # gives a NaN row instead, as ids >= vocab_size already do, so the loss shows it.
-        # In int32: in int8 ids vocab_size=256 wrapped round to 0, a real row.
-        tokens = jnp.where(tokens < 0, self.config.vocab_size, tokens.astype(jnp.int32))
+        # In int32: in int8 ids vocab_size=256 wrapped round to 0, a real row. An id the
+        # int32 cast changes (uint32 past 2**31: 2**32 - 1 became -1, the last row) is
+        # moved out of range too.
+        ids = tokens.astype(jnp.int32)
+        wrapped = ids.astype(tokens.dtype) != tokens
+        tokens = jnp.where((ids < 0) | wrapped, self.config.vocab_size, ids)
         return self.wte(tokens) + self.wpe(positions)[None]
 
     def _check_tokens(self, tokens) -> jax.Array:

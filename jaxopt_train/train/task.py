@@ -161,7 +161,7 @@ def _vision_task(cfg: TrainConfig, policy: Policy) -> Task:
         check_labels(arrays["labels"], num_classes, f"labels of {cfg.data!r}")
         train_ds = ImageDataset(arrays["images"], arrays["labels"], split="train", seed=cfg.seed)
         val_ds = ImageDataset(arrays["images"], arrays["labels"], split="val", seed=cfg.seed)
-        _, height, width, channels = train_ds.images.shape
+        _, height, width, channels = arrays["images"].shape  # not train_ds.images: a copy
         image_size = (height, width)
         train_batch = lambda step: train_ds.batch(step, cfg.batch_size)  # noqa: E731
         eval_batch = lambda i: val_ds.batch(i, cfg.batch_size)  # noqa: E731
