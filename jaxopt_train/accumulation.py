@@ -98,6 +98,37 @@ def _split_microbatches(batch, num_microbatches: int):
     return jax.tree.map(split, batch)
 
 
+def sum_may_overflow(dtype) -> bool:
+    """True for float16 (and narrower): a sum of n means can overflow where their mean does not.
+
+    bfloat16 has float32's exponent range, so bf16 and f32 sums are safe: they add the
+    terms as they are and divide once, at the end (one rounding fewer). False for
+    non-float dtypes.
+    """
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return False
+    return jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp
+
+
+def _at_least(dtype, accum_dtype) -> np.dtype:
+    """The dtype a mean of `dtype` values runs in: `accum_dtype`, or `dtype` where that is wider
+    (float32 for float16 against bfloat16). A narrow accumulator is for the gradients' memory;
+    cast to float16, a loss-scaled float32 loss (3 * 2**15) was inf."""
+    dtype, accum_dtype = np.dtype(dtype), np.dtype(accum_dtype)
+    bits, accum_bits = jnp.finfo(dtype).bits, jnp.finfo(accum_dtype).bits
+    if bits == accum_bits and dtype != accum_dtype:
+        return np.dtype(np.float32)
+    return dtype if bits > accum_bits else accum_dtype
+
+
+def mean_term(x, n: int, dtype):
+    """`x` as one of n terms of a mean in `dtype`: `x / n` (in f32) where `dtype`'s sum may
+    overflow, else `x` itself, to be divided by n after the sum."""
+    if sum_may_overflow(dtype):
+        return (x.astype(jnp.float32) / n).astype(dtype)
+    return x.astype(dtype)
+
+
 def _zeros_like(x, dtype):
     # Inside shard_map a gradient carries its param's varying axes; the scan
     # carry must start with the same ones.
@@ -121,7 +152,7 @@ def _combine_aux(aux, how: str, accum_dtype):
             return jnp.all(x, axis=0) if how == "mean" else jnp.any(x, axis=0)
         if how == "sum" or not jnp.issubdtype(x.dtype, jnp.floating):
             return jnp.sum(x, axis=0, dtype=x.dtype)
-        return jnp.mean(x.astype(accum_dtype), axis=0).astype(x.dtype)
+        return jnp.mean(x.astype(_at_least(x.dtype, accum_dtype)), axis=0).astype(x.dtype)
     return jax.tree.map(one, aux)
 
 
@@ -156,7 +187,9 @@ def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
       num_microbatches: K; the batch's leading axis B must be divisible by K.
         Micro-batch k holds rows `k::K` of every batch leaf (shard-friendly).
       accum_dtype: dtype of the gradient and loss accumulators (f32 keeps
-        bf16 gradients from losing low bits over K additions).
+        bf16 gradients from losing low bits over K additions); a loss or aux
+        value of a wider dtype is averaged in its own. With a float16
+        accumulator each gradient is divided by K before it is added.
       has_aux: as in `jax.value_and_grad`.
       aux_combine: how per-micro-batch aux values combine: "mean" (default:
         floating leaves are averaged, so per-batch means match the full batch;
@@ -255,7 +288,7 @@ def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
             out, grads = value_and_grad(params, micro_batch, *args)
             loss, aux = out if has_aux else (out, None)
             if weight_fn is None:
-                grads = jax.tree.map(lambda g: g.astype(accum_dtype), grads)
+                grads = jax.tree.map(lambda g: mean_term(g, num_microbatches, accum_dtype), grads)
             else:  # a share of 0 adds nothing (not NaN * 0 from a mean over no tokens)
                 grads = jax.tree.map(
                     lambda g: jnp.where(share > 0, g.astype(jnp.float32) * share, 0).astype(accum_dtype),
@@ -267,8 +300,9 @@ def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
         grad_sum, (losses, aux) = lax.scan(body, zeros, (micro, keys, shares))
         # A gradient has its primal's dtype: cast the f32 means back to it.
         if weight_fn is None:
-            loss = jnp.mean(losses.astype(accum_dtype)).astype(losses.dtype)
-            grads = jax.tree.map(lambda s, p: (s / num_microbatches).astype(jnp.result_type(p)),
+            loss = jnp.mean(losses.astype(_at_least(losses.dtype, accum_dtype))).astype(losses.dtype)
+            divisor = 1 if sum_may_overflow(accum_dtype) else num_microbatches  # else done per term
+            grads = jax.tree.map(lambda s, p: (s / divisor).astype(jnp.result_type(p)),
                                  grad_sum, params)
         else:  # a total weight of 0 is NaN, as the full batch's mean over no tokens
             loss = jnp.sum(jnp.where(shares > 0, shares * losses.astype(jnp.float32), 0))
@@ -329,8 +363,10 @@ def data_parallel_value_and_grad(loss_fn: Callable[..., Any], num_microbatches: 
     `lax.pmean` of `(loss, grads)` runs after the scan, so the step has a single
     all-reduce however many micro-batches there are. Aux values (with
     `has_aux`) stay per-device. With `weight_fn` (see `accumulate_gradients`)
-    devices count in proportion to their batch's weight too (`weighted_share`:
-    one more, scalar, `lax.psum`, of the weights).
+    devices count in proportion to their batch's weight too (one more, scalar,
+    `lax.psum`, of the weights). Float16 leaves are divided by the number of
+    devices (or scaled by their weight's share) before the sum, which would
+    otherwise overflow where the mean does not.
 
     Returns:
       `fn(params, local_batch, *extra) -> (loss, grads)` (or
@@ -342,11 +378,32 @@ def data_parallel_value_and_grad(loss_fn: Callable[..., Any], num_microbatches: 
     def fn(params, batch, *extra):
         out, grads = local(to_varying(params, axis_name), batch, *extra)
         loss, aux = out if has_aux else (out, None)
-        if weight_fn is not None:
-            loss, grads = weighted_share((loss, grads), batch_weight(weight_fn, batch), axis_name)
-        loss, grads = lax.pmean((loss, grads), axis_name)
+        weight = None if weight_fn is None else batch_weight(weight_fn, batch)
+        loss, grads = _device_mean((loss, grads), axis_name, weight)
         return ((loss, aux), grads) if has_aux else (loss, grads)
     return fn
+
+
+def _device_mean(tree, axis_name, weight=None):
+    """`lax.pmean(tree, axis_name)`, or with `weight` the weighted mean sum(w * x) / sum(w),
+    in one `lax.psum` of `tree`.
+
+    Each device's term is scaled before the sum where the sum could overflow: a psum of
+    n float16 means (loss-scaled gradients) passes 65,504 where their mean does not, and
+    so does `weighted_share`'s x * n * w / sum(w) on a device holding most of the weight.
+    bf16 and f32 leaves without a weight are summed as they are and divided once.
+    """
+    n = lax.psum(1, axis_name)
+    if weight is None:
+        summed = lax.psum(jax.tree.map(lambda x: mean_term(x, n, x.dtype), tree), axis_name)
+        return jax.tree.map(lambda s: s if sum_may_overflow(s.dtype) else s / n, summed)
+    weight = jnp.asarray(weight, jnp.float32)
+    total = lax.psum(weight, axis_name)
+
+    def term(x):  # a device of weight 0 adds 0 (its own mean over no tokens may be NaN)
+        share = jnp.where(weight > 0, x.astype(jnp.float32) * (weight / total), 0)
+        return jnp.where(total > 0, share, jnp.nan).astype(x.dtype)
+    return lax.psum(jax.tree.map(term, tree), axis_name)
 
 
 def weighted_share(tree, weight: jax.Array, axis_name) -> Any:
@@ -355,7 +412,9 @@ def weighted_share(tree, weight: jax.Array, axis_name) -> Any:
     Call inside `jax.shard_map`: each leaf x becomes x * n * w / sum(w) (n devices,
     w this device's `weight`, the sum a scalar `lax.psum`), so the usual
     `pmean` (or sum / n) that follows gives sum(w * x) / sum(w). The factor is about
-    1, so loss-scaled fp16 or bf16 gradients keep their range; it is applied in f32
+    1 while devices hold similar weights, but up to n on a device holding most of it,
+    which can take loss-scaled fp16 gradients (and that pmean's sum) past 65,504;
+    `data_parallel_value_and_grad` scales by w / sum(w) instead. It is applied in f32
     and the leaf keeps its dtype. A device of weight 0 contributes 0 (its own mean
     over no tokens may be NaN); a total weight of 0 makes every leaf NaN.
     """

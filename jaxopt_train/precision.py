@@ -392,13 +392,25 @@ def _check_leaves_match(given, expected, given_name: str, expected_name: str, *,
                              f"{_leaf_dtype(e)}, the dtype of {expected_name}{where}")
 
 
+def _widen_to_param(grad, param):
+    """`grad` in `param`'s dtype where that is wider (float32 for float16 against bfloat16)."""
+    if not (is_floating_array(grad) and is_floating_array(param)) or grad.dtype == param.dtype:
+        return grad
+    grad_bits, param_bits = jnp.finfo(grad.dtype).bits, jnp.finfo(param.dtype).bits
+    if param_bits > grad_bits:
+        return grad.astype(param.dtype)
+    return grad.astype(jnp.float32) if param_bits == grad_bits else grad
+
+
 def apply_updates_if_finite(optimizer, grads, opt_state, params, loss_scale: LossScale,
                             **extra_args):
     """Unscales `grads`, applies one optax step only if they are all finite.
 
     Args:
       optimizer: an `optax.GradientTransformation`.
-      grads: gradients of the *scaled* loss (pytree like `params`).
+      grads: gradients of the *scaled* loss (pytree like `params`); a leaf narrower
+        than its param (float16 for float32 master weights) is widened to the
+        param's dtype before it is unscaled.
       opt_state: the optimizer state.
       params: the (f32 master) parameters.
       loss_scale: the loss scale used for `grads`.
@@ -415,6 +427,10 @@ def apply_updates_if_finite(optimizer, grads, opt_state, params, loss_scale: Los
 
     # optax would broadcast a (1,) or () gradient onto a (3,) param without a word.
     _check_leaves_match(grads, params, "grads", "params", dtypes=False)
+    # Unscaled in float16 (which `unscale` returns for float16 leaves), a gradient below
+    # ~6e-8, kept representable by the loss scale, flushes to 0 before the optimizer sees
+    # it: widen to the params' dtype first, which the optimizer's arithmetic promotes to.
+    grads = jax.tree.map(_widen_to_param, grads, params)
     grads = loss_scale.unscale(grads)
     finite = all_finite(grads)
     updates, new_opt_state = optimizer.update(grads, opt_state, params, **extra_args)

@@ -475,3 +475,77 @@ def test_multi_steps_with_loss_scaled_grads_matches_full_batch_sgd():
     grads = jax.jit(jax.grad(loss_fn))(params, batch)
     want = jax.tree.map(lambda w, g: w - lr * g, params, grads)
     _assert_trees_close(p, want, rtol=1e-5, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- float16 sums
+
+
+def _fp16_scaled_problem(batch=16, tokens=1):
+    """f16 params and inputs, an f32 loss times a loss scale of 2**11: each micro-batch's
+    f16 gradients are ~1e4, so a sum of 8 of them passes f16's 65,504; their mean does not."""
+    kx, kw = jax.random.split(jax.random.key(0))
+    params = {"w": (jax.random.normal(kw, (6, 3)) * 0.1).astype(jnp.float16)}
+    data = {"x": (jax.random.normal(kx, (batch, tokens, 6)) + 1.0).astype(jnp.float16),
+            "y": jnp.full((batch, tokens, 3), -3.0), "mask": jnp.ones((batch, tokens))}
+    return params, data
+
+
+def _fp16_scaled_loss(params, batch):
+    err = jnp.sum(((batch["x"] @ params["w"]).astype(jnp.float32) - batch["y"]) ** 2, axis=-1)
+    return 2.0**11 * jnp.sum(err * batch["mask"]) / jnp.sum(batch["mask"])
+
+
+def _fp16_reference(params, batch):
+    """The full-batch loss and gradients in f32 (from the same f16-rounded values)."""
+    return jax.jit(jax.value_and_grad(_fp16_scaled_loss))(*prec.cast_floating((params, batch), "f32"))
+
+
+def _assert_close_in_fp16(loss, grads, want_loss, want_grads):
+    assert grads["w"].dtype == jnp.float16 and np.isfinite(np.asarray(grads["w"], np.float32)).all()
+    assert np.abs(want_grads["w"]).max() * 8 > np.finfo(np.float16).max  # a sum of 8 overflows
+    np.testing.assert_allclose(np.float32(loss), want_loss, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grads["w"], np.float32), want_grads["w"], rtol=1e-2)
+
+
+@pytest.mark.parametrize("accum_dtype", ["f16", "bf16", "f32"])
+def test_fp16_gradients_are_averaged_not_summed_past_fp16_range(accum_dtype):
+    # Eight micro-batch gradients of ~1e4 summed in an f16 accumulator were inf.
+    params, batch = _fp16_scaled_problem()
+    want_loss, want_grads = _fp16_reference(params, batch)
+    loss, grads = jax.jit(accumulate_gradients(_fp16_scaled_loss, 8, accum_dtype=accum_dtype))(
+        params, batch)
+    _assert_close_in_fp16(loss, grads, want_loss, want_grads)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_data_parallel_fp16_gradients_do_not_overflow_the_device_sum(weighted):
+    # A pmean of f16 gradients is a psum (8 devices x ~1e4: inf) then / 8; weighted,
+    # with every token on device 0, weighted_share made that device's 8 x ~1e4 first.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    params, batch = _fp16_scaled_problem(batch=64, tokens=2)
+    if weighted:
+        batch["mask"] = batch["mask"].at[8:].set(0.0)
+    step = jax.jit(jax.shard_map(
+        data_parallel_value_and_grad(_fp16_scaled_loss, 2, "data",
+                                     weight_fn=_token_weight if weighted else None),
+        mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+    loss, grads = step(jax.device_put(params, NamedSharding(mesh, P())),
+                       jax.device_put(batch, NamedSharding(mesh, P("data"))))
+    _assert_close_in_fp16(loss, grads, *_fp16_reference(params, batch))
+
+
+@pytest.mark.parametrize("accum_dtype", ["f16", "bf16"])
+def test_f32_loss_and_aux_are_averaged_in_f32_with_narrow_accumulators(accum_dtype):
+    # A loss scale of 2**15 takes the f32 loss to ~7e5: cast to an f16 accumulator it was
+    # inf (aux too), and rounded to bf16 it lost its low bits, while the gradients were fine.
+    def loss_fn(params, batch):
+        loss = 2.0**15 * _fp16_scaled_loss(params, batch) / 2.0**11
+        return loss, {"scaled": loss}
+    params, batch = _fp16_scaled_problem()
+    params, batch = prec.cast_floating((params, batch), "f32")
+    (want, _), _ = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, batch)
+    (loss, aux), _ = jax.jit(accumulate_gradients(loss_fn, 4, accum_dtype=accum_dtype, has_aux=True))(
+        params, batch)
+    assert loss.dtype == aux["scaled"].dtype == jnp.float32 and float(want) > 2 * 65504
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    np.testing.assert_allclose(aux["scaled"], want, rtol=1e-6)

@@ -592,3 +592,21 @@ def test_adam_under_standard_promotion_is_skipped_too():
     assert not bool(ok) and int(ls1.skipped_steps) == 1
     np.testing.assert_array_equal(p1["w"], params["w"])
     assert int(s1[0].count) == 0
+
+
+def test_fp16_gradients_of_f32_params_are_unscaled_in_f32():
+    # Loss scaling keeps 1e-8 representable in fp16 (as 3.3e-4 at 2**15); unscaled back
+    # in fp16 it was 0 (and 1e-7 off by 19%) before the f32 optimizer saw it.
+    params = {"w": jnp.zeros((4,), jnp.float32)}
+    want = jnp.asarray([1e-8, 1e-7, 3e-6, 1e-3], jnp.float32)
+    scale = prec.StaticLossScale(2.0**15)
+    grads = {"w": (want * 2.0**15).astype(jnp.float16)}
+    optimizer = optax.sgd(1.0)
+    step = jax.jit(lambda g, p: prec.apply_updates_if_finite(optimizer, g, optimizer.init(p), p, scale))
+    with jax.numpy_dtype_promotion("standard"):  # JAX's default, where optax mixes them
+        new_params, _, _, finite = step(grads, params)
+    assert bool(finite) and new_params["w"].dtype == jnp.float32
+    # Reference: plain SGD on the f32 gradients the fp16 ones hold (rounded to fp16 once).
+    reference = -np.asarray(grads["w"], np.float32) / 2.0**15
+    np.testing.assert_allclose(new_params["w"], reference, rtol=1e-6)
+    np.testing.assert_allclose(new_params["w"], -want, rtol=1e-3)

@@ -565,3 +565,26 @@ def test_bf16_gradients_and_optimizer_state_follow_the_reference_sgd_step():
 def test_grad_and_state_dtype_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Trainer(_MLP(nnx.Rngs(0)), _mse, precision="bf16", devices=jax.devices()[:2], **kwargs)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_fp16_gradients_are_divided_by_the_devices_before_their_sum(zero):
+    """fp16 gradients w.r.t. the fp16 compute copy (grad_dtype="compute") meet in one
+    cross-device sum. Each device's loss-scaled bias gradient here is 20,000 (finite in
+    fp16); the sum of 8 passed 65,504, so every step was skipped as non-finite (and the
+    dynamic scale cut) although the mean, 20,000, fits. fp16 leaves are now divided by
+    the device count first, as PyTorch DDP does."""
+    from jaxopt_train.loss_scale import DynamicLossScale
+
+    scale = float(DynamicLossScale().loss_scale)
+    c = 20_000 / scale
+    model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+    trainer = Trainer(model, lambda m, b: jnp.mean(m(b["x"]).astype(jnp.float32)) * c,
+                      precision="fp16", grad_dtype="compute", optimizer=optax.sgd(1e-3), zero=zero)
+    assert trainer.mesh.shape["data"] == 8
+    bias = float(np.asarray(trainer.params["bias"])[0])
+    metrics = trainer.step({"x": np.full((16, 4), 0.5, np.float32)})
+    assert bool(metrics["finite"][0]) and int(trainer.state.loss_scale.skipped_steps) == 0
+    # d loss / d bias = c on every device: SGD moves the bias by lr * c.
+    np.testing.assert_allclose(float(np.asarray(trainer.params["bias"])[0]), bias - 1e-3 * c,
+                               rtol=1e-3)

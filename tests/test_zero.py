@@ -535,3 +535,25 @@ def test_elementwise_mismatch_accepts_schedule_free_at_xla_default_optimisation_
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == "None None", run.stdout
+
+
+@pytest.mark.parametrize("stage, method", [(0, "psum"), (1, "psum"), (3, "psum"), (1, "ring")])
+def test_fp16_gradients_are_averaged_over_devices_not_summed_past_fp16_range(mesh, stage, method):
+    # Each device's f16 gradient is ~2e4: their sum over 8 devices (inf in f16) was taken
+    # before the division by 8, so SGD wrote -inf into every parameter.
+    params = {"w": jnp.zeros((16,), jnp.float16), "b": jnp.zeros((8,), jnp.float16)}
+
+    def loss(params, batch):
+        return jnp.mean(batch["x"] @ params["w"] + jnp.sum(params["b"]) * 1e3)
+    batch = {"x": (2e4 * (1 + jax.random.uniform(jax.random.key(0), (N * 2, 16)))).astype(jnp.float16)}
+    lr = 1e-4
+    zero = make_zero_step(loss, optax.sgd(lr), params, mesh, stage=stage, method=method)
+    state, _ = zero.step(zero.init(params), jax.device_put(batch, jax.sharding.NamedSharding(mesh, P("data"))))
+    got = zero.layout.unflatten(state.params) if stage == 3 else state.params
+    # Reference: one full-batch SGD step in f32 on the same f16 values.
+    f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # noqa: E731
+    grads = jax.grad(loss)(f32(params), f32(batch))
+    assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads)) * N > float(np.finfo(np.float16).max)
+    for name in params:
+        assert got[name].dtype == jnp.float16
+        np.testing.assert_allclose(np.asarray(got[name], np.float32), -lr * grads[name], rtol=2e-3)

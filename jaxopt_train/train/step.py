@@ -23,7 +23,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxopt_train.accumulation import accumulate_gradients, batch_weight, weighted_share
+from jaxopt_train.accumulation import (accumulate_gradients, batch_weight, mean_term,
+                                       sum_may_overflow, weighted_share)
 from jaxopt_train.collectives import all_reduce_tree, init_error_feedback
 from jaxopt_train.precision import all_finite, select_tree
 from jaxopt_train.train.state import TrainState
@@ -155,10 +156,16 @@ def make_step_body(loss: Callable, optimizer: optax.GradientTransformation, *,
         # The one cross-device reduction of this optimizer step. (Error feedback
         # holds loss-scaled units: a changed fp16 scale mis-weights one step's
         # correction by the same factor, a bounded and transient error.)
+        # fp16 leaves are divided by n before the sum (as PyTorch DDP's hook does): a sum of
+        # n loss-scaled fp16 gradients passes 65,504 where their mean does not. bf16 and f32
+        # are summed as they are and divided once, after.
+        divided = jax.tree.map(lambda g: sum_may_overflow(g.dtype), grads)
+        grads = jax.tree.map(lambda g: mean_term(g, num_devices, g.dtype), grads)
         grads, grad_error = reduce_grads(grads, state.grad_error)
         if grad_cast is not None:  # widen before averaging/unscaling: no fp16 underflow
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-        grads = state.loss_scale.unscale(jax.tree.map(lambda g: g / num_devices, grads))
+        grads = state.loss_scale.unscale(
+            jax.tree.map(lambda g, d: g if d else g / num_devices, grads, divided))
         finite = all_finite(grads)
         # optax mixes Python floats with int32 counts (Adam's b1**count), which
         # strict promotion (our tests' setting) rejects.

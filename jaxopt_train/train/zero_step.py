@@ -42,6 +42,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxopt_train.accumulation import mean_term, sum_may_overflow
 from jaxopt_train.precision import all_finite, select_tree
 from jaxopt_train.train.state import TrainState
 from jaxopt_train.train.step import local_gradients
@@ -189,10 +190,15 @@ def _leaf_norm_and_finite(grads, specs):
 def _update_shards(state: TrainState, grads, own, optimizer, param_specs, *, num_devices: int,
                    method: str, clip_norm: float):
     """Full per-device gradients -> (finite-selected new shards, opt state, finite, norm)."""
+    # fp16 leaves are divided by n before the sum, which can pass 65,504 where the mean
+    # does not (`train.step.make_step_body`); the others after it.
+    divided = jax.tree.map(lambda g: sum_may_overflow(g.dtype), grads)
+    grads = jax.tree.map(lambda g: mean_term(g, num_devices, g.dtype), grads)
     # One reduce-scatter per sharded leaf, each free to start once its gradient exists.
     grads = reduce_scatter_leaves(grads, param_specs, AXIS, method=method)
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype) / jnp.asarray(num_devices, p.dtype),
-                         grads, own)
+    grads = jax.tree.map(lambda g, p, d: g.astype(p.dtype) if d
+                         else g.astype(p.dtype) / jnp.asarray(num_devices, p.dtype),
+                         grads, own, divided)
     grads = state.loss_scale.unscale(grads)
     norm, finite = _leaf_norm_and_finite(grads, param_specs)
     if clip_norm:

@@ -14,6 +14,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxopt_train.accumulation import mean_term, sum_may_overflow
 from jaxopt_train.collectives import all_reduce_tree
 from jaxopt_train.zero._checks import _check, _mesh_axis_size
 from jaxopt_train.zero.elementwise import elementwise_mismatch
@@ -92,15 +93,21 @@ def make_zero_step(loss_fn: Callable, optimizer: optax.GradientTransformation, p
             updates, opt_state = optimizer.update(grad, opt_state, param)
         return optax.apply_updates(param, updates), opt_state
 
+    # Means over devices: a float16 term is divided by n before the sum, which can pass
+    # 65,504 where the mean does not (bf16 and f32 terms are summed, then divided once).
+    term = lambda x: mean_term(x, n, x.dtype)  # noqa: E731
+    mean_of_sum = lambda x: x if sum_may_overflow(x.dtype) else x / n  # noqa: E731
+
     def per_device(state: ZeroState, batch):
         full = gather_params(state.params, layout, axis_name, method) if stage == 3 else state.params
         loss, grads = jax.value_and_grad(loss_fn)(full, batch)
-        loss = lax.pmean(loss, axis_name)
+        loss = mean_of_sum(lax.psum(term(loss), axis_name))
+        grads = jax.tree.map(term, grads)
         if stage == 0:
             grads = all_reduce_tree(grads, axis_name, method=method)
-            grads = jax.tree.map(lambda g: g / n, grads)
+            grads = jax.tree.map(mean_of_sum, grads)
             return ZeroState(*update(grads, state.opt_state, full)), loss
-        grad_slice = reduce_scatter_grads(grads, layout, axis_name, method) / n
+        grad_slice = mean_of_sum(reduce_scatter_grads(grads, layout, axis_name, method))
         own = state.params if stage == 3 else local_slice(layout.flatten(full), layout, axis_name)
         new_slice, opt_state = update(grad_slice, state.opt_state, own)
         new_params = new_slice if stage == 3 else gather_params(new_slice, layout, axis_name, method)
