@@ -39,11 +39,14 @@ def varying_axes_of_tree(tree) -> tuple[str, ...]:
 def to_varying(tree, axis_names: str | tuple[str, ...]):
     """Every array leaf of `tree` cast to vary along `axis_names` too (`lax.pcast`)."""
     axis_names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+    # Only shard_map's (and pmap's) manual axes have a varying type; pcast of any
+    # other name (a vmap axis, or none bound) raises "should be called under jax.shard_map".
+    manual = frozenset(jax.sharding.get_abstract_mesh().manual_axes)
 
     def one(x):
         if not hasattr(x, "dtype"):
             return x
-        missing = tuple(a for a in axis_names if a not in varying_axes(x))
+        missing = tuple(a for a in axis_names if a in manual and a not in varying_axes(x))
         if not missing:
             return x
         if hasattr(lax, "pcast"):

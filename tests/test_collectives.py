@@ -393,3 +393,65 @@ def test_wire_cast_pins_only_casts_that_round(src, dst, pinned):
     got = jax.jit(lambda v: wire_cast(v, dst))(x)
     assert got.dtype == jnp.dtype(dst)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(x.astype(dst)))
+
+
+def test_ring_all_reduce_on_1_device_is_exact_like_psum_whatever_the_wire():
+    """Nothing travels on 1 device, yet a narrower wire_dtype used to round the result
+    (f32 data came back bf16-rounded) where lax.psum returns the input unchanged."""
+    mesh1 = jax.make_mesh((1,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:1])
+    mesh1x1 = jax.make_mesh((1, 1), ("a", "b"), axis_types=(AUTO, AUTO), devices=jax.devices()[:1])
+    x = jnp.float32(1.0) + jnp.arange(7, dtype=jnp.float32) * 2.0**-12  # not bf16-representable
+    wire = jnp.bfloat16
+
+    def body(v):
+        return {"ring": ring_all_reduce(v, "data", wire_dtype=wire),
+                "bidir": ring_all_reduce(v, "data", wire_dtype=wire, bidirectional=True, num_chunks=2),
+                "grouped": grouped_all_reduce(v, "data", 1, wire_dtype=wire),
+                "ref": lax.psum(v, "data")}
+
+    out = _smap(body, mesh1, P("data"), P("data"))(x)
+    hier = _smap(lambda v: (hierarchical_all_reduce(v, "b", "a", wire_dtype=wire), lax.psum(v, ("a", "b"))),
+                 mesh1x1, P(("a", "b")), P(("a", "b")))(x)
+    for key, got in list(out.items()) + [("hier", hier[0]), ("hier_ref", hier[1])]:
+        assert got.dtype == jnp.float32, key
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(out["ref"]), err_msg=key)
+    np.testing.assert_array_equal(np.asarray(out["ref"]), np.asarray(x))
+    with pytest.raises(TypeError, match="wire_dtype=int8 cannot carry float32 data"):  # still validated
+        _smap(lambda v: ring_all_reduce(v, "data", wire_dtype=jnp.int8), mesh1, P("data"), P("data")).trace(x)
+
+
+def test_numpy_integer_group_size_and_num_chunks_are_ints():
+    """np.int64(2) (e.g. from mesh arithmetic) was refused as "group_size=np.int64(2) must be a
+    positive divisor of the size 4", though it is one; ring_order= already took numpy integers."""
+    mesh4 = jax.make_mesh((4,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:4])
+    two = np.int64(2)
+
+    def body(v):
+        return {"grouped": grouped_all_reduce(v, "data", two, num_chunks=two),
+                "tree": all_reduce_tree(v, "data", method="hierarchical", group_size=two, num_chunks=two),
+                "ring": ring_all_reduce(v, "data", num_chunks=np.int32(3)), "ref": lax.psum(v, "data")}
+
+    x = _inputs(mesh4, "data", 3, 5, jnp.float32, integer_valued=True)
+    out = _smap(body, mesh4, P("data"), P("data"))(x)
+    for key in ("grouped", "tree", "ring"):
+        np.testing.assert_array_equal(np.asarray(out[key]), np.asarray(out["ref"]), err_msg=key)
+
+
+def test_to_varying_is_a_no_op_outside_shard_map_as_documented():
+    """_typed_sharding says its helpers are no-ops outside shard_map; to_varying used to call
+    lax.pcast there (no axis bound, or a vmap axis) and raise "should be called under jax.shard_map"."""
+    from jaxopt_train._typed_sharding import to_varying, varying_axes
+
+    x = jnp.arange(6, dtype=jnp.float32).reshape(2, 3)
+    assert to_varying(x, "data") is x
+    got = jax.vmap(lambda v: to_varying(v, "i") + lax.psum(v, "i"), axis_name="i")(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(x + x.sum(0)))
+    mesh = _mesh((2, 4), ("a", "b"))  # inside shard_map it still casts, and only to the mesh's axes
+    seen = {}
+
+    def body(v):
+        seen["vma"] = varying_axes(to_varying(jax.vmap(lambda r: to_varying(r, ("b", "j")), axis_name="j")(v), "b"))
+        return v
+
+    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("a"), out_specs=P("a")))(jnp.zeros((4, 3)))
+    assert seen["vma"] == {"a", "b"}

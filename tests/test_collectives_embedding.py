@@ -140,3 +140,21 @@ def test_gpt_step_with_exchange_matches_plain_all_reduce(tie):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6,
                                    err_msg=jax.tree_util.keystr(path))
     assert float(jnp.abs(got["wte"]["embedding"][...]).sum()) > 0
+
+
+@pytest.mark.parametrize("tokens, d", [(0, 3), (2, 0)])
+def test_exchange_of_an_empty_lookup_is_psum_of_zeros(tokens, d):
+    # No tokens (or d=0) used to fail to lower ("dimension size of operand at 'all_gather_dim'
+    # cannot be zero") or divide by zero reshaping to (-1, d); lax.psum of the local gradient is zeros.
+    mesh, vocab = _mesh(), 5
+    ids = jnp.ones((8, tokens), jnp.int32)
+    cot = jnp.ones((8, tokens, d), jnp.bfloat16)
+
+    def body(i, c):
+        local = jnp.zeros((vocab, d), jnp.float32).at[i.reshape(-1)].add(c.reshape(i.size, d).astype(jnp.float32))
+        return embedding_grad_exchange(i, c, "data", vocab), lax.psum(local, "data").astype(c.dtype)
+
+    got, want = _smap(body, mesh, (P("data"), P("data")), (P(), P()))(
+        jax.device_put(ids, NamedSharding(mesh, P("data"))), jax.device_put(cot, NamedSharding(mesh, P("data"))))
+    assert got.shape == want.shape == (vocab, d) and got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -73,6 +73,9 @@ def embedding_grad_exchange(ids: jax.Array, cotangent: jax.Array, axis_name: Axi
                         f"got {out_dtype=}")
     axis_size(axis_name)  # a clear error when the axis is not bound here
     d = cotangent.shape[-1]
+    dtype = cotangent.dtype if out_dtype is None else out_dtype
+    if cotangent.size == 0:  # every device has these shapes: no rows to add (XLA cannot gather size 0)
+        return jnp.zeros((int(num_embeddings), d), dtype)
     if jnp.dtype(ids.dtype).itemsize < 4:  # so that num_embeddings itself fits in the comparison
         ids = ids.astype(jnp.int32)
     all_ids = lax.all_gather(ids.reshape(-1), axis_name, tiled=True)
@@ -82,4 +85,4 @@ def embedding_grad_exchange(ids: jax.Array, cotangent: jax.Array, axis_name: Axi
     grad = jnp.zeros((int(num_embeddings), d), jnp.float32).at[jnp.where(in_range, all_ids, 0)].add(
         all_rows.astype(jnp.float32))
     grad = jnp.where(jnp.all(in_range), grad, jnp.nan)
-    return grad.astype(cotangent.dtype if out_dtype is None else out_dtype)
+    return grad.astype(dtype)

@@ -173,7 +173,9 @@ def peer_all_reduce(x, axis_name: AxisName, *, wire_dtype=None, tile: int = DEFA
     _check_config(tile, ctas_per_sm)
     check_platform()
     accum = accumulation_dtype(x_dtype)
-    narrow = wire.itemsize < x_dtype.itemsize  # only then can the cast round
+    # A cast can round unless it widens: f16 <-> bf16 rounds at equal width (mantissa one way,
+    # exponent range the other), and then the peer must add this device's rounded copy too.
+    narrow = wire != x_dtype and wire.itemsize <= x_dtype.itemsize
     flat = x.reshape(-1)
     n = flat.size
     if n == 0:  # no tile to send: a kernel with no outputs, and nothing to add

@@ -227,9 +227,9 @@ def _wire_dtype(x, wire_dtype) -> np.dtype:
 
 
 def _check_num_chunks(num_chunks: int) -> int:
-    if not isinstance(num_chunks, int) or isinstance(num_chunks, bool) or num_chunks < 1:
+    if not isinstance(num_chunks, (int, np.integer)) or isinstance(num_chunks, bool) or num_chunks < 1:
         raise ValueError(f"{num_chunks=} must be a positive int (pieces per shard for pipelining)")
-    return num_chunks
+    return int(num_chunks)
 
 
 def ring_reduce_scatter(x, axis_name: AxisName, *, ring_order: Sequence[int] | None = None,
@@ -383,6 +383,10 @@ def all_reduce_rings(x, rings: Sequence[_Ring], *, wire_dtype=None, num_chunks: 
     """
     _check_floating_or_int(x, "the ring all-reduce")
     active = [r for r in rings if r.size > 1]
+    if not active:  # nothing travels: a wire rounding here would lose what lax.psum keeps
+        _wire_dtype(x, wire_dtype)
+        _check_num_chunks(num_chunks)
+        return jnp.asarray(x)
     if len(active) == 1 and active[0].size == 2:
         return exchange_all_reduce(x, active[0], wire_dtype=wire_dtype, num_chunks=num_chunks)
     accum = accumulation_dtype(x.dtype)
