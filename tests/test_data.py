@@ -408,3 +408,16 @@ def test_the_held_out_share_is_what_the_fraction_says(fraction, want):
     assert images.num_examples == want
     with pytest.raises(ValueError, match="val_fraction=nan must be a number in"):
         ImageDataset(np.zeros((4, 2, 2, 1), np.uint8), np.zeros(4, np.int32), val_fraction=float("nan"))
+
+
+def test_epoch_orders_are_cached_in_uint32_and_unchanged():
+    """The cached order of an epoch is uint32 (half numpy's int64 draw) and the same order."""
+    from jaxopt_train.data.sampling import batch_indices, epoch_permutation
+
+    perm = epoch_permutation(1000, 3, 2)
+    assert perm.dtype == np.uint32 and not perm.flags.writeable
+    np.testing.assert_array_equal(perm, np.random.default_rng([3, 2]).permutation(1000))
+    items, epochs = batch_indices(2, 600, 1000, 3)  # rows 1200..1799: epoch 1
+    assert items.dtype == np.int64
+    np.testing.assert_array_equal(items, np.random.default_rng([3, 1]).permutation(1000)[200:800])
+    np.testing.assert_array_equal(epochs, 1)
