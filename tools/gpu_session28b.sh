@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Twenty-eighth session, call C (~4 min on nvidia-h200), on the tree after this session's
+# review fixes: jax 0.11's AbstractMesh.manual_axes (to_varying reads it) inside and outside
+# shard_map; gpt-tiny in fp16 with gradients in fp16 (--grad-dtype compute) over 2 micro-batches
+# (the fp16 means now divide before they sum); then every GPU test outside
+# tests/test_kernels_gpu.py.
+#   bash tools/gpu_session28b.sh   # carry [".whl"]
+set -u
+OUT=${OUT:-/tmp/s28b_out}; R=/tmp/s28b; mkdir -p "$R" "$OUT"
+export DEADLINE=${DEADLINE:-400}
+source "$(dirname "$0")/gpu_common.sh"
+install_whl
+export PYTHONPATH=/tmp/site:$PYTHONPATH CUDA_VISIBLE_DEVICES=0
+cat > "$R/varying.py" <<'PYEOF'
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import PartitionSpec as P
+from jaxopt_train.accumulation import data_parallel_value_and_grad
+print("jax", jax.__version__, "manual_axes" , hasattr(jax.sharding.get_abstract_mesh(), "manual_axes"))
+mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+loss = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)
+params = {"w": jnp.ones((4, 2), jnp.float32)}
+batch = {"x": jnp.arange(32.0, dtype=jnp.float32).reshape(8, 4)}
+fn = data_parallel_value_and_grad(loss, 2, axis_name="data")
+sharded = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+l, g = sharded(params, batch)
+l_ref, g_ref = jax.value_and_grad(loss)(params, batch)
+np.testing.assert_allclose(l, l_ref, rtol=1e-5); np.testing.assert_allclose(g["w"], g_ref["w"], rtol=1e-5)
+vm = jax.vmap(fn, in_axes=(None, 0), axis_name="data")(params, jax.tree.map(lambda x: x[None], batch))
+np.testing.assert_allclose(vm[0][0], l_ref, rtol=1e-5)
+print("to_varying under shard_map and vmap: OK")
+PYEOF
+STEP_TAIL=4 step varying 60 $PY "$R/varying.py"
+TINY="-m jaxopt_train.train.cli --preset gpt-tiny --batch-size 16 --microbatches 2 --precision fp16 \
+  --grad-dtype compute --log-every 10 --eval-every 30 --checkpoint-every 0 --progress lines --overwrite"
+STEP_TAIL=6 step tiny_fp16 90 $PY $TINY --steps 30 --run-dir /tmp/s28b_tiny
+STEP_TAIL=8 step others 200 $PY -m pytest -q -rfE -m gpu -p no:cacheprovider tests --ignore=tests/test_kernels_gpu.py
+finish s28b 30
