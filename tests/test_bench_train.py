@@ -340,7 +340,8 @@ def test_row_mfu_is_the_tested_mfu_formula(monkeypatch, flops, wall_s, devices, 
     assert row(peak)["mfu"] == ("the one formula", (flops, step_s, peak, devices))
 
 
-def test_ablations_switch_one_technique_each():
+def test_ablations_switch_one_technique_each(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # where cuDNN attention runs
     workload = train_steps.Workload("gpt-tiny", 8, 2)
     baseline = train_steps.RunConfig("baseline")
     optimised = train_steps.RunConfig("optimised", policy="bf16", attention="cudnn",
@@ -692,3 +693,46 @@ def test_model_label_names_the_shape_that_ran():
     assert train_report.model_label(result) == "gpt-124m (quick: layers=1, seq_len=32)"
     result = {"model": "cnn-small", "vision": {"image_size": 64}, "args": {"quick": False}}
     assert train_report.model_label(result) == "cnn-small (image_size=64)"
+
+
+@pytest.mark.parametrize("grad_dtype, want", [("compute", jnp.bfloat16), ("param", jnp.float32)])
+def test_grad_sync_choice_times_the_dtype_the_step_reduces(monkeypatch, grad_dtype, want):
+    """Under --grad-dtype compute the step all-reduces bf16 gradients; the methods were
+    timed on f32 ones (twice the bytes), so the choice was made on other work."""
+    import jaxopt_train.collectives as collectives  # noqa: PLC0415
+
+    seen, real = set(), collectives.all_reduce_tree
+
+    def spy(tree, *args, **kwargs):
+        seen.update(np.dtype(leaf.dtype) for leaf in jax.tree.leaves(tree))
+        return real(tree, *args, **kwargs)
+    monkeypatch.setattr(collectives, "all_reduce_tree", spy)
+    workload = train_steps.Workload("gpt-tiny", 4, 1, seq_len=8, n_layers=1)
+    run = train_steps.RunConfig("optimised", policy="bf16", accumulation="scan", donate=True,
+                                grad_dtype=grad_dtype)
+    args = argparse.Namespace(grad_sync="auto")
+    method, times = train.choose_grad_sync(args, workload, run, jax.devices()[:2])
+    assert set(times) == {"psum", "ring", "ring_bidir"} and method in times
+    assert seen == {np.dtype(want)}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--compare-dispatch", "1,4,01"], "--compare-dispatch '1,4,01' repeats 1: give each item once"),
+    (["--compare-matmul", "pallas, pallas"], "--compare-matmul 'pallas, pallas' repeats pallas"),
+])
+def test_compare_lists_that_repeat_an_item_are_refused(argv, message, capsys):
+    """A repeat measured the same config again (minutes each on a GPU) as one more row."""
+    assert message in _refused(["--quick", *argv], capsys)
+
+
+def test_a_fused_attention_that_falls_back_to_xla_is_not_an_ablation_row():
+    """--attention cudnn off a GPU runs XLA's attention: its "+bf16+cudnn attention" row was
+    the +bf16 row again under another name."""
+    workload = train_steps.Workload("gpt-tiny", 8, 2)
+    optimised = train_steps.RunConfig("optimised", policy="bf16", attention="cudnn",
+                                      accumulation="scan")
+    runs, skipped = train_ablation.ablation_runs(train_steps.RunConfig("baseline"), optimised,
+                                                 workload, num_devices=1)
+    assert jax.default_backend() == "cpu"
+    assert "+bf16+cudnn attention" not in [r.name for r in runs]
+    assert "+bf16+cudnn attention" in [s["name"] for s in skipped]

@@ -110,10 +110,17 @@ def _steps(loss_fn, optimizer, num_microbatches: int) -> tuple[dict[str, Callabl
         for mb in micro_batches:  # K host-driven jit calls = one optimizer step
             params, opt_state, loss = micro(params, opt_state, mb)
             losses.append(loss)
-        # The whole batch's loss, as full and scan report it (the same f32 mean of the
-        # micro-batch losses that `accumulate_gradients` takes), not the last micro-batch's.
-        return params, opt_state, _mean_loss(*losses)  # one async dispatch per optimizer step
+        # The K micro-batch losses, averaged by `final_loss` only once timing is over: a
+        # mean taken here was one more dispatch per optimizer step, timed in this row alone.
+        return params, opt_state, tuple(losses)
     return {"full": full, "scan": scan, "multisteps": multisteps}, micro
+
+
+def final_loss(loss) -> float:
+    """A step's loss as a float: for multisteps (a tuple of its K micro-batch losses) the
+    whole batch's, as full and scan report it (the same f32 mean of the micro-batch losses
+    that `accumulate_gradients` takes), not the last micro-batch's."""
+    return float(_mean_loss(*loss) if isinstance(loss, tuple) else loss)
 
 
 @jax.jit
@@ -137,7 +144,7 @@ def _time(step, params, opt_state, batch, *, warmup: int, steps: int, repeats: i
             params, opt_state, loss = step(params, opt_state, batch)
         jax.block_until_ready((params, opt_state, loss))
         per_step.append((time.perf_counter() - start) / steps)
-    return per_step, first, float(loss)
+    return per_step, first, final_loss(loss)
 
 
 def _temp_bytes(jitted, *args) -> int | None:

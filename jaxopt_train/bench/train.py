@@ -165,6 +165,7 @@ def _parse(argv):
                      "steps per dispatch, e.g. 1,4,16")
     if any(k < 1 for k in args.compare):
         parser.error(f"--compare-dispatch {args.compare_dispatch!r}: every k must be >= 1")
+    _refuse_repeats(parser, "--compare-dispatch", args.compare_dispatch, args.compare)
     if args.devices is not None and args.devices < 1:
         parser.error(f"--devices={args.devices} must be >= 1")
     for name in ("peak_tflops", "dataset_tokens"):  # inf would reach the JSON as Infinity
@@ -189,6 +190,7 @@ def _parse(argv):
     if bad:
         parser.error(f"--compare-matmul {args.compare_matmul!r}: expected a comma list of "
                      f"{[m for m in MATMULS if m != 'xla']} (xla is the optimised row itself)")
+    _refuse_repeats(parser, "--compare-matmul", args.compare_matmul, args.matmuls)
     if args.matmuls and not args.model.startswith("gpt"):
         parser.error(f"--compare-matmul applies to GPT models, not --model {args.model}")
     if args.compare_plain and not args.model.startswith("gpt"):
@@ -207,6 +209,13 @@ def _parse(argv):
     if args.compute_copy is None:
         args.compute_copy = args.grad_dtype == "compute"
     return args
+
+
+def _refuse_repeats(parser, flag: str, text: str | None, items: list) -> None:
+    """A repeated item would measure the same config again, as one more row."""
+    repeats = sorted({str(item) for i, item in enumerate(items) if item in items[:i]})
+    if repeats:
+        parser.error(f"{flag} {text!r} repeats {', '.join(repeats)}: give each item once")
 
 
 def _set_xla_flags(args) -> dict:
@@ -307,11 +316,17 @@ def choose_grad_sync(args, workload, run, devices):
 
     from jaxopt_train.bench import _timing, train_steps  # noqa: PLC0415
     from jaxopt_train.collectives import all_reduce_tree  # noqa: PLC0415
+    from jaxopt_train.precision import get_policy  # noqa: PLC0415
 
     mesh = train_steps.data_mesh(devices)
     shapes = jax.eval_shape(lambda: nnx.state(train_steps.build_model(workload, run, None), nnx.Param))
-    grads = jax.jit(lambda: jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes),
-                    out_shardings=NamedSharding(mesh, P()))()
+
+    def zero_grads():
+        grads = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes)
+        # In the dtype the step reduces: with grad_dtype="compute" its gradients are bf16,
+        # half the bytes of the f32 params (and the ring accumulates them differently).
+        return get_policy(run.policy).cast_to_compute(grads) if run.grad_dtype == "compute" else grads
+    grads = jax.jit(zero_grads, out_shardings=NamedSharding(mesh, P()))()
     methods = ["psum", "ring", "ring_bidir"] + (["hierarchical"] if len(devices) >= 4 else [])
     times = {}
     for method in methods:

@@ -14,6 +14,8 @@ from jaxopt_train.bench.train_remat import remat_label
 
 def ablation_runs(baseline, optimised, workload, num_devices):
     """(runs, skipped): each of `optimised`'s techniques alone over `baseline`, and why some are not run."""
+    from jaxopt_train.bench.train_steps import resolved_attention  # noqa: PLC0415 - imports jax
+
     runs, skipped = [], []
 
     def add(name, reason_to_skip=None, **changes):
@@ -23,8 +25,10 @@ def ablation_runs(baseline, optimised, workload, num_devices):
             runs.append(dataclasses.replace(baseline, name=name, **changes))
 
     add("+bf16", policy=optimised.policy)
+    # What runs, not what was asked: --attention cudnn off a GPU runs XLA's attention.
+    fused = dataclasses.replace(baseline, policy=optimised.policy, attention=optimised.attention)
     add(f"+bf16+{optimised.attention} attention",
-        None if workload.is_gpt and optimised.attention != "xla" else
+        None if workload.is_gpt and resolved_attention(workload, fused) != "xla" else
         "same as +bf16: the fused kernel is unavailable (not a GPU, or not a GPT)",
         policy=optimised.policy, attention=optimised.attention)
     add("+scan accumulation", None if workload.microbatches > 1 else "no-op with --microbatches 1",
