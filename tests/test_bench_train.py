@@ -736,3 +736,20 @@ def test_a_fused_attention_that_falls_back_to_xla_is_not_an_ablation_row():
     assert jax.default_backend() == "cpu"
     assert "+bf16+cudnn attention" not in [r.name for r in runs]
     assert "+bf16+cudnn attention" in [s["name"] for s in skipped]
+
+
+def test_a_failed_scaling_run_costs_its_table_only(tmp_path, monkeypatch, capsys):
+    """The 1-device rerun holds what n devices shared (ZeRO) and can run out of memory: the
+    rows already measured are still reported and written, with the reason."""
+    def oom(bench, optimised, row_n):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate\nmore")
+
+    monkeypatch.setattr(train, "_scaling", oom)
+    out = tmp_path / "out"
+    assert train.main(["--quick", "--devices", "2", "--xla-preset", "none", "--steps", "2",
+                       "--out", str(out)]) == 0
+    result = json.loads((out / "train_bench.json").read_text())
+    assert "scaling" not in result and [r["name"] for r in result["rows"]][:2] == ["baseline", "optimised"]
+    assert result["scaling_failed"].startswith("RuntimeError: RESOURCE_EXHAUSTED")
+    assert ("data parallel scaling: no table, the 1-device run failed (RuntimeError: "
+            "RESOURCE_EXHAUSTED" in capsys.readouterr().out)

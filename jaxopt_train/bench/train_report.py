@@ -229,6 +229,9 @@ def render(result) -> str:
     if "scaling" in result:
         lines += ["", "data parallel (weak scaling: same per-device batch):",
                   scaling_table(result["scaling"], unit)]
+    if "scaling_failed" in result:
+        lines.append(f"data parallel scaling: no table, the 1-device run failed "
+                     f"({result['scaling_failed']})")
     if "matmul" in result:
         lines += ["", "dense-layer matmul (optimised config):",
                   matmul_table(result["matmul"], result["unit"])]
