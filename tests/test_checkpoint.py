@@ -233,3 +233,65 @@ def test_resume_frees_the_initial_state_before_restoring(tmp_path):
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
         assert a.sharding == b.sharding
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["sweep[lr=3e-4]", "run[1]", "a\\b"])
+def test_a_run_dir_whose_checkpoints_orbax_cannot_read_back_is_refused_up_front(tmp_path, name):
+    """Before: accepted. Orbax finds a save's per-process files with a glob of the whole
+    path, so under `sweep[lr=3e-4]` (a character class) it merged nothing, and tensorstore
+    reads a backslash as a separator: every save "succeeded", and every restore of the
+    run failed as a damaged checkpoint, hours of training later."""
+    run = str(tmp_path / name)
+    with pytest.raises(RunDirError, match=r"run_dir=.* holds .*; orbax .* pick a --run-dir without"):
+        prepare_run_dir(run, resume=False, overwrite=False)
+    assert not os.path.exists(run)
+    with pytest.raises(ValueError, match="pick a --run-dir without"):
+        Checkpointer(run)
+    assert not os.path.exists(run)
+
+
+def _default_state(clip_norm, params):
+    from jaxopt_train.train.state import default_optimizer
+
+    optimizer = default_optimizer(lr=1e-3, total_steps=10, clip_norm=clip_norm)
+    return init_train_state(params, {}, optimizer, NoOpLossScale())
+
+
+@pytest.mark.parametrize("change, needle", [
+    # --clip-norm 0 builds AdamW without the clip's chain around it.
+    (lambda p: _default_state(0.0, p), r"--clip-norm"),
+    # --scan-layers stacks the layers: one array per weight instead of one per layer.
+    (lambda p: _default_state(1.0, {"blocks": {"w": jnp.stack([p["blocks"]["0"]["w"]] * 2)}}),
+     r"--scan-layers"),
+])
+def test_resume_into_another_state_tree_names_the_setting_not_a_damaged_checkpoint(
+        tmp_path, change, needle):
+    """Before: orbax's "tree structures do not match" read as a damaged checkpoint, and the
+    message told the user to move it away or start over with --overwrite: a sound run lost."""
+    from jaxopt_train.train import resume
+
+    params = {"blocks": {"0": {"w": jnp.ones((2, 2))}, "1": {"w": jnp.ones((2, 2))}}}
+    ckpt = Checkpointer(str(tmp_path), async_save=False)
+    ckpt.save(4, _default_state(1.0, params), {})
+    with pytest.raises(RunDirError, match=needle) as info:
+        resume.restore(ckpt, change(params))
+    ckpt.close()
+    message = str(info.value)
+    assert "damaged" not in message and "--overwrite" not in message
+    assert "checkpoint at step 4" in message and "new --run-dir" in message
+    assert existing_checkpoint_steps(str(tmp_path)) == [4]
+
+
+def test_resume_of_compressed_reductions_on_another_device_count_says_so(tmp_path):
+    """Before: "written with another layout of the state, e.g. by a zero=1 or zero=3 run
+    from before the per-leaf layout", for a run that only changed its device count: the
+    error feedback of --grad-compression is kept per device ([devices, *param.shape])."""
+    state = _state(NoOpLossScale())
+    ckpt = Checkpointer(str(tmp_path), async_save=False)
+    ckpt.save(2, state._replace(grad_error={"w": jnp.zeros((8, 3, 4)), "b": jnp.zeros((8, 4))}), {})
+    fewer = state._replace(grad_error={"w": jnp.zeros((4, 3, 4)), "b": jnp.zeros((4, 4))})
+    with pytest.raises(RunDirError, match=r"written on 8 devices, and this run has 4.*Resume on 8 "
+                                          r"devices, or start a new --run-dir") as info:
+        ckpt.restore(fewer)
+    ckpt.close()
+    assert "zero" not in str(info.value)

@@ -59,3 +59,12 @@ def test_unknown_device_warns_once_and_override_wins():
     assert mfu_lib.resolve_peak_tflops("Imaginary XPU", "bf16", 123.0) == 123.0
     with pytest.raises(ValueError, match="peak_tflops"):
         mfu_lib.resolve_peak_tflops("cpu", "bf16", -1.0)
+
+
+def test_float64_matmuls_are_not_measured_against_the_tf32_peak():
+    """Before: "tf32", so f64 matmuls (no TF32 mode; their own, far lower, peak) were
+    measured against the TF32 peak: MFU read ~7x too low on an H100. The table has no
+    f64 column, so MFU is omitted with the usual warning instead."""
+    assert mfu_lib.matmul_dtype_name(jnp.float64) == "fp64"
+    assert mfu_lib.matmul_dtype_name(jnp.float64, "highest") == "fp64"
+    assert mfu_lib.peak_tflops("NVIDIA H100 80GB HBM3", "fp64") is None

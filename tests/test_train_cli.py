@@ -266,3 +266,42 @@ def test_resume_with_another_remat_drops_the_saved_remat_layers(tmp_path, extra,
     assert cfg.remat == "full" and cfg.model_overrides == want
     kept = cli.config_from_args(["--resume", "--run-dir", run_dir, "--steps", "9"])
     assert kept.model_overrides == {"d_model": 32, "remat_layers": 13, "remat_rest": "dots"}
+
+
+def _config_error(argv, capsys):
+    """(exit status, stderr) of parsing argv, which must fail: never a training run."""
+    with pytest.raises(SystemExit) as exc:
+        cli.config_from_args(argv)
+    return exc.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("p=f32,c=xx", "compute_dtype='xx' is not a known dtype name"),
+    ("p=f32,c=bf16,m=fast", "matmul_precision='fast'"),
+    ("p=f32,q=bf16", "bad policy item 'q=bf16'"),
+])
+def test_a_bad_precision_spec_exits_2_naming_the_flag_before_anything_is_built(spec, needle, capsys):
+    """Before: any spec starting with 'p=' passed the flag's check, and the bad dtype surfaced
+    only while the run was being built, in an error that named no flag."""
+    code, err = _config_error(["--precision", spec], capsys)
+    assert code == 2
+    assert f"--precision: precision='{spec}' is not supported ({needle}" in err
+
+
+@pytest.mark.parametrize("spec", ["c=bf16,p=f32", "params=f32,compute=bf16,o=f32"])
+def test_a_precision_spec_in_any_order_or_with_long_keys_is_accepted(spec):
+    """Before: refused as not starting with 'p=', though `Policy.from_string` takes it."""
+    assert cli.config_from_args(["--precision", spec]).precision == spec
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--num-classes", "100"], "--num-classes: num_classes=100 only applies to vision presets"),
+    (["--preset", "gpt-124m", "--image-size", "64"],
+     "--image-size: image_size=64 only applies to vision presets"),
+])
+def test_a_vision_flag_with_a_gpt_preset_exits_2_instead_of_being_ignored(argv, needle, capsys):
+    """Before: accepted and silently ignored (the other way round, --seq-len and
+    --scan-layers with a vision preset, was already refused)."""
+    code, err = _config_error(argv, capsys)
+    assert code == 2 and needle in err
+    assert cli.config_from_args(["--preset", "cnn-small", "--num-classes", "100"]).num_classes == 100

@@ -156,3 +156,16 @@ def test_a_resume_on_data_of_another_size_says_its_batches_differ(tmp_path):
     train(dataclasses.replace(cfg, resume=True), stream=grown)
     assert (f"warning: the training data holds {len(text) + 5000:,} tokens now, {len(text):,} when "
             "the checkpoint at step 6 was written") in grown.getvalue()
+
+
+def test_a_default_run_dir_whose_checkpoints_could_not_be_read_back_is_refused_and_removed(
+        tmp_path, monkeypatch):
+    """Before: trained and saved into runs/... under a folder named like `sweep[1]`, where
+    orbax (which globs the path) cannot restore what it saved; and a refusal of the run dir
+    left the default run dir it had just made behind."""
+    project = tmp_path / "sweep[1]"
+    project.mkdir()
+    monkeypatch.chdir(project)
+    with pytest.raises(RunDirError, match=r"'\[' and '\]' in its checkpoint path .*pick a --run-dir"):
+        train(dataclasses.replace(_tiny(tmp_path), run_dir=None))
+    assert os.listdir(project / "runs") == []

@@ -44,6 +44,9 @@ class Checkpointer:
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r} must be an integer >= 1")
         self.directory = os.path.abspath(os.path.join(run_dir, CHECKPOINT_SUBDIR))
+        unreadable = _unreadable_path(self.directory)
+        if unreadable:
+            raise ValueError(f"run_dir={run_dir!r} holds {unreadable}")
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=async_save)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
@@ -84,10 +87,12 @@ class Checkpointer:
 
     def _check_saved_arrays(self, step: int, target: Any, part_settings: dict[str, str]) -> None:
         """Raises RunDirError naming the state parts (`part_settings`) that only one of the
-        checkpoint and `target` holds, or else the arrays whose saved shape or dtype differs.
+        checkpoint and `target` holds, or else the arrays whose saved shape or dtype differs,
+        or that only one of them holds (`--scan-layers`, `--clip-norm 0` against a clip).
 
-        Orbax refuses a missing or extra part only with "tree structures do not match",
-        which reads as a damaged checkpoint: the run is sound, the settings are not its own.
+        Orbax refuses a missing or extra part or array only with "tree structures do not
+        match", which reads as a damaged checkpoint: the run is sound, the settings are not
+        its own.
 
         Orbax refuses another shape too, but with a message that names no
         array and suggests padding/truncation. Cases that must not load: a
@@ -113,8 +118,10 @@ class Checkpointer:
         found = [f"{name}: expected a tree of arrays, found one array of shape {shape}"
                  for name, (shape, _) in saved.items() if name not in expected
                  and any(other.startswith(name + "/") for other in expected)]
-        found += [f"{name}: expected {shape}, found {saved[name][0]}"
-                  for name, (shape, _) in expected.items() if name in saved and saved[name][0] != shape]
+        differ = {name: (saved[name][0], shape) for name, (shape, _) in expected.items()
+                  if name in saved and saved[name][0] != shape}
+        found += [f"{name}: expected {shape}, found {had}" for name, (had, shape) in differ.items()]
+        self._check_device_count(step, found, differ)
         if found:
             raise RunDirError(
                 f"cannot restore the checkpoint at step {step} in {self.directory}: {len(found)} "
@@ -123,6 +130,7 @@ class Checkpointer:
                 "before the per-leaf layout (moments stored as per-device chunks; at zero=3 the "
                 "params as one flat vector). Resume it with the version and settings that wrote "
                 "it, or start a new --run-dir.")
+        self._check_same_tree(step, saved, target)
         found = [f"{name}: saved {saved[name][1]}, expected {dtype}"
                  for name, (_, dtype) in expected.items()
                  if name in saved and saved[name][1] is not None and saved[name][1] != dtype
@@ -135,6 +143,20 @@ class Checkpointer:
                 "that keeps every value (int32 to int64, bf16/f16 to f32, f32 to f64) loads. It was written "
                 "with other precision settings (param or optimizer-state dtype). Resume it with "
                 "the settings that wrote it, or start a new --run-dir.")
+
+    def _check_device_count(self, step: int, found: list[str], differ: dict) -> None:
+        # The error feedback of compressed reductions is kept per device, [devices, *shape]:
+        # a run resumed on another device count differs there only, in the leading axis.
+        counts = {(had[0], shape[0]) if name.split("/")[0] == "grad_error" and had[1:] == shape[1:]
+                  else None for name, (had, shape) in differ.items()}
+        if len(found) != len(differ) or len(counts) != 1 or None in counts:
+            return
+        ((had, now),) = counts
+        raise RunDirError(
+            f"cannot restore the checkpoint at step {step} in {self.directory}: its error feedback "
+            f"of compressed gradient reductions (--grad-compression), kept per device, was "
+            f"written on {had} devices, and this run has {now} ({_shown(found)}). Resume on "
+            f"{had} devices, or start a new --run-dir.")
 
     def _check_parts(self, step: int, saved, expected, part_settings: dict[str, str]) -> None:
         # Only these parts: another layout of params or moments (an old ZeRO checkpoint) has
@@ -152,6 +174,25 @@ class Checkpointer:
                 "with the settings that wrote it (see config.json in the run directory), or start a "
                 "new --run-dir.")
 
+    def _check_same_tree(self, step: int, saved, target) -> None:
+        # Orbax refuses another tree only with "tree structures do not match", which reads as
+        # a damaged checkpoint (and the advice to move it away or --overwrite): the arrays are
+        # sound, the settings that shape the state are not the run's own.
+        names = {_path_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(target)[0]}
+        only_saved, only_here = sorted(set(saved) - names), sorted(names - set(saved))
+        if not (only_saved or only_here):
+            return
+        parts = {name.split("/")[0] for name in only_saved + only_here}
+        # The first part that differs: the optimizer's moments follow the params' tree.
+        hint = next((hint for part, hint in _TREE_HINTS if part in parts),
+                    "a model or optimizer of another structure")
+        raise RunDirError(
+            f"cannot restore the checkpoint at step {step} in {self.directory}: it holds another "
+            f"tree of arrays than this run's state ({len(only_saved)} only in the checkpoint: "
+            f"{_some(only_saved)}; {len(only_here)} only in this run: {_some(only_here)}). It was "
+            f"written with other settings: {hint}. Resume with the settings that "
+            "wrote it (see config.json in the run directory), or start a new --run-dir.")
+
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
         """The JSON record of a checkpoint, without touching its arrays."""
         step = self.latest_step() if step is None else step
@@ -166,6 +207,32 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+# Top-level part of the state -> the settings that change its tree (`_check_same_tree`), in
+# the order they are named.
+_TREE_HINTS = (
+    ("params", "the parameters' tree (--scan-layers stacks each weight of every layer into one "
+               "array; a --model override or another model changes it too)"),
+    ("opt_state", "the optimizer's state (--clip-norm 0 builds AdamW without the clip that any "
+                  "--clip-norm > 0 chains before it, so only the threshold may change on a "
+                  "resume, not clipping on or off)"),
+)
+
+
+def _unreadable_path(directory: str) -> str | None:
+    """Why orbax would save checkpoints under `directory` that it cannot restore, or None.
+
+    Orbax merges a save's per-process files by globbing under the whole path, so a
+    `[...]` in it is read as a character class and nothing is merged; tensorstore reads
+    a backslash as a separator and writes the arrays elsewhere. Either way every save
+    seems to succeed and every restore fails."""
+    bad = sorted({char for char in directory if char in "[]\\"})
+    if not bad:
+        return None
+    return (f"{' and '.join(map(repr, bad))} in its checkpoint path {directory!r}; orbax would "
+            "write checkpoints there that it cannot read back (it globs the path, and "
+            "tensorstore reads a backslash as a separator): pick a --run-dir without them")
 
 
 def _stored_shape_dtype(leaf) -> tuple[tuple[int, ...], np.dtype]:
@@ -266,8 +333,12 @@ def prepare_run_dir(run_dir: str, *, resume: bool, overwrite: bool) -> None:
     Raises:
       RunDirError: run_dir holds a run (checkpoints, or metrics/config of a run that died
         before its first checkpoint) and neither `resume` nor `overwrite` is set, or
-        `resume` is set and there is no checkpoint to resume, or run_dir cannot be created.
+        `resume` is set and there is no checkpoint to resume, or run_dir cannot be created,
+        or its path is one orbax cannot restore checkpoints from (`_unreadable_path`).
     """
+    unreadable = _unreadable_path(os.path.abspath(os.path.join(run_dir, CHECKPOINT_SUBDIR)))
+    if unreadable:
+        raise RunDirError(f"run_dir={run_dir!r} holds {unreadable}")
     steps = existing_checkpoint_steps(run_dir)
     if steps and not (resume or overwrite):
         raise RunDirError(

@@ -228,6 +228,11 @@ class TrainConfig:
             if self.is_vision and getattr(self, name) != unset:
                 raise ValueError(f"{name}={getattr(self, name)!r} only applies to GPT presets "
                                  f"{GPT_PRESETS}, not preset={self.preset!r}; drop it")
+        # And the other way round: a GPT run has no classes and no image side to set.
+        for name in ("num_classes", "image_size"):
+            if not self.is_vision and getattr(self, name) != _DEFAULTS[name]:
+                raise ValueError(f"{name}={getattr(self, name)!r} only applies to vision presets "
+                                 f"{VISION_PRESETS}, not preset={self.preset!r}; drop it")
         if self.resume and self.overwrite:
             raise ValueError("resume=True and overwrite=True contradict each other: pick one")
         if self.run_dir is not None and (not isinstance(self.run_dir, str) or not self.run_dir):
@@ -289,6 +294,9 @@ class TrainConfig:
             shape.pop("num_classes")
             shape.pop("image_size")
         return shape
+
+
+_DEFAULTS = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
 
 
 def _param_dtype_name_of(precision: str) -> str:
@@ -361,7 +369,16 @@ def _check_precision(value: Any) -> None:
     if not isinstance(value, str):
         raise TypeError(f"precision={value!r} must be a string: one of {list(PRECISIONS)} "
                         f"or a spec like 'p=f32,c=bf16,o=f32'")
-    if value in PRECISIONS or value.startswith("p="):
+    if value in PRECISIONS:
         return
-    raise ValueError(f"precision={value!r} is not supported; expected one of {list(PRECISIONS)} "
-                     f"or a spec like 'p=f32,c=bf16,o=f32'")
+    hint = f"expected one of {list(PRECISIONS)} or a spec like 'p=f32,c=bf16,o=f32'"
+    if "=" not in value:
+        raise ValueError(f"precision={value!r} is not supported; {hint}")
+    from jaxopt_train.precision import Policy  # noqa: PLC0415
+
+    # Parsed here, as the run will: a prefix test let 'p=f32,c=xx' through to fail only once
+    # the run was being built, and refused the same spec written 'c=bf16,p=f32'.
+    try:
+        Policy.from_string(value)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"precision={value!r} is not supported ({err}); {hint}") from None

@@ -154,9 +154,9 @@ def train(config: TrainConfig, *, until_step: int | None = None, devices=None,
     target = cfg.steps if until_step is None else min(until_step, cfg.steps)
     created = cfg.run_dir is None or not os.path.exists(cfg.run_dir)
     run_dir = cfg.run_dir or _default_run_dir(cfg)
-    prepare_run_dir(run_dir, resume=cfg.resume, overwrite=cfg.overwrite)
     ckpt = None
     try:
+        prepare_run_dir(run_dir, resume=cfg.resume, overwrite=cfg.overwrite)
         if cfg.resume:  # before building anything: a mismatch fails in milliseconds
             ckpt = Checkpointer(run_dir, keep=cfg.keep_checkpoints)
             resume.check_resume_shape(run_dir, cfg, ckpt)

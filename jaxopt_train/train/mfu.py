@@ -40,19 +40,23 @@ _warned: set[tuple[str, str]] = set()
 
 
 def matmul_dtype_name(compute_dtype, matmul_precision: str | None = None) -> str:
-    """The peak-table column for a policy: "bf16", "fp16", "tf32" or "fp32".
+    """The peak-table column for a policy: "bf16", "fp16", "tf32", "fp32" or "fp64".
 
     float32 matmuls count as TF32 unless the precision forces full f32 passes,
     because that is what XLA runs on NVIDIA Ampere+ at its default precision.
+    float64 has no TF32 mode: its column, absent from the table, omits MFU rather
+    than measure f64 matmuls against the TF32 peak.
     """
     dtype = np.dtype(compute_dtype)
     if dtype.name == "bfloat16":
         return "bf16"
     if dtype == np.float16:
         return "fp16"
-    if dtype in (np.float32, np.float64):
+    if dtype == np.float64:
+        return "fp64"
+    if dtype == np.float32:
         return "fp32" if matmul_precision in ("highest", "float32") else "tf32"
-    raise ValueError(f"compute_dtype={dtype} has no peak-table column; expected bf16, f16 or f32")
+    raise ValueError(f"compute_dtype={dtype} has no peak-table column; expected bf16, f16, f32 or f64")
 
 
 def peak_tflops(device_kind: str, dtype_name: str) -> float | None:
