@@ -406,7 +406,7 @@ def _device_mean(tree, axis_name, weight=None):
     return lax.psum(jax.tree.map(term, tree), axis_name)
 
 
-def weighted_share(tree, weight: jax.Array, axis_name) -> Any:
+def weighted_share(tree, weight: jax.Array, axis_name, *, narrow_as_sum: bool = False) -> Any:
     """This device's `tree` scaled so that its mean over `axis_name` is the weighted mean.
 
     Call inside `jax.shard_map`: each leaf x becomes x * n * w / sum(w) (n devices,
@@ -414,16 +414,18 @@ def weighted_share(tree, weight: jax.Array, axis_name) -> Any:
     `pmean` (or sum / n) that follows gives sum(w * x) / sum(w). The factor is about
     1 while devices hold similar weights, but up to n on a device holding most of it,
     which can take loss-scaled fp16 gradients (and that pmean's sum) past 65,504;
-    `data_parallel_value_and_grad` scales by w / sum(w) instead. It is applied in f32
-    and the leaf keeps its dtype. A device of weight 0 contributes 0 (its own mean
+    `data_parallel_value_and_grad` scales by w / sum(w) instead, and so does this
+    with `narrow_as_sum` for the leaves whose sum may overflow (`sum_may_overflow`:
+    fp16): their plain *sum* over devices is then the weighted mean. It is applied in
+    f32 and the leaf keeps its dtype. A device of weight 0 contributes 0 (its own mean
     over no tokens may be NaN); a total weight of 0 makes every leaf NaN.
     """
     weight = jnp.asarray(weight, jnp.float32)
     total = lax.psum(weight, axis_name)
     n = lax.psum(1, axis_name)
-    factor = weight * n / total
 
     def one(x):
+        factor = weight / total if narrow_as_sum and sum_may_overflow(x.dtype) else weight * n / total
         scaled = jnp.where(weight > 0, x.astype(jnp.float32) * factor, 0)
         return jnp.where(total > 0, scaled, jnp.nan).astype(x.dtype)
     return jax.tree.map(one, tree)

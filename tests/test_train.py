@@ -588,3 +588,28 @@ def test_fp16_gradients_are_divided_by_the_devices_before_their_sum(zero):
     # d loss / d bias = c on every device: SGD moves the bias by lr * c.
     np.testing.assert_allclose(float(np.asarray(trainer.params["bias"])[0]), bias - 1e-3 * c,
                                rtol=1e-3)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_weighted_fp16_gradients_do_not_overflow_on_a_device_holding_the_weight(zero):
+    """With weight_fn, a device's share used to be scaled by n * w / sum(w) (8 here: device 0
+    holds every counted row) in fp16 before the sum: 20,000 became 160,000, inf. Its fp16
+    shares are now scaled by w / sum(w) and summed."""
+    from jaxopt_train.loss_scale import DynamicLossScale
+
+    c = 20_000 / float(DynamicLossScale().loss_scale)
+
+    def loss(m, b):
+        pred, mask = m(b["x"])[:, 0].astype(jnp.float32), b["m"].astype(jnp.float32)
+        return jnp.sum(mask * pred) / jnp.maximum(jnp.sum(mask), 1.0) * c
+
+    trainer = Trainer(nnx.Linear(4, 1, rngs=nnx.Rngs(0)), loss, precision="fp16",
+                      grad_dtype="compute", optimizer=optax.sgd(1e-3), zero=zero,
+                      weight_fn=lambda b: jnp.sum(b["m"].astype(jnp.float32)))
+    bias = float(np.asarray(trainer.params["bias"])[0])
+    mask = np.zeros(16, np.float32)
+    mask[:2] = 1.0  # the two rows of device 0
+    metrics = trainer.step({"x": np.full((16, 4), 0.5, np.float32), "m": mask})
+    assert bool(metrics["finite"][0]) and int(trainer.state.loss_scale.skipped_steps) == 0
+    np.testing.assert_allclose(float(np.asarray(trainer.params["bias"])[0]), bias - 1e-3 * c,
+                               rtol=1e-3)

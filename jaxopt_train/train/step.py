@@ -87,7 +87,8 @@ def local_gradients(loss: Callable, state: TrainState, params, batch, microbatch
 
     With `weight_fn` (`ModelFns.weight`) micro-batches count by their weight, and
     loss and gradients come back as `accumulation.weighted_share`s: their plain mean
-    over devices (the step's pmean, or its sum / n) is the weighted mean.
+    over devices (the step's pmean, or its sum / n) is the weighted mean; for fp16
+    leaves, whose sum may overflow, their plain sum (`narrow_as_sum`).
 
     RNG streams in the model state (Dropout's) draw a different mask on every
     device and every micro-batch: for each call their keys are folded with a salt
@@ -115,7 +116,10 @@ def local_gradients(loss: Callable, state: TrainState, params, batch, microbatch
     if weight_fn is not None:
         # The aux `value` is a plain mean over the micro-batches; the loss output is weighted.
         value = state.loss_scale.unscale(scaled)
-        value, grads = weighted_share((value, grads), batch_weight(weight_fn, batch), AXIS)
+        # fp16 leaves as shares whose sum is the weighted mean: scaled by n first, as the
+        # others are, a device holding most of the weight could pass 65,504.
+        value, grads = weighted_share((value, grads), batch_weight(weight_fn, batch), AXIS,
+                                      narrow_as_sum=True)
     return value, combine_counts(model_state, state.model_state, microbatches), grads
 
 
@@ -160,7 +164,8 @@ def make_step_body(loss: Callable, optimizer: optax.GradientTransformation, *,
         # n loss-scaled fp16 gradients passes 65,504 where their mean does not. bf16 and f32
         # are summed as they are and divided once, after.
         divided = jax.tree.map(lambda g: sum_may_overflow(g.dtype), grads)
-        grads = jax.tree.map(lambda g: mean_term(g, num_devices, g.dtype), grads)
+        if weight_fn is None:  # weighted fp16 shares come divided (`local_gradients`)
+            grads = jax.tree.map(lambda g: mean_term(g, num_devices, g.dtype), grads)
         grads, grad_error = reduce_grads(grads, state.grad_error)
         if grad_cast is not None:  # widen before averaging/unscaling: no fp16 underflow
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)

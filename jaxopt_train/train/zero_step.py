@@ -188,12 +188,16 @@ def _leaf_norm_and_finite(grads, specs):
 
 
 def _update_shards(state: TrainState, grads, own, optimizer, param_specs, *, num_devices: int,
-                   method: str, clip_norm: float):
-    """Full per-device gradients -> (finite-selected new shards, opt state, finite, norm)."""
+                   method: str, clip_norm: float, weighted: bool = False):
+    """Full per-device gradients -> (finite-selected new shards, opt state, finite, norm).
+
+    `weighted`: `grads` are `local_gradients`' weighted shares, whose fp16 leaves come
+    divided by the device count already."""
     # fp16 leaves are divided by n before the sum, which can pass 65,504 where the mean
     # does not (`train.step.make_step_body`); the others after it.
     divided = jax.tree.map(lambda g: sum_may_overflow(g.dtype), grads)
-    grads = jax.tree.map(lambda g: mean_term(g, num_devices, g.dtype), grads)
+    if not weighted:
+        grads = jax.tree.map(lambda g: mean_term(g, num_devices, g.dtype), grads)
     # One reduce-scatter per sharded leaf, each free to start once its gradient exists.
     grads = reduce_scatter_leaves(grads, param_specs, AXIS, method=method)
     grads = jax.tree.map(lambda g, p, d: g.astype(p.dtype) if d
@@ -240,7 +244,8 @@ def make_zero_step_body(loss: Callable, optimizer: optax.GradientTransformation,
     cast = (lambda tree: tree) if grad_cast is None else grad_cast
     gather = zero3_gather(param_specs, grad_cast)
     update = dict(optimizer=optimizer, param_specs=param_specs, num_devices=num_devices,
-                  method=ZERO_METHODS[grad_sync], clip_norm=clip_norm)
+                  method=ZERO_METHODS[grad_sync], clip_norm=clip_norm,
+                  weighted=weight_fn is not None)
 
     def one_step(state: TrainState, batch):
         if zero == 3:
