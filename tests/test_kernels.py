@@ -470,6 +470,20 @@ def test_float16_gradients_keep_cotangents_below_the_float16_range(backend):
         assert np.count_nonzero(x) >= 0.9 * np.count_nonzero(w)
 
 
+@pytest.mark.parametrize("backend", ["interpret", "xla"])
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_float16_bias_gradient_of_a_wider_output_is_finite(backend, out_dtype):
+    """fp16 inputs and bias, f32 or bf16 output: the backward shifts dZ to ~2**14, and its
+    column sum was cast to the fp16 bias before being shifted back: 4 rows of a cotangent of
+    1 gave dbias = inf instead of 4."""
+    a, b = jnp.ones((4, 8), jnp.float16), jnp.ones((8, 3), jnp.float16)
+    bias = jnp.zeros((3,), jnp.float16)
+    got = jax.grad(lambda bias: jnp.sum(matmul(a, b, bias=bias, out_dtype=out_dtype,
+                                               backend=backend).astype(jnp.float32)))(bias)
+    assert got.dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), [4.0, 4.0, 4.0])
+
+
 @pytest.mark.parametrize("bad", [jnp.inf, jnp.nan])
 def test_one_non_finite_cotangent_leaves_the_other_rows_shifted(bad):
     """The shift read max|g| including the inf (or NaN), got no shift, and every other row
@@ -617,6 +631,27 @@ def test_dot_general_routes_rhs_contracted_on_dim_1_to_the_kernel():
     assert "@_launch" in text  # went to the kernel, not to lax.dot_general
     out = jax.jit(lambda x, t: dot(x, t, dims))(x, table)
     _assert_close(out, lax.dot_general(x, table, dims, preferred_element_type=jnp.float32),
+                  jnp.bfloat16)
+
+
+@pytest.mark.parametrize("dims, kernel", [
+    (((1, 0), ((), ())), True),  # ints for one-dim tuples
+    (((1, 1), ((), ())), True),  # b stored (N, K)
+    ((([1], [0]), ([], [])), True),
+    (None, False),  # lax.dot's plain product of <= 2-D operands
+])
+def test_dot_general_reads_dimension_numbers_as_lax_does(dims, kernel):
+    """`lax.dot_general` takes a contracting dim as a bare int (and no dimension numbers
+    at all for a plain product); the drop-in raised "'int' object is not iterable"."""
+    x = jax.random.normal(jax.random.key(0), (6, 24), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (24, 40), jnp.bfloat16)
+    rhs = w.T if dims is not None and dims[0][1] in (1, [1]) else w
+    dot = make_dot_general("interpret")
+    text = jax.jit(lambda x, rhs: dot(x, rhs, dims)).lower(x, rhs).as_text()
+    assert ("@_launch" in text) == kernel
+    got, want = dot(x, rhs, dims), lax.dot_general(x, rhs, dims)
+    assert got.shape == want.shape == (6, 40) and got.dtype == want.dtype
+    _assert_close(got, lax.dot_general(x, rhs, dims, preferred_element_type=jnp.float32),
                   jnp.bfloat16)
 
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxopt_train._typed_sharding import explicit_sharding
@@ -51,12 +52,23 @@ def _is_default_precision(precision) -> bool:
     return precision is None or precision == lax.Precision.DEFAULT
 
 
+def _dims(dimension_numbers) -> tuple:
+    """((lhs_contract, rhs_contract), (lhs_batch, rhs_batch)), each a tuple, read as
+    `lax.dot_general` reads them: an int stands for one dim (`((1, 0), ((), ()))`)."""
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+    as_tuple = lambda dims: (dims,) if np.ndim(dims) == 0 else tuple(dims)  # noqa: E731
+    return ((as_tuple(lhs_contract), as_tuple(rhs_contract)),
+            (as_tuple(lhs_batch), as_tuple(rhs_batch)))
+
+
 def _kernel_eligible(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                      out_sharding) -> bool:
-    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+    if dimension_numbers is None:  # lax.dot picks the dims of <= 2-D operands itself
+        return False
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = _dims(dimension_numbers)
     return (rhs.ndim == 2 and lhs.ndim >= 2 and lhs.size > 0 and rhs.size > 0
-            and tuple(lhs_contract) == (lhs.ndim - 1,) and tuple(rhs_contract) in ((0,), (1,))
-            and not tuple(lhs_batch) and not tuple(rhs_batch)
+            and lhs_contract == (lhs.ndim - 1,) and rhs_contract in ((0,), (1,))
+            and not lhs_batch and not rhs_batch
             and jnp.dtype(lhs.dtype) in _KERNEL_DTYPES and lhs.dtype == rhs.dtype
             and _is_default_precision(precision) and out_sharding is None
             and explicit_sharding(lhs) is None and explicit_sharding(rhs) is None
@@ -95,7 +107,7 @@ def make_dot_general(backend: str = "auto", config: MatmulConfig | dict | None =
                 lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding):
             return matmul(lhs, rhs, out_dtype=preferred_element_type or lhs.dtype,
                           backend=resolved(), config=config,
-                          transpose_b=tuple(dimension_numbers[0][1]) == (1,))
+                          transpose_b=_dims(dimension_numbers)[0][1] == (1,))
         extra = dict(kwargs)
         if out_sharding is not None:
             extra["out_sharding"] = out_sharding

@@ -186,8 +186,14 @@ def _matmul_2d_bwd(activation, out_dtype, backend, config, transpose_b, save_pre
         # residual per layer costs memory; this costs one more matmul).
         z = _matmul_2d(a, b, bias, None, jnp.float32, backend, config, transpose_b)
     scaled, shift = _float16_safe_cotangent(g, a.dtype)
-    dz_compute, dbias = _epilogue_backward(activation, z, g if shift is None else scaled, bias,
-                                           a.dtype, split_sum=backend in ("mosaic_gpu", "triton"))
+    # Shifted, dbias is summed into f32 and unscaled there, as dA and dB are: cast to an fp16
+    # bias's dtype first, the column sum of a dZ near 2**15 overflowed (inf) from 3 rows on.
+    bias_like = bias
+    if shift is not None and bias is not None:
+        bias_like = jax.ShapeDtypeStruct(bias.shape, jnp.float32)  # only its dtype is read
+    dz_compute, dbias = _epilogue_backward(activation, z, g if shift is None else scaled,
+                                           bias_like, a.dtype,
+                                           split_sum=backend in ("mosaic_gpu", "triton"))
     da_dtype, db_dtype = (a.dtype, b.dtype) if shift is None else (jnp.float32, jnp.float32)
     if backend == "xla":
         da, db = _xla_products(dz_compute, a, b, transpose_b, da_dtype, db_dtype)
