@@ -2,7 +2,8 @@
 # Twenty-eighth session, call C (~6 min on nvidia-h200), on the tree after this session's
 # review fixes: jax 0.11's AbstractMesh.manual_axes (to_varying reads it) inside and outside
 # shard_map; gpt-tiny in fp16 with gradients in fp16 (--grad-dtype compute) over 2 micro-batches
-# (the fp16 means now divide before they sum); the gpt-1b trainer step with its bf16 AdamW
+# (the fp16 means now divide before they sum); fp16 matmul gradients with a wider output on
+# each kernel (the bias gradient was inf); the gpt-1b trainer step with its bf16 AdamW
 # moments now rounded stochastically (call A: 0.087 s, 55.5-55.8% MFU, eval 3.0927); then every
 # GPU test outside tests/test_kernels_gpu.py.
 #   bash tools/gpu_session28b.sh   # carry [".whl"]
@@ -31,6 +32,28 @@ np.testing.assert_allclose(vm[0][0], l_ref, rtol=1e-5)
 print("to_varying under shard_map and vmap: OK")
 PYEOF
 STEP_TAIL=4 step varying 60 $PY "$R/varying.py"
+cat > "$R/f16_dbias.py" <<'PYEOF'
+import jax, jax.numpy as jnp, numpy as np
+from jaxopt_train.kernels import matmul
+from jaxopt_train.kernels.matmul import available_backends
+rng = np.random.default_rng(0)
+a = jnp.asarray(rng.normal(size=(512, 256)), jnp.float16)
+b = jnp.asarray(rng.normal(size=(256, 384)) / 16, jnp.float16)
+bias = jnp.asarray(rng.normal(size=(384,)), jnp.float16)
+def ref(a, b, bias):
+    z = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32), precision="highest") + bias.astype(jnp.float32)
+    return jnp.sum(jax.nn.silu(z) * 3.0)
+want = jax.grad(ref, argnums=(0, 1, 2))(a, b, bias)
+for backend in [x for x in ("mosaic_gpu", "triton", "xla") if x in available_backends()]:
+    got = jax.grad(lambda a, b, c: jnp.sum(matmul(a, b, bias=c, activation="silu", out_dtype=jnp.float32,
+                                                  backend=backend) * 3.0), argnums=(0, 1, 2))(a, b, bias)
+    errs = [float(jnp.max(jnp.abs(g.astype(jnp.float32) - w)) / float(jnp.max(jnp.abs(w)))) for g, w in zip(got, want)]
+    finite = all(bool(jnp.all(jnp.isfinite(g))) for g in got)
+    print(backend, "finite", finite, "rel err dA dB dbias", ["%.2e" % e for e in errs])
+    assert finite and max(errs) < 2e-2, backend
+print("fp16 dbias under f32 out: OK")
+PYEOF
+STEP_TAIL=5 step f16_dbias 90 $PY "$R/f16_dbias.py"
 TINY="-m jaxopt_train.train.cli --preset gpt-tiny --batch-size 16 --microbatches 2 --precision fp16 \
   --grad-dtype compute --log-every 10 --eval-every 30 --checkpoint-every 0 --progress lines --overwrite"
 STEP_TAIL=6 step tiny_fp16 90 $PY $TINY --steps 30 --run-dir /tmp/s28b_tiny
