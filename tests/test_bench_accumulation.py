@@ -36,14 +36,21 @@ def test_quick_mlp_run_times_every_variant_at_equal_tokens(tmp_path, capsys):
     assert "vs full" in printed and all(name in printed for name in bench.VARIANTS)
 
 
+def _square_loss(w, batch):
+    return jnp.mean((batch["x"] * w - batch["y"]) ** 2)
+
+
+def _multisteps_setup(k: int = 4):
+    """(loss_fn, w, batch, the bench's steps, the K micro-batches) of a one-weight model."""
+    w, batch = jnp.float32(1.0), {"x": jnp.arange(8.0), "y": jnp.ones(8)}
+    steps, _ = bench._steps(_square_loss, optax.sgd(0.0), k)
+    return _square_loss, w, batch, steps, [jax.tree.map(lambda x, i=i: x[i::k], batch) for i in range(k)]
+
+
 def test_multisteps_loss_is_the_mean_over_the_step_s_micro_batches():
     # One optimizer step of K micro-steps reports the whole batch's loss, not the last one's.
-    def loss_fn(w, batch):
-        return jnp.mean((batch["x"] * w - batch["y"]) ** 2)
-    k, w = 4, jnp.float32(1.0)
-    batch = {"x": jnp.arange(8.0), "y": jnp.ones(8)}
-    steps, _ = bench._steps(loss_fn, optax.sgd(0.0), k)
-    micro_batches = [jax.tree.map(lambda x, i=i: x[i::k], batch) for i in range(k)]
+    k = 4
+    loss_fn, w, batch, steps, micro_batches = _multisteps_setup(k)
     whole_batch = float(loss_fn(w, batch))  # 11.5; the last micro-batch's: 20.0
     *_, loss = steps["multisteps"](w, multi_steps(optax.sgd(0.0), k).init(w), micro_batches)
     assert bench.final_loss(loss) == pytest.approx(whole_batch, rel=1e-6)
@@ -52,12 +59,8 @@ def test_multisteps_loss_is_the_mean_over_the_step_s_micro_batches():
 def test_the_timed_multisteps_step_is_the_k_micro_steps_alone(monkeypatch):
     """Averaging the K losses was one more dispatch per optimizer step, timed in the
     multisteps row only; it now happens once, after the timing."""
-    def loss_fn(w, batch):
-        return jnp.mean((batch["x"] * w - batch["y"]) ** 2)
-    k, w = 4, jnp.float32(1.0)
-    batch = {"x": jnp.arange(8.0), "y": jnp.ones(8)}
-    steps, _ = bench._steps(loss_fn, optax.sgd(0.0), k)
-    micro_batches = [jax.tree.map(lambda x, i=i: x[i::k], batch) for i in range(k)]
+    k = 4
+    loss_fn, w, batch, steps, micro_batches = _multisteps_setup(k)
     calls, real = [], bench._mean_loss
     monkeypatch.setattr(bench, "_mean_loss", lambda *losses: calls.append(len(losses)) or real(*losses))
     # Fresh buffers, as main makes: the steps donate params and optimizer state.
