@@ -88,7 +88,7 @@ def local_gradients(loss: Callable, state: TrainState, params, batch, microbatch
     With `weight_fn` (`ModelFns.weight`) micro-batches count by their weight, and
     loss and gradients come back as `accumulation.weighted_share`s: their plain mean
     over devices (the step's pmean, or its sum / n) is the weighted mean; for fp16
-    leaves, whose sum may overflow, their plain sum (`narrow_as_sum`).
+    gradients, whose sum may overflow, their plain sum (`narrow_as_sum`).
 
     RNG streams in the model state (Dropout's) draw a different mask on every
     device and every micro-batch: for each call their keys are folded with a salt
@@ -116,10 +116,11 @@ def local_gradients(loss: Callable, state: TrainState, params, batch, microbatch
     if weight_fn is not None:
         # The aux `value` is a plain mean over the micro-batches; the loss output is weighted.
         value = state.loss_scale.unscale(scaled)
-        # fp16 leaves as shares whose sum is the weighted mean: scaled by n first, as the
+        weight = batch_weight(weight_fn, batch)
+        value = weighted_share(value, weight, AXIS)  # pmean'd for the metrics, whatever its dtype
+        # fp16 gradients as shares whose sum is the weighted mean: scaled by n first, as the
         # others are, a device holding most of the weight could pass 65,504.
-        value, grads = weighted_share((value, grads), batch_weight(weight_fn, batch), AXIS,
-                                      narrow_as_sum=True)
+        grads = weighted_share(grads, weight, AXIS, narrow_as_sum=True)
     return value, combine_counts(model_state, state.model_state, microbatches), grads
 
 
