@@ -1327,7 +1327,9 @@ def test_autotune_budget_keeps_best_so_far():
 
 @pytest.mark.parametrize("precision, kernel", [
     (None, True), ("default", True), (lax.Precision.DEFAULT, True), (("default", None), True),
+    (["default", "default"], True), (lax.DotAlgorithmPreset.DEFAULT, True),
     ("highest", False), (lax.Precision.HIGHEST, False), (("default", "highest"), False),
+    (["default", "highest"], False), (lax.DotAlgorithmPreset.F32_F32_F32, False),
 ])
 def test_dot_general_takes_default_precision_in_any_spelling(monkeypatch, precision, kernel):
     """`lax.dot_general` accepts precision="default"; the drop-in sent it to XLA, silently

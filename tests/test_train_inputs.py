@@ -187,3 +187,13 @@ def test_auto_attention_stays_xla_on_cpu_in_float32_and_when_chosen(monkeypatch)
     _fake_gpus(monkeypatch, "9.0")
     assert _resolved_attention(192, precision="fp32") == "auto"
     assert _resolved_attention(192, attention="xla") == "xla"
+
+
+def test_a_numpy_int_setting_is_refused_saying_what_to_pass():
+    """config.json cannot hold a numpy int; the refusal used to read "np.int64(8) must be an
+    integer", which it is."""
+    with pytest.raises(TypeError, match=r"batch_size=np.int64\(8\) must be a Python int >= 1 "
+                                        r"\(a numpy.int64: pass int\(batch_size\)\)"):
+        TrainConfig(batch_size=np.int64(8))
+    with pytest.raises(TypeError, match=r"steps=2.5 must be a Python int >= 1$"):
+        TrainConfig(steps=2.5)

@@ -40,10 +40,14 @@ MATMUL_CHOICES = ("xla", "pallas", "triton")
 
 
 def _is_default_precision(precision) -> bool:
-    """None or DEFAULT, alone or per operand, including its string spelling "default"
-    (which `lax.dot_general` accepts: a user passing it should still get the kernel)."""
-    if isinstance(precision, tuple):
+    """None or DEFAULT, alone or per operand (a tuple or a list), including its string
+    spelling "default" and `lax.DotAlgorithmPreset.DEFAULT` (which `lax.dot_general`
+    accepts: a user passing them should still get the kernel)."""
+    if isinstance(precision, (tuple, list)):
         return all(_is_default_precision(p) for p in precision)
+    preset = getattr(lax, "DotAlgorithmPreset", None)
+    if preset is not None and isinstance(precision, preset):
+        return precision == preset.DEFAULT
     if isinstance(precision, str):
         try:
             precision = lax.Precision(precision)

@@ -351,7 +351,10 @@ def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
 
 def _check_int(name: str, value: Any, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r} must be an integer >= {minimum}")
+        # A numpy int is an integer, but not one config.json can hold: say what to pass.
+        kind = f" (a {type(value).__module__}.{type(value).__name__}: pass int({name}))" \
+            if hasattr(value, "dtype") else ""
+        raise TypeError(f"{name}={value!r} must be a Python int >= {minimum}{kind}")
     if value < minimum:
         raise ValueError(f"{name}={value} must be an integer >= {minimum}")
 
