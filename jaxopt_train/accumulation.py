@@ -388,22 +388,18 @@ def _device_mean(tree, axis_name, weight=None):
     """`lax.pmean(tree, axis_name)`, or with `weight` the weighted mean sum(w * x) / sum(w),
     in one `lax.psum` of `tree`.
 
-    Each device's term is scaled before the sum where the sum could overflow: a psum of
-    n float16 means (loss-scaled gradients) passes 65,504 where their mean does not, and
-    so does `weighted_share`'s x * n * w / sum(w) on a device holding most of the weight.
-    bf16 and f32 leaves without a weight are summed as they are and divided once.
+    Each float16 term is scaled before the sum, which could overflow: a psum of n float16
+    means (loss-scaled gradients) passes 65,504 where their mean does not, and so does
+    x * n * w / sum(w) on a device holding most of the weight (`weighted_share` with
+    `narrow_as_sum`). bf16 and f32 leaves are summed, then divided once.
     """
     n = lax.psum(1, axis_name)
     if weight is None:
-        summed = lax.psum(jax.tree.map(lambda x: mean_term(x, n, x.dtype), tree), axis_name)
-        return jax.tree.map(lambda s: s if sum_may_overflow(s.dtype) else s / n, summed)
-    weight = jnp.asarray(weight, jnp.float32)
-    total = lax.psum(weight, axis_name)
-
-    def term(x):  # a device of weight 0 adds 0 (its own mean over no tokens may be NaN)
-        share = jnp.where(weight > 0, x.astype(jnp.float32) * (weight / total), 0)
-        return jnp.where(total > 0, share, jnp.nan).astype(x.dtype)
-    return lax.psum(jax.tree.map(term, tree), axis_name)
+        terms = jax.tree.map(lambda x: mean_term(x, n, x.dtype), tree)
+    else:
+        terms = weighted_share(tree, weight, axis_name, narrow_as_sum=True)
+    summed = lax.psum(terms, axis_name)
+    return jax.tree.map(lambda s: s if sum_may_overflow(s.dtype) else s / n, summed)
 
 
 def weighted_share(tree, weight: jax.Array, axis_name, *, narrow_as_sum: bool = False) -> Any:

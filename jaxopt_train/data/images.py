@@ -234,8 +234,7 @@ class ImageDataset:
         labels = np.asarray(labels)
         check_image_arrays(images, labels)
         check_seed(seed)
-        if not isinstance(split_seed, (int, np.integer)) or isinstance(split_seed, bool) or split_seed < 0:
-            raise ValueError(f"split_seed={split_seed!r} must be a non-negative int")
+        check_seed(split_seed, "split_seed")
         if split not in SPLITS:
             raise ValueError(f"split={split!r}; legal values: {SPLITS}")
         # The int32 cast below would wrap a larger id (2**32 + 4) round into another class.

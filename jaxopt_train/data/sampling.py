@@ -37,10 +37,10 @@ def check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name}={value!r} must be a positive int")
 
 
-def check_seed(seed) -> None:
+def check_seed(seed, name: str = "seed") -> None:
     """Checked when a dataset is built: numpy refuses other seeds only at the first batch."""
     if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"seed={seed!r} must be a non-negative int")
+        raise ValueError(f"{name}={seed!r} must be a non-negative int")
 
 
 @functools.lru_cache(maxsize=4)

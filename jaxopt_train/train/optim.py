@@ -52,8 +52,8 @@ def low_precision_state(inner: optax.GradientTransformation, dtype: Any = jnp.bf
     only storage precision changes, and the new state is rounded to bf16
     stochastically (unbiased: a moment whose per-step change is below half a bf16
     step still moves, in expectation, as in f32), with bits hashed from the step
-    count, this step's gradients and each element's position: the same inputs give
-    the same state. With ``dtype=float32`` this returns `inner` unchanged.
+    counts and each element's new and old values: the same inputs give the same
+    state, on a ZeRO shard as on the whole leaf. With ``dtype=float32`` this returns `inner` unchanged.
 
     Args:
       inner: any optax transformation, e.g. `optax.adamw(...)`; extra arguments of

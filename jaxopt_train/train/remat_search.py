@@ -8,9 +8,9 @@ the fitting policy on only the first k blocks, with the one before it on the res
 (`GPTConfig.remat_rest`), is tried, so only as much is recomputed as the budget
 needs: k from a straight line between the two measured steps, redrawn through each
 k that misses (`next_remat_layers`), for at most PARTIAL_TRIES compiles. gpt-1b in
-16 GiB on an H200: "dots_attention" on 15 of 16 blocks (none on the rest) in bench
-train; on 13 in the trainer under a hard 16 GiB cap, where XLA's compiler, knowing
-the pool, rematerialises some of the rest itself.
+16 GiB on an H200: "dots_attention" on 15 of 16 blocks (none on the rest), in bench
+train and in the trainer under a hard 16 GiB cap; there XLA's compiler, knowing the
+pool, rematerialises some of the rest itself, so the line's first count (10) missed.
 """
 
 from __future__ import annotations
