@@ -88,8 +88,12 @@ def test_text_folder_with_token_files_is_refused_naming_them(tmp_path):
     (tmp_path / "sub" / "ids.bin").write_bytes(b"\x41\x42" * 100)
     with pytest.raises(ValueError, match=r"\(sub/ids\.bin\).*move the \.bin files out"):
         load_text_corpus(tmp_path)
+    # the extension in upper case is a token file too (it was read as text)
+    (tmp_path / "sub" / "ids.bin").rename(tmp_path / "sub" / "IDS.BIN")
+    with pytest.raises(ValueError, match=r"\(sub/IDS\.BIN\)"):
+        load_text_corpus(tmp_path)
     # without them the folder's text is read as before
-    (tmp_path / "sub" / "ids.bin").unlink()
+    (tmp_path / "sub" / "IDS.BIN").unlink()
     assert bytes(load_text_corpus(tmp_path)) == b"print('tokenise')\n"
 
 

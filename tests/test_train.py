@@ -161,7 +161,9 @@ def test_sigterm_saves_checkpoint_and_exits_cleanly(tmp_path):
         assert json.load(f)["config"]["steps"] == 8
 
 
-def test_nonfinite_run_stops_with_clear_error_keeping_last_good_checkpoint(tmp_path, monkeypatch):
+@pytest.mark.parametrize("checkpoint_every", [4, 2])
+def test_nonfinite_run_stops_with_clear_error_keeping_last_good_checkpoint(tmp_path, monkeypatch,
+                                                                           checkpoint_every):
     real_build_task = loop_lib.build_task
 
     def poisoned_build_task(cfg, policy):
@@ -178,10 +180,12 @@ def test_nonfinite_run_stops_with_clear_error_keeping_last_good_checkpoint(tmp_p
         return task
 
     monkeypatch.setattr(loop_lib, "build_task", poisoned_build_task)
-    cfg = _tiny(tmp_path, max_nonfinite_steps=2, checkpoint_every=4)
+    cfg = _tiny(tmp_path, max_nonfinite_steps=2, checkpoint_every=checkpoint_every,
+                keep_checkpoints=1)
     with pytest.raises(NonFiniteError, match="2 consecutive steps had non-finite"):
         train(cfg)
-    # Steps 0-3 were clean and checkpointed at 4; nothing saved after the guard tripped at 6.
+    # Steps 0-3 were clean and checkpointed at 4; nothing saved when the guard tripped at 6,
+    # even where 6 is a checkpoint step (that save would have pushed 4 out: keep 1).
     assert os.listdir(os.path.join(cfg.run_dir, "checkpoints")) == ["4"]
     records = read_jsonl(os.path.join(cfg.run_dir, "metrics.jsonl"))
     assert [r["step"] for r in records] == [2, 4, 6]

@@ -136,7 +136,7 @@ def test_memory_limit_is_set_preallocated_before_the_run_and_not_saved(monkeypat
         calls.append(("limit", kwargs))
         return {"XLA_CLIENT_MEM_FRACTION": "0.1140", "XLA_PYTHON_CLIENT_PREALLOCATE": "true"}
 
-    def fake_train(cfg):
+    def fake_train(cfg, until_step=None):
         calls.append(("train", cfg))
         return loop.TrainResult(run_dir=cfg.run_dir, step=cfg.steps, final_loss=None, eval_loss=None,
                                 interrupted=False, trainer=None)
@@ -157,7 +157,7 @@ def test_memory_limit_takes_a_share_of_the_gpu_too(monkeypatch, capsys):
 
     calls = []
     monkeypatch.setattr(memory, "limit_memory", lambda **kw: calls.append(kw) or {"X": "1"})
-    monkeypatch.setattr(loop, "train", lambda cfg: loop.TrainResult(
+    monkeypatch.setattr(loop, "train", lambda cfg, until_step=None: loop.TrainResult(
         run_dir="r", step=1, final_loss=None, eval_loss=None, interrupted=False, trainer=None))
     assert cli.main(["--memory-limit", "0.5", "--steps", "1"]) == 0
     assert cli.main(["--memory-limit", "2", "--steps", "1"]) == 0  # above 1: bytes
@@ -305,3 +305,58 @@ def test_a_vision_flag_with_a_gpt_preset_exits_2_instead_of_being_ignored(argv, 
     code, err = _config_error(argv, capsys)
     assert code == 2 and needle in err
     assert cli.config_from_args(["--preset", "cnn-small", "--num-classes", "100"]).num_classes == 100
+
+
+def test_until_step_stops_early_and_a_resume_may_spell_out_the_presets_seq_len(
+        tmp_path, capsys, jax_compile_cache):
+    """--until-step stops with a checkpoint and leaves the schedule to --steps; a resume
+    that names the preset's own --seq-len (128 for gpt-tiny) continues the run: the
+    length saved for "the preset's" is the length itself, not a different shape."""
+    from jaxopt_train.train.checkpoint import existing_checkpoint_steps
+
+    run_dir = str(tmp_path / "run")
+    argv = ["--model", "d_model=32", "--model", "n_layers=1", "--model", "n_heads=2",
+            "--batch-size", "8", "--steps", "4", "--warmup", "1", "--log-every", "2",
+            "--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", "0",
+            "--progress", "lines", "--run-dir", run_dir]
+    assert cli.main(argv + ["--until-step", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"stopped at step 2 of 4 (--until-step); checkpoint saved in {run_dir}" in out
+    assert existing_checkpoint_steps(run_dir) == [2]
+    with open(os.path.join(run_dir, "config.json")) as f:
+        assert "until_step" not in json.load(f)["config"]  # a setting of that invocation only
+    assert cli.main(["--run-dir", run_dir, "--resume", "--seq-len", "128"]) == 0
+    assert f"done: 4 steps in {run_dir}" in capsys.readouterr().out
+    assert existing_checkpoint_steps(run_dir) == [2, 4]
+    # Another length is still a change of shape.
+    assert cli.main(["--run-dir", run_dir, "--resume", "--steps", "6", "--seq-len", "64"]) == 2
+    assert "seq_len: saved 128, now 64" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "3"])
+def test_until_step_must_be_a_positive_multiple_of_steps_per_dispatch(tmp_path, capsys, value):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--steps-per-dispatch", "2", "--until-step", value,
+                  "--run-dir", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    assert (f"--until-step {value}: expected a positive multiple of --steps-per-dispatch (2)"
+            in capsys.readouterr().err)
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_a_run_saved_with_seq_len_none_resumes_under_the_presets_length(tmp_path):
+    """Checkpoints written before the length was resolved hold seq_len None ("the
+    preset's"); they resume with or without --seq-len equal to it."""
+    from jaxopt_train.train import resume
+
+    cfg = TrainConfig(preset="gpt-tiny", run_dir=str(tmp_path), seq_len=128)
+
+    class OldCheckpoint:
+        def read_meta(self):
+            shape = {**cfg.model_shape(), "seq_len": None}
+            return {"model_shape": shape}
+
+    resume.check_resume_shape(str(tmp_path), cfg, OldCheckpoint())
+    resume.check_resume_shape(str(tmp_path), dataclasses.replace(cfg, seq_len=None), OldCheckpoint())
+    with pytest.raises(resume.RunDirError, match="seq_len: saved 128, now 64"):
+        resume.check_resume_shape(str(tmp_path), dataclasses.replace(cfg, seq_len=64), OldCheckpoint())

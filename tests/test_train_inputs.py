@@ -94,13 +94,19 @@ def test_token_ids_beyond_the_vocab_are_refused_naming_the_fix(tmp_path):
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
 
 
-def test_token_file_within_the_vocab_builds(tmp_path):
-    path = tmp_path / "bytes.bin"
-    (np.arange(4096, dtype=np.uint16) % 256).tofile(path)
+@pytest.mark.parametrize("name", ["bytes.bin", "TRAIN.BIN"])
+def test_token_file_within_the_vocab_builds(tmp_path, name):
+    """Read as uint16 ids whatever the extension's case (TRAIN.BIN was read as text: its
+    ids as pairs of bytes)."""
+    path = tmp_path / name
+    ids = np.arange(4096, dtype=np.uint16) % 256
+    ids.tofile(path)
     cfg = TrainConfig(data=str(path), model_overrides=dict(d_model=32, n_layers=1, n_heads=2),
-                      seq_len=32, batch_size=8)
+                      seq_len=32, batch_size=8, token_dtype="uint16")
     task = build_task(cfg, get_policy("fp32"))
+    assert "token file" in task.description
     assert task.train_batch(0)["inputs"].max() < 256
+    assert TrainConfig(data=str(path).upper(), token_dtype="uint32").token_dtype == "uint32"
 
 
 def test_uint32_token_file_needs_and_takes_token_dtype(tmp_path, capsys):

@@ -62,7 +62,7 @@ def test_resume_at_a_step_off_the_dispatch_size_is_refused_before_anything_chang
     with pytest.raises(RunDirError, match=r"is at step 3, which is not a multiple of "
                                           r"steps_per_dispatch=2; resume with a "
                                           r"--steps-per-dispatch that divides 3 \(e.g. 1\), or "
-                                          r"with --steps-per-dispatch 1 for 1 step\(s\) \(--steps 4\)"):
+                                          r"with --steps-per-dispatch 1 --until-step 4 for 1 step\(s\) and then with 2"):
         train(resume)
     assert sorted(os.listdir(cfg.run_dir)) == files
     assert _saved_config(cfg.run_dir)["steps_per_dispatch"] == 1

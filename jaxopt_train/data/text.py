@@ -69,12 +69,12 @@ def _refuse_token_files(folder: pathlib.Path, files: list[pathlib.Path]) -> None
     alone, not on how much text is left, keeps the rule one a user can predict;
     other binary files (images, archives) are still skipped as before.
     """
-    token_files = [p for p in files if p.suffix == ".bin"]
+    token_files = [p for p in files if p.suffix.lower() == ".bin"]
     if not token_files:
         return
     names = [str(p.relative_to(folder)) for p in token_files]
     shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
-    example = next((p for p in token_files if p.name == "train.bin"), token_files[0])
+    example = next((p for p in token_files if p.name.lower() == "train.bin"), token_files[0])
     raise ValueError(
         f"text corpus folder path={str(folder)!r} holds .bin token files ({shown}), which are "
         f"token ids, not text; to train on them pass the file itself: --data {example} "

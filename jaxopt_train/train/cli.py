@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "interpret mode on CPU: slow) / Triton kernels (need --precision bf16/fp16)")
     o = p.add_argument_group("optimisation")
     o.add_argument("--steps", type=int, default=d.steps, help="total optimizer steps")
+    # A setting of this invocation, not of the run (not in config.json): the schedule still
+    # spans --steps, so a later --resume continues the same run.
+    o.add_argument("--until-step", type=int, default=None, metavar="STEP",
+                   help="stop with a checkpoint at this step (a multiple of --steps-per-dispatch) "
+                        "and leave the rest of --steps to a later --resume")
     o.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch size")
     o.add_argument("--microbatches", type=int, default=d.microbatches,
                    help="micro-batches accumulated per optimizer step")
@@ -265,8 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     from jaxopt_train.train.checkpoint import RunDirError  # noqa: PLC0415
     from jaxopt_train.train.loop import NonFiniteError, train  # noqa: PLC0415
 
+    until_step = build_parser().parse_args(argv).until_step
+    if until_step is not None and (until_step < 1 or until_step % cfg.steps_per_dispatch):
+        build_parser().error(f"--until-step {until_step}: expected a positive multiple of "
+                             f"--steps-per-dispatch ({cfg.steps_per_dispatch})")
     try:
-        result = train(cfg)
+        result = train(cfg, until_step=until_step)
     except RunDirError as err:
         print(f"jaxopt-train train: error: {err}", file=sys.stderr)
         return 2
@@ -279,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = f"done: {result.step} steps in {result.run_dir}"
     if result.eval_loss is not None:
         summary += f"; eval loss {result.eval_loss:.4f}"
+    if result.step < cfg.steps and not result.interrupted:  # --until-step
+        summary = (f"stopped at step {result.step} of {cfg.steps} (--until-step); checkpoint saved "
+                   f"in {result.run_dir}; continue with --resume --run-dir {result.run_dir}")
     if result.interrupted:
         summary = f"interrupted at step {result.step}; checkpoint saved in {result.run_dir}"
     print(summary, flush=True)

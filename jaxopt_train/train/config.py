@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from typing import Any
 
 GPT_PRESETS = ("gpt-tiny", "gpt-124m", "gpt-350m", "gpt-1b", "gpt-7b")
@@ -200,7 +201,7 @@ class TrainConfig:
         _check_choice("remat", self.remat, REMATS + ("auto",))
         _check_choice("progress", self.progress, ("auto", "bar", "lines"))
         _check_choice("token_dtype", self.token_dtype, TOKEN_DTYPES)
-        token_file = isinstance(self.data, str) and self.data.endswith(".bin")
+        token_file = isinstance(self.data, str) and data_suffix(self.data) == ".bin"
         if self.token_dtype != "uint16" and not token_file:
             raise ValueError(f"token_dtype={self.token_dtype!r} applies to a .bin token file, but "
                              f"data={self.data!r}; drop it or give the .bin file")
@@ -278,7 +279,10 @@ class TrainConfig:
     def model_shape(self) -> dict[str, Any]:
         """The fields that determine parameter shapes (compared on resume)."""
         shape = {name: getattr(self, name) for name in MODEL_SHAPE_FIELDS}
-        shape["seq_len"] = self.seq_len
+        # The length itself, not "the preset's" (None): a resume that spells out the preset's
+        # own --seq-len was refused as a change of shape.
+        shape["seq_len"] = self.seq_len if self.is_vision else resolved_seq_len(self.preset,
+                                                                               self.seq_len)
         if self.zero:  # the optimizer state's layout differs (absent at 0: older runs match)
             shape["zero"] = self.zero
         if self.opt_state_dtype != "f32":  # so do its dtypes
@@ -297,6 +301,21 @@ class TrainConfig:
 
 
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
+
+
+def data_suffix(path: str) -> str:
+    """The extension that says how `--data` is read (".bin" token ids, ".npz" images,
+    anything else text), in lower case: a TRAIN.BIN was read as text, its ids as bytes."""
+    return os.path.splitext(path)[1].lower()
+
+
+def resolved_seq_len(preset: str, seq_len: int | None) -> int:
+    """`seq_len`, or the GPT preset's own when it is None."""
+    if seq_len is not None:
+        return seq_len
+    from jaxopt_train.models.gpt_config import get_gpt_config  # noqa: PLC0415
+
+    return get_gpt_config(preset).seq_len
 
 
 def _param_dtype_name_of(precision: str) -> str:

@@ -254,6 +254,10 @@ def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run
         config.json. Only then: a resume that dies before its first checkpoint must leave
         the settings of the checkpoints on disk, not its own."""
         nonlocal config_written
+        if int(trainer.state.nonfinite_streak) >= cfg.max_nonfinite_steps:
+            # The run stops at this step (_log raises): its state is the failing streak's, and
+            # saving it could push the last good checkpoint out of keep_checkpoints.
+            return
         ckpt.save(step, trainer.state, meta)
         if not config_written:
             ckpt.wait()  # once per resume: the checkpoint is on disk before the settings change
@@ -347,7 +351,7 @@ def _log(cfg: TrainConfig, task: Task, trainer: Trainer, logger: MetricsLogger,
         raise NonFiniteError(
             f"stopping at step {step}: {streak} consecutive steps had non-finite gradients "
             f"(max_nonfinite_steps={cfg.max_nonfinite_steps}); params were left unchanged on those "
-            f"steps and no checkpoint was written after them. Lower --lr, clip harder (a lower --clip-norm; "
+            f"steps and no checkpoint was written once the streak reached that limit. Lower --lr, clip harder (a lower --clip-norm; "
             "0 turns clipping off), or use "
             "a precision with a loss scaler (fp16) or more range (bf16/fp32).")
     return metrics["loss"]

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from jaxopt_train.train.checkpoint import Checkpointer, RunDirError, as_abstract, check_same_model
-from jaxopt_train.train.config import TrainConfig, shape_overrides
+from jaxopt_train.train.config import GPT_PRESETS, TrainConfig, resolved_seq_len, shape_overrides
 
 
 def check_dispatch_alignment(step: int, k: int, ckpt_dir: str) -> None:
@@ -29,8 +29,9 @@ def check_dispatch_alignment(step: int, k: int, ckpt_dir: str) -> None:
         raise RunDirError(
             f"the checkpoint in {ckpt_dir} is at step {step}, which is not a multiple of "
             f"steps_per_dispatch={k}; resume with a --steps-per-dispatch that divides {step} "
-            f"(e.g. 1), or with --steps-per-dispatch 1 for {ones} step(s) (--steps {step + ones}) "
-            f"and then {k}")
+            f"(e.g. 1), or with --steps-per-dispatch 1 --until-step {step + ones} for {ones} "
+            f"step(s) and then with {k} (--until-step stops there and keeps --steps, so the "
+            f"learning-rate schedule is the run's own)")
 
 
 def check_steps_left(step: int, target: int, steps: int, ckpt_dir: str) -> None:
@@ -105,6 +106,9 @@ def check_resume_shape(run_dir: str, cfg: TrainConfig, ckpt: Checkpointer) -> No
     if saved is not None:
         if isinstance(saved.get("model_overrides"), dict):  # runs saved before remat was left out
             saved = {**saved, "model_overrides": shape_overrides(saved["model_overrides"])}
+        if saved.get("preset") in GPT_PRESETS and saved.get("seq_len", 0) is None:
+            # Saved before the length was resolved: None meant the preset's.
+            saved = {**saved, "seq_len": resolved_seq_len(saved["preset"], None)}
         current = json.loads(json.dumps(cfg.model_shape()))
         if "param_dtype" not in saved:  # saved before it was recorded: cannot be checked
             current.pop("param_dtype")

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from jaxopt_train.precision import Policy
-from jaxopt_train.train.config import TrainConfig, matmul_dot_general
+from jaxopt_train.train.config import TrainConfig, data_suffix, matmul_dot_general
 from jaxopt_train.train.model import ModelFns, gpt_loss_fn, nnx_model_fns, vision_loss_fn
 
 
@@ -106,7 +106,7 @@ def _load_tokens(cfg: TrainConfig) -> tuple[np.ndarray, int, str]:
     if not os.path.exists(cfg.data):
         raise FileNotFoundError(f"data={cfg.data!r} does not exist; give a text file or folder, "
                                 "a .bin token file, or a .npz of images")
-    if cfg.data.endswith(".bin"):
+    if data_suffix(cfg.data) == ".bin":
         tokens = load_token_file(cfg.data, cfg.token_dtype)
         # Scanned once here (about a second per GB): an id past the model's vocab
         # would only show later as NaN losses and a misleading "lower --lr" stop.
@@ -122,7 +122,7 @@ def _gpt_task(cfg: TrainConfig, policy: Policy) -> Task:
     from jaxopt_train.data.tokens import TokenDataset  # noqa: PLC0415
     from jaxopt_train.models import GPT, gpt_flops_per_token  # noqa: PLC0415
 
-    if cfg.data is not None and cfg.data.endswith(".npz"):
+    if cfg.data is not None and data_suffix(cfg.data) == ".npz":
         raise ValueError(f"data={cfg.data!r} holds images but preset={cfg.preset!r} is a language "
                          "model; use --preset cnn-small/resnet18/resnet50 for images")
     tokens, data_vocab, description = _load_tokens(cfg)
@@ -151,7 +151,7 @@ def _vision_task(cfg: TrainConfig, policy: Policy) -> Task:
         from jaxopt_train.data.images import (  # noqa: PLC0415
             ImageDataset, check_labels, load_image_npz)
 
-        if not cfg.data.endswith(".npz"):
+        if data_suffix(cfg.data) != ".npz":
             raise ValueError(f"data={cfg.data!r}: preset={cfg.preset!r} trains on images; give an "
                              ".npz with 'images' [N,H,W,C] and 'labels' [N]")
         arrays = load_image_npz(cfg.data)
