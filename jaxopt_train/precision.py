@@ -403,7 +403,7 @@ def _widen_to_param(grad, param):
 
 
 def apply_updates_if_finite(optimizer, grads, opt_state, params, loss_scale: LossScale,
-                            **extra_args):
+                            *, rounding_seed=None, **extra_args):
     """Unscales `grads`, applies one optax step only if they are all finite.
 
     Args:
@@ -414,6 +414,12 @@ def apply_updates_if_finite(optimizer, grads, opt_state, params, loss_scale: Los
       opt_state: the optimizer state.
       params: the (f32 master) parameters.
       loss_scale: the loss scale used for `grads`.
+      rounding_seed: bf16 params (no f32 master copy) are updated in f32 and rounded
+        back stochastically (`jaxopt_train.stochastic_round`) with bits hashed from
+        each weight's values and this uint32, which must change every step. Default:
+        from the optimizer state's step counts; pass the step for an optimizer that
+        has none (plain `optax.sgd`), or a weight meeting the same update twice
+        draws the same bits.
       **extra_args: passed on to `optimizer.update`, for transformations that
         take them (`optax.contrib.reduce_on_plateau` needs `value=loss`: give
         the unscaled loss, the scaled one moves with the loss scale).
@@ -433,8 +439,13 @@ def apply_updates_if_finite(optimizer, grads, opt_state, params, loss_scale: Los
     grads = jax.tree.map(_widen_to_param, grads, params)
     grads = loss_scale.unscale(grads)
     finite = all_finite(grads)
+    from jaxopt_train.stochastic_round import apply_updates, step_seed  # noqa: PLC0415
+
     updates, new_opt_state = optimizer.update(grads, opt_state, params, **extra_args)
-    new_params = optax.apply_updates(params, updates)
+    # bf16 params (no f32 master copy) round stochastically: an update below half a bf16
+    # step of its weight would be dropped whole by rounding to nearest.
+    seed = step_seed(opt_state) if rounding_seed is None else rounding_seed
+    new_params = apply_updates(params, updates, seed)
     params = select_tree(finite, new_params, params)
     opt_state = select_tree(finite, new_opt_state, opt_state)
     return params, opt_state, loss_scale.adjust(finite), finite

@@ -1,4 +1,4 @@
-"""Stochastic rounding of f32 optimizer state to bf16 (`train.stochastic_round`) against the
+"""Stochastic rounding of f32 optimizer state to bf16 (`jaxopt_train.stochastic_round`) against the
 f32 arithmetic it stands for."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxopt_train.train.stochastic_round import element_bits16, step_seed, stochastic_round_bf16
+from jaxopt_train.stochastic_round import element_bits16, step_seed, stochastic_round_bf16
 
 
 def _as_f32(x):
@@ -111,3 +111,82 @@ def test_adam_moments_kept_in_bf16_follow_adam_in_f32():
     np.testing.assert_allclose(want, (1 - 0.999**3000) * scale**2, rtol=1e-4)
     np.testing.assert_allclose(np.mean(got / want), 1.0, atol=0.01)
     assert np.abs(got / want - 1).max() < 0.25
+
+
+
+def _weights(n=8192):
+    """bf16 weights spread over [1, 2) (bf16 step 2**-7 there): distinct values draw
+    distinct bits, so the mean over them averages the rounding out."""
+    return jnp.asarray(1 + np.random.default_rng(0).random(n), jnp.bfloat16)
+
+
+def test_bf16_params_take_updates_below_half_a_step_in_expectation():
+    """1e-4 a step, where half a bf16 step is 39x that: rounded to nearest the weights never
+    move; rounded stochastically they move by the f32 sum (0.05 after 500 steps) on average."""
+    import optax
+
+    from jaxopt_train.stochastic_round import apply_updates
+
+    w = _weights()
+    # Updates of 0.5e-4..1.5e-4 (mean 1e-4): bf16 has only 128 values in [1, 2), and weights
+    # equal in value and update would draw equal bits, i.e. be one sample, not many.
+    spread = 1e-4 * (0.5 + np.random.default_rng(1).random(w.shape))
+    params = {"w": w, "b": jnp.ones((3,), jnp.float32), "none": None}
+    updates = {"w": jnp.asarray(spread, jnp.float32), "b": jnp.full((3,), 1e-4, jnp.float32),
+               "none": None}
+
+    @jax.jit
+    def run(params):
+        def step(p, i):
+            return apply_updates(p, updates, i.astype(jnp.uint32)), None
+        return jax.lax.scan(step, params, jnp.arange(500))[0]
+
+    out = run(params)
+    assert out["w"].dtype == jnp.bfloat16 and out["none"] is None
+    np.testing.assert_allclose((_as_f32(out["w"]) - _as_f32(w)).mean(), 500 * spread.mean(),
+                               rtol=0.02)
+    with jax.numpy_dtype_promotion("standard"):  # optax adds the f32 updates to bf16 params
+        nearest = jax.jit(lambda p: jax.lax.fori_loop(
+            0, 500, lambda i, p: optax.apply_updates(p, updates), p))(params)
+    np.testing.assert_array_equal(_as_f32(nearest["w"]), _as_f32(w))  # what it replaces
+    np.testing.assert_array_equal(out["b"], nearest["b"])  # f32 leaves as optax's
+
+
+def test_apply_updates_leaves_other_dtypes_to_optax():
+    import optax
+
+    from jaxopt_train.stochastic_round import apply_updates
+
+    params = [jnp.array([1.0, 2.0], jnp.float32), jnp.array([1.0, 3.0], jnp.float16),
+              jnp.array([[0.5]], jnp.bfloat16)]
+    updates = [jnp.array([0.25, -1e-3], jnp.float32), jnp.array([1e-3, -2.0], jnp.float16),
+               jnp.array([[0.25]], jnp.bfloat16)]
+    ours, theirs = apply_updates(params, updates, jnp.uint32(7)), optax.apply_updates(params, updates)
+    for a, b in zip(ours, theirs):  # (the bf16 sum 0.75 is exact: no rounding to draw)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_apply_updates_if_finite_rounds_bf16_params_stochastically():
+    """The library's update (precision.apply_updates_if_finite) with bf16 params and no
+    master copy: SGD at lr 1e-4 moves each weight by ~1e-4 a step, which rounding to
+    nearest dropped whole. Plain SGD has no step count, so the step is passed as the seed."""
+    import optax
+
+    from jaxopt_train.precision import apply_updates_if_finite, loss_scale_for
+
+    opt, w = optax.sgd(1e-4), _weights()
+    grads = jnp.asarray(0.5 + np.random.default_rng(1).random(w.shape), jnp.bfloat16)
+    scale = loss_scale_for("bf16-pure")
+
+    @jax.jit
+    def run(params):
+        def step(carry, i):
+            p, s = carry
+            with jax.numpy_dtype_promotion("standard"):  # optax's Python-float lr
+                p, s, _, _ = apply_updates_if_finite(opt, grads, s, p, scale, rounding_seed=i)
+            return (p, s), None
+        return jax.lax.scan(step, (params, opt.init(params)), jnp.arange(300, dtype=jnp.uint32))[0][0]
+
+    want = -300 * 1e-4 * float(_as_f32(grads).mean())  # where nearest left them as they were
+    np.testing.assert_allclose((_as_f32(run(w)) - _as_f32(w)).mean(), want, rtol=0.02)

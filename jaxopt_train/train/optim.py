@@ -22,7 +22,7 @@ import optax
 
 from jaxopt_train.loss_scale import is_floating_array
 from jaxopt_train.precision import cast_floating
-from jaxopt_train.train.stochastic_round import element_bits16, step_seed, stochastic_round_bf16
+from jaxopt_train.stochastic_round import element_bits16, step_seed, stochastic_round_bf16
 
 STATE_DTYPES = ("f32", "bf16")  # the names the CLIs offer
 _STATE_DTYPES = {"f32": jnp.float32, "float32": jnp.float32, "bf16": jnp.bfloat16,
@@ -98,7 +98,7 @@ def _narrow(state, dtype, seed=None, old=None):
     """`state`'s floating arrays of rank >= 1 in `dtype`; scalars and integers as they are.
 
     With `seed` and `old` (the state before this step, same structure), f32 -> bf16 rounds
-    stochastically (`train.stochastic_round`): rounded to nearest, Adam's second moment at
+    stochastically (`jaxopt_train.stochastic_round`): rounded to nearest, Adam's second moment at
     b2 = 0.999 moves by less than half a bf16 step and stalls (at 0.25 of its value after
     3000 steps of constant gradients).
     """

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jaxopt_train.accumulation import (accumulate_gradients, batch_weight, mean_term,
                                        sum_may_overflow, weighted_share)
 from jaxopt_train.collectives import all_reduce_tree, init_error_feedback
+from jaxopt_train import stochastic_round as sr
 from jaxopt_train.precision import all_finite, select_tree
 from jaxopt_train.train.state import TrainState
 
@@ -177,7 +178,10 @@ def make_step_body(loss: Callable, optimizer: optax.GradientTransformation, *,
         # strict promotion (our tests' setting) rejects.
         with jax.numpy_dtype_promotion("standard"):
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        # bf16 params (no f32 master copy) round stochastically (see stochastic_round). The
+        # train step joins the seed: under an optimizer with no step count (plain SGD) the
+        # bits would otherwise repeat for a weight that meets the same update again.
+        params = sr.apply_updates(state.params, updates, sr.step_seed((state.step, state.opt_state)))
         model_state = _pmean_floating(model_state)
         new_state = TrainState(
             step=state.step + 1,

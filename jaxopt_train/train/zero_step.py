@@ -43,6 +43,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxopt_train.accumulation import mean_term, sum_may_overflow
+from jaxopt_train import stochastic_round as sr
 from jaxopt_train.precision import all_finite, select_tree
 from jaxopt_train.train.state import TrainState
 from jaxopt_train.train.step import local_gradients
@@ -98,10 +99,11 @@ def _finish_step(state: TrainState, params, opt_state, model_state, finite, valu
     return new_state, metrics
 
 
-def _update(optimizer: optax.GradientTransformation, grads, opt_state, params):
+def _update(optimizer: optax.GradientTransformation, grads, opt_state, params, step):
     with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and int32 counts
+        seed = sr.step_seed((step, opt_state))  # the same on every shard, as in train.step
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        return sr.apply_updates(params, updates, seed), opt_state
 
 
 # The per-leaf layout ----------------------------------------------------------
@@ -207,7 +209,7 @@ def _update_shards(state: TrainState, grads, own, optimizer, param_specs, *, num
     norm, finite = _leaf_norm_and_finite(grads, param_specs)
     if clip_norm:
         grads = _clip(grads, norm, clip_norm)
-    new_own, opt_state = _update(optimizer, grads, state.opt_state, own)
+    new_own, opt_state = _update(optimizer, grads, state.opt_state, own, state.step)
     return select_tree(finite, new_own, own), opt_state, finite, norm
 
 

@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxopt_train.accumulation import mean_term, sum_may_overflow
+from jaxopt_train.stochastic_round import apply_updates, step_seed
 from jaxopt_train.collectives import all_reduce_tree
 from jaxopt_train.zero._checks import _check, _mesh_axis_size
 from jaxopt_train.zero.elementwise import elementwise_mismatch
@@ -90,8 +91,10 @@ def make_zero_step(loss_fn: Callable, optimizer: optax.GradientTransformation, p
 
     def update(grad, opt_state, param):
         with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and int32 counts
+            seed = step_seed(opt_state)
             updates, opt_state = optimizer.update(grad, opt_state, param)
-        return optax.apply_updates(param, updates), opt_state
+        # bf16 params round stochastically (jaxopt_train.stochastic_round), shard or whole alike.
+        return apply_updates(param, updates, seed), opt_state
 
     # Means over devices: a float16 term is divided by n before the sum, which can pass
     # 65,504 where the mean does not (bf16 and f32 terms are summed, then divided once).
