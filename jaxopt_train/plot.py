@@ -142,55 +142,69 @@ def _run_names(run_dirs: list[str]) -> list[str]:
     return [name if names.count(name) == 1 else os.path.normpath(d) for name, d in zip(names, run_dirs)]
 
 
-def plot_runs(run_dirs: list[str], out_dir: str) -> list[str]:
+def plot_runs(run_dirs: list[str], out_dir: str, *, overwrite: bool = False) -> list[str]:
     """Writes one PNG per panel with data; returns their paths.
 
-    Raises ValueError for a run directory without records and for an `out_dir`
-    that cannot be written, before drawing anything.
+    Raises ValueError for a run directory without records, for an `out_dir` that
+    cannot be written and, unless `overwrite`, for a PNG it would write that exists
+    already, before drawing anything.
     """
     if not run_dirs:
         raise ValueError("plot_runs needs at least one run directory")
     if len(set(map(os.path.realpath, run_dirs))) != len(run_dirs):
         raise ValueError(f"a run directory is given twice: {run_dirs}")
     runs = dict(zip(_run_names(run_dirs), map(load_run, run_dirs)))
+    curves = {panel: _panel_curves(runs, pattern) for panel, (_, pattern, _) in PANELS.items()}
+    paths = {panel: os.path.join(out_dir, f"{panel}.png")
+             for panel, found in curves.items() if any(steps for _, _, steps, _ in found)}
     _make_out_dir(out_dir)
+    _refuse_overwrite(out_dir, list(paths.values()), overwrite)
     import matplotlib
 
     matplotlib.use("Agg")  # files only; set here so importing this module changes nothing
     import matplotlib.pyplot as plt
 
-    written = []
     for panel, (ylabel, pattern, _) in PANELS.items():
-        regex = re.compile(pattern)
         fig, ax = plt.subplots(figsize=(8, 4.5))
-        drawn = matched = 0
-        for run_name, records in runs.items():
-            names = sorted({k for r in records for k in r if k not in ("step", "time") and regex.search(k)})
-            matched += len(names)
-            for name in names:
-                steps, values = _series(records, name)
-                _report_non_finite(panel, name if len(runs) == 1 else f"{run_name}: {name}",
-                                   records, name, drawn=bool(steps))
-                if steps:
-                    scale = _metric_scale(panel, name)
-                    label = name if len(runs) == 1 else f"{run_name}: {name}"
-                    ax.plot(steps, [v * scale for v in values], label=label)
-                    drawn += 1
-        if drawn:
+        for run_name, name, steps, values in curves[panel]:
+            label = name if len(runs) == 1 else f"{run_name}: {name}"
+            _report_non_finite(panel, label, runs[run_name], name, drawn=bool(steps))
+            if steps:
+                scale = _metric_scale(panel, name)
+                ax.plot(steps, [v * scale for v in values], label=label)
+        if panel in paths:
             ax.set_xlabel("step")
             ax.set_ylabel(ylabel)
             ax.set_title(panel)
             ax.grid(alpha=0.3)
             ax.legend(fontsize="small")
-            path = os.path.join(out_dir, f"{panel}.png")
-            fig.savefig(path, dpi=100, bbox_inches="tight")
-            written.append(path)
-        elif matched:  # each metric's line above said why
+            fig.savefig(paths[panel], dpi=100, bbox_inches="tight")
+        elif curves[panel]:  # each metric's line above said why
             print(f"plot: no {panel} curve: its metrics hold no finite numbers; skipped")
         else:
             print(f"plot: no {panel} metrics (names matching {pattern!r}) in any run; skipped")
         plt.close(fig)
-    return written
+    return list(paths.values())
+
+
+def _panel_curves(runs: dict[str, list[dict[str, float]]], pattern: str) -> list[tuple]:
+    """(run name, metric name, steps, values) of every metric matching `pattern`; steps
+    is empty where the metric holds no finite number. Read before drawing so the PNGs
+    to be written are known before any is."""
+    regex = re.compile(pattern)
+    curves = []
+    for run_name, records in runs.items():
+        names = sorted({k for r in records for k in r if k not in ("step", "time") and regex.search(k)})
+        curves += [(run_name, name, *_series(records, name)) for name in names]
+    return curves
+
+
+def _refuse_overwrite(out_dir: str, paths: list[str], overwrite: bool) -> None:
+    """PNGs already in `out_dir` are kept unless asked."""
+    existing = [os.path.basename(p) for p in paths if os.path.lexists(p)]
+    if existing and not overwrite:
+        raise ValueError(f"--out directory {out_dir!r} already holds {', '.join(existing)}; "
+                         "pass --overwrite to replace them, or another --out DIR")
 
 
 def _make_out_dir(out_dir: str) -> None:
@@ -208,9 +222,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxopt-train plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="directories holding metrics.jsonl")
     parser.add_argument("--out", default=None, help="where the PNGs go (default: the first RUN_DIR)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace PNGs already in an --out folder (default: refuse; without "
+                             "--out the first run's own plots are redrawn)")
     args = parser.parse_args(argv)
     try:
-        written = plot_runs(args.run_dirs, args.out or args.run_dirs[0])
+        # Without --out the PNGs go into the first run's folder, where they are that run's own
+        # plots: redrawing them as it trains is the point. A folder named by --out may hold
+        # anything, so what is there is kept unless --overwrite says otherwise.
+        written = plot_runs(args.run_dirs, args.out or args.run_dirs[0],
+                            overwrite=args.overwrite or args.out is None)
     except ValueError as err:
         print(f"jaxopt-train plot: error: {err}", file=sys.stderr)
         return 2

@@ -109,6 +109,47 @@ def test_report_json_refuses_non_finite_figures_before_writing(tmp_path):
     assert not (tmp_path / "raw.json").exists()  # not a half-written report
 
 
+def _report_files(tmp_path):
+    """args, result and text for write_outputs, with one row save_plot can draw."""
+    row = {"name": "optimised", "config": {}, "trace_bytes_at_rest": [2**30, 2**30],
+           "trace_bytes_in_flight": [2**31], "throughput": 100.0, "step_ms": 10.0,
+           "trace_step_ms": [10.0, 11.0], "memory_source": "allocator"}
+    args = argparse.Namespace(json=str(tmp_path / "raw.json"), out=str(tmp_path / "out"))
+    return args, {"unit": "tokens", "rows": [row]}, "table"
+
+
+def test_report_files_land_together(tmp_path):
+    args, result, text = _report_files(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "train_bench.md").write_text("an earlier report")
+    train_report.write_outputs(args, result, text)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(train_report.REPORT_FILES)
+    assert (tmp_path / "out" / "train_bench.md").read_text() == "table\n"
+    assert (tmp_path / "out" / "train_bench.png").read_bytes().startswith(b"\x89PNG")
+    assert json.loads((tmp_path / "raw.json").read_text()) == result
+
+
+def test_a_failing_plot_leaves_the_earlier_report_whole(tmp_path, monkeypatch):
+    # Was: the new .md and .json were written, then the plot raised, leaving them beside
+    # the previous run's .png.
+    args, result, text = _report_files(tmp_path)
+    (tmp_path / "out").mkdir()
+    earlier = {"train_bench.md": b"old md", "train_bench.json": b"{}", "train_bench.png": b"old png"}
+    for name, data in earlier.items():
+        (tmp_path / "out" / name).write_bytes(data)
+
+    def failing_plot(rows, path, unit):
+        with open(path, "wb") as f:
+            f.write(b"half a png")
+        raise RuntimeError("matplotlib failed")
+
+    monkeypatch.setattr(train_report, "save_plot", failing_plot)
+    with pytest.raises(RuntimeError, match="matplotlib failed"):
+        train_report.write_outputs(args, result, text)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == earlier  # no temporaries
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nor --json
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--dataset-tokens", "inf"], "--dataset-tokens=inf must be > 0 and finite"),
     (["--dataset-tokens", "nan"], "--dataset-tokens=nan must be > 0 and finite"),

@@ -24,6 +24,18 @@ def test_parse_and_format_sizes():
     assert bench.parse_size("64K") == 64 << 10 and bench.parse_size("1MiB") == 1 << 20
     assert bench.parse_size("1G") == 1 << 30 and bench.parse_size("4096") == 4096
     assert bench.fmt_size(256 << 20) == "256M" and bench.fmt_size(1000) == "1000"
+    assert bench.parse_size("0.5K") == 512 and bench.parse_size("1.5M") == 3 << 19
+    assert bench.parse_size("1.5G") == 3 << 29 and bench.parse_size("1e3K") == 1024000
+
+
+@pytest.mark.parametrize("size, bytes_", [("1.0001K", "1024.1024"), ("0.3K", "307.2"), ("1.5", "1.5")])
+def test_a_size_that_is_not_whole_bytes_is_refused(size, bytes_, capsys):
+    # Was: int(float(...) * 1024) timed 1024 bytes for "1.0001K" and 307 for "0.3K".
+    with pytest.raises(ValueError, match=f"size '{size}' comes to {bytes_} bytes; expected a whole"):
+        bench.parse_size(size)
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--sizes", f"1M,{size}"])
+    assert exc.value.code == 2 and f"comes to {bytes_} bytes" in capsys.readouterr().err
 
 
 def test_quick_run_writes_json_with_psum_baseline(tmp_path, capsys):

@@ -174,6 +174,30 @@ def test_write_failure_while_saving_exits_2(tmp_path, capsys, monkeypatch):
     assert code == 2 and "cannot write a PNG" in err and "Permission denied" in err
 
 
+def test_existing_pngs_are_kept_unless_overwrite(tmp_path, capsys):
+    # Was: a plot into a folder named by --out replaced the PNGs there without a word.
+    _write_run(tmp_path / "run", 1.0, with_mfu=False)
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "loss.png").write_bytes(b"an earlier plot")
+    (out / "mfu.png").write_bytes(b"not one this run would write")
+    code, err = _plot_error([str(tmp_path / "run"), "--out", str(out)], capsys)
+    assert code == 2
+    assert f"--out directory '{out}' already holds loss.png; pass --overwrite" in err
+    assert "or another --out DIR" in err
+    assert sorted(p.name for p in out.iterdir()) == ["loss.png", "mfu.png"]
+    assert (out / "loss.png").read_bytes() == b"an earlier plot"
+    with pytest.raises(ValueError, match="already holds loss.png"):
+        plot.plot_runs([str(tmp_path / "run")], str(out))
+    assert plot.main([str(tmp_path / "run"), "--out", str(out), "--overwrite"]) == 0
+    assert (out / "loss.png").read_bytes().startswith(PNG_MAGIC)
+    assert (out / "mfu.png").read_bytes() == b"not one this run would write"
+    # Without --out the run's own plots are redrawn, as a run that is still training needs.
+    assert plot.main([str(tmp_path / "run")]) == 0
+    assert plot.main([str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "loss.png").read_bytes().startswith(PNG_MAGIC)
+
+
 def test_no_run_dirs_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as err:
         plot.main([])

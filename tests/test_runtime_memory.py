@@ -21,7 +21,7 @@ GIB = 2**30
 
 @pytest.mark.parametrize("text, expected", [
     (1024, 1024), ("16GiB", 16 * GIB), ("80 GB", 80 * 10**9), ("512MiB", 512 * 2**20),
-    ("1.5gib", int(1.5 * GIB)), ("0", 0),
+    ("1.5gib", 3 * GIB // 2), ("0", 0), ("0.5KiB", 512), (1.5e9, 1500000000),
 ])
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
@@ -36,6 +36,14 @@ def test_parse_bytes_rejects(bad):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), "9" * 400])
 def test_parse_bytes_rejects_non_finite(bad):
     with pytest.raises(ValueError, match="byte count must be a finite number"):
+        parse_bytes(bad)
+
+
+@pytest.mark.parametrize("bad, count", [("0.3KiB", "307.2"), ("1.0001KiB", "1024.1024"),
+                                        ("0.5", "0.5"), (1000.5, "1000.5")])
+def test_parse_bytes_rejects_a_count_that_is_not_whole_bytes(bad, count):
+    # Was: int(float(...) * 1024) gave 307 for "0.3KiB" and 1024 for "1.0001KiB".
+    with pytest.raises(ValueError, match=f"whole number of bytes; value={bad!r} comes to {count} bytes"):
         parse_bytes(bad)
 
 

@@ -8,6 +8,8 @@ The sweep itself and the command are `jaxopt_train.bench.collectives`.
 from __future__ import annotations
 
 import argparse
+import decimal
+import fractions
 import math
 from typing import Callable
 
@@ -17,18 +19,27 @@ RING_VARIANTS = ("ring", "ring_bidir", "ring_wire_bf16", "hierarchical", "peer",
 
 
 def parse_size(text: str) -> int:
-    """'64K', '1M', '1G' (KiB/MiB/GiB) or plain bytes -> bytes (> 0)."""
+    """'64K', '1M', '1.5G' (KiB/MiB/GiB) or plain bytes -> bytes (> 0), exactly.
+
+    A size that is not a whole number of bytes ('0.3K' is 307.2) is refused: truncating it
+    would time fewer bytes than the flag names."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     given, text = text, text.strip().upper().removesuffix("IB").removesuffix("B")
+    number, scale = (text[:-1], units[text[-1]]) if text and text[-1] in units else (text, 1)
     try:
-        size = (int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units
-                else int(text))
-    except (ValueError, OverflowError):  # OverflowError: "infK", "1e400K" (int of an infinity)
+        amount = decimal.Decimal(number)  # not Fraction: that would also read "1/2K"
+        if not math.isfinite(float(amount) * scale):  # "infK", "nanK", "1e400K"
+            raise ValueError(number)
+    except (ValueError, decimal.InvalidOperation):
         raise ValueError(f"cannot read a size from {given!r}; expected bytes or a K/M/G "
                          "suffix, e.g. 4096, 64K, 1M, 1G") from None
+    size = fractions.Fraction(amount) * scale  # exact: float(0.3) * 1024 is not 307.2
     if size <= 0:
         raise ValueError(f"size {given!r} must be more than 0 bytes")
-    return size
+    if size.denominator != 1:
+        raise ValueError(f"size {given!r} comes to {float(size)} bytes; expected a whole number "
+                         "of bytes, e.g. 0.5K (512) or 1.5M")
+    return int(size)
 
 
 def _csv(kind, example: str):

@@ -8,12 +8,13 @@ matmuls is measured against the same hardware ceiling as the optimised one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import statistics
 import tempfile
-from typing import Any
+from typing import Any, Callable
 
 from jaxopt_train.bench._timing import BurstTiming, Trace
 from jaxopt_train.bench.train_remat import remat_label
@@ -283,21 +284,50 @@ def _zero_note(row) -> str:
 
 def write_outputs(args, result, text) -> None:
     """`--json` and `--out` (train_bench.md, .json, and the .png of baseline, optimised and
-    the plain rows of `--compare-plain`).
+    the plain rows of `--compare-plain`), all of them or none.
 
     Strict JSON: every figure is finite once the flags are (`bench train` refuses inf and
     nan), so a NaN or Infinity here is a bug, raised before any file is opened rather
     than written where a strict parser would refuse the whole report."""
     raw = json.dumps(result, indent=1, default=str, allow_nan=False)
+    writers = {}  # final path -> writes that file's content to the path it is given
     if args.json:
-        with open(args.json, "w") as f:
-            f.write(raw)
+        writers[args.json] = lambda path: _write_text(path, raw)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "train_bench.md"), "w") as f:
-            f.write(text + "\n")
-        with open(os.path.join(args.out, "train_bench.json"), "w") as f:
-            f.write(raw)
         rows = [r for r in result["rows"]
                 if r["name"] in ("baseline", "optimised") or r["config"].get("plain")]
-        save_plot(rows, os.path.join(args.out, "train_bench.png"), result["unit"])
+        # The plot first: it is what fails most (matplotlib, odd data), and costs the least then.
+        writers[os.path.join(args.out, "train_bench.png")] = (
+            lambda path: save_plot(rows, path, result["unit"]))
+        writers[os.path.join(args.out, "train_bench.md")] = lambda path: _write_text(path, text + "\n")
+        writers[os.path.join(args.out, "train_bench.json")] = lambda path: _write_text(path, raw)
+    _write_all_or_none(writers)
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _write_all_or_none(writers: dict[str, Callable[[str], None]]) -> None:
+    """Writes every file to a temporary beside its place, then moves them all in.
+
+    A failure while writing (the plot's, a full disk) leaves the files from an earlier
+    run as they were, not a new .md beside an old .png, and no temporaries behind."""
+    staged: dict[str, str] = {}  # temporary -> final path
+    try:
+        for final, write in writers.items():
+            final = os.path.realpath(final)  # through a symlink, as open(final, "w") wrote
+            stem, ext = os.path.splitext(os.path.basename(final))
+            # Named, not mkstemp: the file gets the umask's mode, as open() gives; the
+            # extension stays last because savefig reads the format from it.
+            temp = os.path.join(os.path.dirname(final), f".{stem}.partial-{os.getpid()}{ext}")
+            staged[temp] = final
+            write(temp)
+        for temp, final in staged.items():
+            os.replace(temp, final)
+    finally:
+        for temp in staged:  # those moved in are gone already
+            with contextlib.suppress(OSError):
+                os.remove(temp)

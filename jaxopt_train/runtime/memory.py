@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fractions
 import functools
 import math
 import numbers
@@ -33,26 +34,31 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 
 def parse_bytes(value: int | float | str) -> int:
-    """Bytes from an int or a string such as "16GiB", "80 GB", "512MiB".
+    """Bytes from an int or a string such as "16GiB", "80 GB", "512MiB", "1.5GiB".
 
     Raises:
-      ValueError: for a negative or non-finite number or an unknown unit.
+      ValueError: for a negative or non-finite number, an unknown unit, or an amount that
+        is not a whole number of bytes ("0.3KiB" is 307.2: refused, not truncated).
     """
     if isinstance(value, bool):
         raise TypeError(f"expected a byte count (int or str like '16GiB'), got {value=}")
     if isinstance(value, (int, float)):
-        amount, unit = float(value), ""
+        number, unit = value, ""
     else:
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
         if match is None or match.group(2).lower() not in _UNITS:
             raise ValueError(f"cannot read a byte count from {value=}; expected e.g. 17179869184, "
                              f"'16GiB' or '80GB' (units: {sorted(u for u in _UNITS if u)})")
-        amount, unit = float(match.group(1)), match.group(2).lower()
+        number, unit = match.group(1), match.group(2).lower()
+    amount = float(number)
     if amount < 0:
         raise ValueError(f"a byte count must be >= 0, got {value=}")
-    count = amount * _UNITS[unit]
-    if not math.isfinite(count):
+    if not math.isfinite(amount * _UNITS[unit]):
         raise ValueError(f"a byte count must be a finite number, got {value=}")
+    count = fractions.Fraction(number) * _UNITS[unit]  # exact: float("0.3") * 1024 is not 307.2
+    if count.denominator != 1:
+        raise ValueError(f"a byte count must be a whole number of bytes; {value=} comes to "
+                         f"{float(count)} bytes")
     return int(count)
 
 
