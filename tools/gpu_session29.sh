@@ -27,6 +27,18 @@ if [ "$MODE" = quality ]; then
   STEP_TAIL=5 step pure_rtn 170 $RTN $PY $Q --precision bf16-pure --run-dir /tmp/q_rtn
   for d in master sr rtn; do cp /tmp/q_$d/metrics.jsonl "$R/metrics_$d.jsonl" 2>/dev/null; done
 else
+  # First: does the trainer's step time grow over a run? (gpt-124m went 0.045 -> 0.092 s/step
+  # over 1500 steps in MODE=quality.) GPU clocks, power and utilisation sampled every 2 s; the
+  # same run with 10 steps per dispatch tells host-side growth from device-side.
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,utilization.gpu \
+    --format=csv -l 2 > "$R/smi.csv" 2>&1 &
+  SMI=$!
+  G="-m jaxopt_train.train.cli --preset gpt-124m --steps ${GSTEPS:-800} --batch-size 16 --warmup 100 \
+    --lr 6e-4 --log-every 100 --eval-every 0 --eval-batches 1 --checkpoint-every 0 --progress lines \
+    --overwrite --opt-state-dtype bf16 --precision bf16 --grad-dtype compute"
+  STEP_TAIL=9 step growth_k1 110 $PY $G --run-dir /tmp/g_k1
+  STEP_TAIL=9 step growth_k10 110 $PY $G --steps-per-dispatch 10 --run-dir /tmp/g_k10
+  kill $SMI
   for i in 1 2; do
     STEP_TAIL=6 step master$i 90 $PY $GPT1B_TRAIN --run-dir /tmp/s_master
     STEP_TAIL=6 step pure_sr$i 90 $PY $GPT1B_TRAIN --precision bf16-pure --run-dir /tmp/s_sr
