@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 
 _GOLDEN = np.uint32(0x9E3779B9)
@@ -99,11 +100,8 @@ def apply_updates(params, updates, seed: jax.Array):
     seed = jnp.asarray(seed, jnp.uint32) ^ _PARAM_SEED
 
     def one(p, u):
-        if p is None:
-            return None
-        p = jnp.asarray(p)
-        if p.dtype != jnp.bfloat16:
-            return jnp.asarray(p + u).astype(p.dtype)
+        if p is None or jnp.asarray(p).dtype != jnp.bfloat16:
+            return optax.apply_updates(p, u)
         new = p.astype(jnp.float32) + jnp.asarray(u).astype(jnp.float32)
         return stochastic_round_bf16(new, element_bits16(new, p, seed))
 
