@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxopt_train.models.embedding import embedding_lookup
 from jaxopt_train.models.gpt_config import ATTENTION_IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from jaxopt_train.models.gpt_config import CUDNN_MAX_HEAD_DIM as CUDNN_MAX_HEAD_DIM
 from jaxopt_train.models.gpt_config import GPT_PRESETS as GPT_PRESETS
@@ -286,7 +287,6 @@ class GPT(nnx.Module):
         lets a data-parallel step differentiate w.r.t. these activations and exchange the
         lookup's gradient as rows (`collectives.embedding_grad_exchange`)."""
         tokens = self._check_tokens(tokens)
-        positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
         # A negative id would wrap round to a real row (jnp.take); moved out of range it
         # gives a NaN row instead, as ids >= vocab_size already do, so the loss shows it.
         # In int32: in int8 ids vocab_size=256 wrapped round to 0, a real row. An id the
@@ -295,7 +295,13 @@ class GPT(nnx.Module):
         ids = tokens.astype(jnp.int32)
         wrapped = ids.astype(tokens.dtype) != tokens
         tokens = jnp.where((ids < 0) | wrapped, self.config.vocab_size, ids)
-        return self.wte(tokens) + self.wpe(positions)[None]
+        # Not nnx.Embed's call: its gradient is a scatter-add in the compute dtype, which
+        # in bf16 loses a frequent token's rows and ran slower as training went on
+        # (models/embedding.py). The positions are 0..T-1, so theirs is a slice, and the
+        # two are added in f32: their gradients are summed over tokens in f32.
+        rows = embedding_lookup(self.wte.embedding[...], tokens, jnp.float32)
+        positions = self.wpe.embedding[...][: tokens.shape[1]].astype(jnp.float32)
+        return (rows + positions[None]).astype(self.config.dtype)
 
     def _check_tokens(self, tokens) -> jax.Array:
         cfg = self.config
@@ -306,8 +312,8 @@ class GPT(nnx.Module):
                 f"tokens must be an integer array [batch, time], got shape={tokens.shape} "
                 f"dtype={tokens.dtype}"
             )
-        # Checked here, not only in __call__: past seq_len the position lookup gives
-        # NaN rows (jnp.take's fill mode), silently, to a caller of `embed`.
+        # Checked here, not only in __call__: past seq_len there are no position rows,
+        # and a caller of `embed` gets this message rather than a broadcasting error.
         if tokens.shape[1] > cfg.seq_len:
             raise ValueError(
                 f"sequence length {tokens.shape[1]} exceeds config seq_len={cfg.seq_len}"

@@ -1,0 +1,81 @@
+"""An embedding lookup whose gradient is summed in float32.
+
+`nnx.Embed` casts the table to the compute dtype and gathers from the cast copy, so
+its gradient is a scatter-add in that dtype: in bf16 every token's row is added
+into an 8-bit-mantissa accumulator. A frequent token (the space in source code,
+~30% of positions) collects thousands of rows per step; once the running sum is a
+few hundred times one addend, further addends round away. On CPU that gave a 9%
+error on such a row's gradient (`tests/test_models_embedding.py`). On the GPU the
+bf16 scatter also uses a compare-and-swap loop on the 32-bit word holding each
+element. Its time grew with the gradients' values as gpt-124m trained: 13.8 ms of a
+43 ms step at step 100, 49 ms of 78 ms at step 650 (BENCHMARKS.md, thirtieth session).
+Here the lookup gathers rows of the stored table and casts only those rows. The
+backward adds the rows' cotangents in float32, which has native atomic adds on GPUs,
+and casts the summed table once, to the table's own dtype.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def embedding_lookup(table: jax.Array, ids: jax.Array, dtype) -> jax.Array:
+    """Rows ``table[ids]`` cast to ``dtype``; the table's gradient is summed in float32.
+
+    Args:
+      table: [num_embeddings, features], a floating array (the parameter as stored).
+      ids: integer array of any shape. An id outside [0, num_embeddings), negative
+        ones included, gives a NaN row and adds nothing to the gradient.
+      dtype: floating dtype of the returned rows.
+
+    Returns:
+      ``ids.shape + (features,)`` in ``dtype``.
+
+    Raises:
+      ValueError: a table that is not 2-D and floating, non-integer ids, or a
+        non-floating ``dtype``.
+    """
+    table, ids = jnp.asarray(table), jnp.asarray(ids)
+    if table.ndim != 2 or not jnp.issubdtype(table.dtype, jnp.floating):
+        raise ValueError(f"table must be a floating array [num_embeddings, features], got "
+                         f"shape={table.shape} dtype={table.dtype}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"ids must be an integer array, got dtype={ids.dtype}")
+    dtype = np.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"dtype must be a floating dtype (an out-of-range id gives a NaN row), got {dtype}")
+    rows = table.shape[0]
+    # jnp.take and .at[] read a negative id from the end of the table, even in fill and
+    # drop mode: every id outside [0, rows) becomes `rows` here, which both treat as
+    # out of range. Compared in the ids' own dtype (int8 cannot hold 256: then every
+    # non-negative id is in range), cast to int32 only once known to fit.
+    in_range = ids >= 0
+    if np.iinfo(ids.dtype).max >= rows:
+        in_range &= ids < rows
+    ids = jnp.where(in_range, ids.astype(jnp.int32), rows)
+    return _lookup(table, ids, dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _lookup(table, ids, dtype):
+    return jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan).astype(dtype)
+
+
+def _lookup_fwd(table, ids, dtype):
+    # The table's row count and dtype only: a zero-size stand-in, not the table itself.
+    return _lookup(table, ids, dtype), (ids, jnp.zeros((table.shape[0], 0), table.dtype))
+
+
+def _lookup_bwd(dtype, residuals, g):
+    ids, like = residuals
+    grad = jnp.zeros((like.shape[0], g.shape[-1]), jnp.float32).at[ids].add(
+        g.astype(jnp.float32), mode="drop")
+    # Integer ids have no cotangent (None: a symbolic zero).
+    return grad.astype(like.dtype), None
+
+
+_lookup.defvjp(_lookup_fwd, _lookup_bwd)

@@ -1,0 +1,144 @@
+"""Tests for jaxopt_train.models.embedding: the lookup whose gradient is summed in f32."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxopt_train.models import GPT, get_gpt_config
+from jaxopt_train.models.embedding import embedding_lookup
+
+V, D = 64, 8
+
+
+def skewed_ids(n, seed=0, hot=0.3):
+    """Ids where one token fills `hot` of the positions, as the space does in source code."""
+    rng = np.random.default_rng(seed)
+    return np.where(rng.random(n) < hot, 0, rng.integers(0, V, n)).astype(np.int32)
+
+
+def f32_scatter(ids, g):
+    """The reference: every row's cotangent added in float64 (numpy), then rounded to f32."""
+    out = np.zeros((V, g.shape[-1]), np.float64)
+    np.add.at(out, ids.reshape(-1), np.asarray(g, np.float64).reshape(-1, g.shape[-1]))
+    return out.astype(np.float32)
+
+
+@pytest.mark.parametrize("table_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_forward_is_take_then_cast(table_dtype, dtype):
+    table = jax.random.normal(jax.random.key(0), (V, D), table_dtype)
+    ids = jax.random.randint(jax.random.key(1), (3, 5), 0, V)
+    got = embedding_lookup(table, ids, dtype)
+    assert got.dtype == dtype and got.shape == (3, 5, D)
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(jnp.take(table, ids, axis=0).astype(dtype), np.float32))
+
+
+@pytest.mark.parametrize("table_dtype", [jnp.float32, jnp.bfloat16])
+def test_gradient_of_a_frequent_token_is_summed_in_f32(table_dtype):
+    n = 8192
+    ids = skewed_ids(n)
+    g = (np.random.default_rng(1).normal(size=(n, D)) * 1e-3).astype(np.float32)
+    g = np.asarray(jnp.asarray(g, jnp.bfloat16), np.float32)  # exactly what a bf16 cotangent holds
+    table = jnp.zeros((V, D), table_dtype)
+
+    def loss(t):
+        rows = embedding_lookup(t, jnp.asarray(ids), jnp.bfloat16)
+        return jnp.sum(rows.astype(jnp.float32) * g)
+
+    got = jax.grad(loss)(table)
+    assert got.dtype == table_dtype
+    want = f32_scatter(ids, g)
+    # f32 sums (order aside), then one rounding to the table's dtype.
+    rtol = 1e-5 if table_dtype == jnp.float32 else 2 ** -8
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=rtol, atol=1e-7)
+
+    # What this replaces: nnx.Embed's lookup of the bf16-cast table, whose gradient is a bf16
+    # scatter-add. On the frequent row (~2,500 addends) it is several % off; the test above
+    # would not tell the two apart if it were not.
+    old = jax.grad(lambda t: jnp.sum(jnp.take(t.astype(jnp.bfloat16), jnp.asarray(ids), axis=0)
+                                     .astype(jnp.float32) * g))(table.astype(jnp.float32))
+    old_err = np.linalg.norm(np.asarray(old[0]) - want[0]) / np.linalg.norm(want[0])
+    new_err = np.linalg.norm(np.asarray(got[0], np.float32) - want[0]) / np.linalg.norm(want[0])
+    assert old_err > 0.01 and new_err < old_err / 10, (old_err, new_err)
+
+
+def test_out_of_range_id_gives_nan_row_and_no_gradient():
+    table = jax.random.normal(jax.random.key(0), (V, D), jnp.float32)
+    ids = jnp.array([[1, V, 2], [-1, 1, V + 5]])
+    rows = embedding_lookup(table, ids, jnp.bfloat16)
+    bad = np.array([[False, True, False], [False, False, True]])
+    assert np.isnan(np.asarray(rows, np.float32)[bad]).all()
+    # -1 is jnp.take's "from the end" only in wrap mode; fill mode treats it as out of range.
+    assert np.isnan(np.asarray(rows, np.float32)[1, 0]).all()
+    g = np.ones((2, 3, D), np.float32)
+    grad = jax.grad(lambda t: jnp.sum(jnp.nan_to_num(embedding_lookup(t, ids, jnp.float32)) * g))(table)
+    want = np.zeros((V, D), np.float32)
+    want[1] = 2.0
+    want[2] = 1.0
+    np.testing.assert_array_equal(np.asarray(grad), want)
+
+
+def test_under_jit_and_vmap():
+    table = jax.random.normal(jax.random.key(0), (V, D), jnp.float32)
+    ids = jnp.asarray(skewed_ids(40).reshape(4, 10))
+    g = jax.random.normal(jax.random.key(2), (4, 10, D), jnp.float32)
+
+    def loss(t, i, gi):
+        return jnp.sum(embedding_lookup(t, i, jnp.float32) * gi)
+
+    per_example = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0, 0)))(table, ids, g)
+    for b in range(4):
+        np.testing.assert_allclose(np.asarray(per_example[b]), f32_scatter(np.asarray(ids[b]), np.asarray(g[b])),
+                                   rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("table, ids, dtype, match", [
+    (np.zeros((V,), np.float32), np.zeros(3, np.int32), jnp.float32, "table must be a floating array"),
+    (np.zeros((V, D), np.int32), np.zeros(3, np.int32), jnp.float32, "table must be a floating array"),
+    (np.zeros((V, D), np.float32), np.zeros(3, np.float32), jnp.float32, "ids must be an integer array"),
+    (np.zeros((V, D), np.float32), np.zeros(3, np.int32), jnp.int32, "dtype must be a floating dtype"),
+])
+def test_bad_input(table, ids, dtype, match):
+    with pytest.raises(ValueError, match=match):
+        embedding_lookup(table, ids, dtype)
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
+def test_gpt_embedding_gradients_are_f32_sums(param_dtype):
+    """GPT.embed in bf16: the token table's gradient is the f32 scatter of the bf16
+    cotangent, the position table's its f32 sum over the batch."""
+    cfg = get_gpt_config("gpt-tiny", n_layers=1, d_model=D, n_heads=2, seq_len=128, vocab_size=V,
+                         dtype=jnp.bfloat16, param_dtype=param_dtype)
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(skewed_ids(16 * 128).reshape(16, 128))
+    g = np.random.default_rng(3).normal(size=(16, 128, D)).astype(np.float32)
+    g = np.asarray(jnp.asarray(g, jnp.bfloat16), np.float32)
+
+    def loss(m):
+        return jnp.sum(m.embed(tokens).astype(jnp.float32) * g)
+
+    grads = nnx.grad(loss)(model)
+    tol = dict(rtol=1e-5, atol=1e-6) if param_dtype == jnp.float32 else dict(rtol=2 ** -8, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(grads.wte.embedding[...], np.float32),
+                               f32_scatter(np.asarray(tokens), g), **tol)
+    np.testing.assert_allclose(np.asarray(grads.wpe.embedding[...], np.float32), g.sum(0), **tol)
+    # The forward: token row plus position row, added in f32 and rounded once.
+    want = (np.asarray(model.wte.embedding[...], np.float32)[np.asarray(tokens)]
+            + np.asarray(model.wpe.embedding[...], np.float32)[None, :128])
+    np.testing.assert_array_equal(np.asarray(model.embed(tokens), np.float32),
+                                  np.asarray(jnp.asarray(want, jnp.bfloat16), np.float32))
+
+
+def test_narrow_and_unsigned_ids():
+    table = jax.random.normal(jax.random.key(0), (300, D), jnp.float32)
+    # int8 cannot hold 300: every non-negative int8 id is a row, a negative one is not.
+    rows = np.asarray(embedding_lookup(table, jnp.array([127, -1, 0], jnp.int8), jnp.float32))
+    np.testing.assert_array_equal(rows[0], np.asarray(table[127]))
+    assert np.isnan(rows[1]).all() and not np.isnan(rows[2]).any()
+    # uint32 2**32 - 1 would be -1 (the last row) once cast to int32.
+    rows = np.asarray(embedding_lookup(table, jnp.array([2 ** 32 - 1, 299], jnp.uint32), jnp.float32))
+    assert np.isnan(rows[0]).all()
+    np.testing.assert_array_equal(rows[1], np.asarray(table[299]))
