@@ -142,3 +142,85 @@ def test_narrow_and_unsigned_ids():
     rows = np.asarray(embedding_lookup(table, jnp.array([2 ** 32 - 1, 299], jnp.uint32), jnp.float32))
     assert np.isnan(rows[0]).all()
     np.testing.assert_array_equal(rows[1], np.asarray(table[299]))
+
+
+# ---------------------------------------------------------------- Embed, the nnx.Embed drop-in
+
+
+@pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
+def test_embed_matches_nnx_embed_and_sums_in_f32(dtype):
+    from jaxopt_train.models import Embed
+
+    ours = Embed(V, D, dtype=dtype, rngs=nnx.Rngs(0))
+    theirs = nnx.Embed(V, D, dtype=dtype, rngs=nnx.Rngs(0))
+    np.testing.assert_array_equal(np.asarray(ours.embedding[...]), np.asarray(theirs.embedding[...]))
+    ids = jnp.asarray(skewed_ids(4096).reshape(8, 512))
+    got, want = ours(ids), theirs(ids)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    x = jax.random.normal(jax.random.key(1), (3, D), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(ours.attend(x)), np.asarray(theirs.attend(x)))
+
+    g = np.asarray(jnp.asarray(np.random.default_rng(2).normal(size=(8, 512, D)) * 1e-3, jnp.bfloat16),
+                   np.float32)
+    grad = nnx.grad(lambda m: jnp.sum(m(ids).astype(jnp.float32) * g))(ours)
+    np.testing.assert_allclose(np.asarray(grad.embedding[...]), f32_scatter(np.asarray(ids), g),
+                               rtol=1e-5, atol=1e-7)
+
+
+def test_embed_single_row_and_bad_ids():
+    from jaxopt_train.models import Embed
+
+    one = Embed(1, D, rngs=nnx.Rngs(0))
+    out = one(jnp.zeros((2, 3), jnp.int32))
+    assert out.shape == (2, 3, D)
+    np.testing.assert_array_equal(np.asarray(out[1, 2]), np.asarray(one.embedding[0]))
+    with pytest.raises(ValueError, match="Embed takes integer ids, got dtype=float32"):
+        Embed(V, D, rngs=nnx.Rngs(0))(jnp.zeros(3, jnp.float32))
+    rows = Embed(V, D, rngs=nnx.Rngs(0))(jnp.array([-1, V]))
+    assert np.isnan(np.asarray(rows)).all()
+
+
+def test_embed_out_sharding():
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxopt_train.models import Embed
+
+    mesh = jax.make_mesh((8,), ("data",))
+    e = Embed(V, D, rngs=nnx.Rngs(0))
+    ids = jnp.asarray(skewed_ids(64).reshape(8, 8))
+    with jax.set_mesh(mesh):
+        sharded = jax.device_put(ids, NamedSharding(mesh, P("data")))
+        out = jax.jit(lambda i: e(i, out_sharding=P("data")))(sharded)
+    assert out.sharding.spec == P("data", None, None)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(e.embedding[...])[np.asarray(ids)])
+
+
+def test_trainer_warns_about_a_16_bit_nnx_embed():
+    import warnings
+
+    from jaxopt_train.models import Embed
+    from jaxopt_train.train import Trainer
+
+    class Model(nnx.Module):
+        def __init__(self, embed_cls, dtype):
+            self.tok = embed_cls(V, D, dtype=dtype, rngs=nnx.Rngs(0))
+            self.out = nnx.Linear(D, V, rngs=nnx.Rngs(1))
+
+        def __call__(self, ids):
+            return self.out(self.tok(ids))
+
+    def loss_fn(model, batch):
+        logits = model(batch["x"]).astype(jnp.float32)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch["x"][..., None], -1))
+
+    with pytest.warns(UserWarning, match=r"nnx.Embed with a 16-bit dtype at tok: .*models.Embed"):
+        Trainer(Model(nnx.Embed, jnp.bfloat16), loss_fn, precision="bf16", total_steps=2,
+                   devices=jax.devices()[:1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # Ours, and nnx.Embed left in f32 (it casts the bf16 table back up): no warning.
+        Trainer(Model(Embed, jnp.bfloat16), loss_fn, precision="bf16", total_steps=2,
+                   devices=jax.devices()[:1])
+        Trainer(Model(nnx.Embed, None), loss_fn, precision="bf16", total_steps=2,
+                   devices=jax.devices()[:1])

@@ -21,6 +21,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 
 def embedding_lookup(table: jax.Array, ids: jax.Array, dtype) -> jax.Array:
@@ -79,3 +80,42 @@ def _lookup_bwd(dtype, residuals, g):
 
 
 _lookup.defvjp(_lookup_fwd, _lookup_bwd)
+
+
+class Embed(nnx.Embed):
+    """`nnx.Embed` whose table gradient is summed in float32 (`embedding_lookup`).
+
+    A drop-in: the same constructor, parameter (``embedding``), ``attend`` and
+    ``out_sharding``, and the same rows. Differences from `nnx.Embed`:
+    ``promote_dtype`` is not used (the rows are cast to ``dtype``), and a negative
+    id gives a NaN row, as an id past the table does (nnx.Embed reads it from the
+    table's end).
+    """
+
+    def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+        inputs = jnp.asarray(inputs)
+        if not jnp.issubdtype(inputs.dtype, jnp.integer):
+            raise ValueError(f"Embed takes integer ids, got dtype={inputs.dtype}")
+        if self.num_embeddings == 1:  # a broadcast of the one row: no scatter to fix
+            return super().__call__(inputs, out_sharding)
+        dtype = self.dtype
+
+        def lookup(table, ids):
+            return embedding_lookup(table, ids, dtype)
+
+        if out_sharding is not None:  # as nnx.Embed: jnp.take takes no out_sharding
+            lookup = jax.sharding.auto_axes(lookup, out_sharding=out_sharding)
+        return lookup(self.embedding[...], inputs)
+
+
+def low_precision_embeds(model) -> list[str]:
+    """Paths of the `nnx.Embed` modules in ``model`` (not `Embed`) that sum their
+    table's gradient in a 16-bit dtype: those whose ``dtype`` is bf16 or fp16.
+    (With ``dtype`` left unset, nnx.Embed casts a bf16 table back up to its
+    float32 param dtype, so its scatter-add is in float32.)"""
+    found = []
+    for path, node in nnx.iter_graph(model):
+        if (isinstance(node, nnx.Embed) and not isinstance(node, Embed) and node.num_embeddings > 1
+                and jnp.issubdtype(node.dtype, jnp.floating) and jnp.dtype(node.dtype).itemsize < 4):
+            found.append(".".join(map(str, path)) or "(the model)")
+    return found

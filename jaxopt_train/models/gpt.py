@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxopt_train.models.embedding import embedding_lookup
+from jaxopt_train.models.embedding import Embed, embedding_lookup
 from jaxopt_train.models.gpt_config import ATTENTION_IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from jaxopt_train.models.gpt_config import CUDNN_MAX_HEAD_DIM as CUDNN_MAX_HEAD_DIM
 from jaxopt_train.models.gpt_config import GPT_PRESETS as GPT_PRESETS
@@ -256,11 +256,11 @@ class GPT(nnx.Module):
             raise TypeError(f"rngs must be an nnx.Rngs (e.g. nnx.Rngs(0)), got {type(rngs).__name__}")
         cfg = self.config = config
         embed_init = nnx.initializers.normal(cfg.init_std)
-        self.wte = nnx.Embed(
+        self.wte = Embed(
             cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
             embedding_init=embed_init, rngs=rngs,
         )
-        self.wpe = nnx.Embed(
+        self.wpe = Embed(
             cfg.seq_len, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
             embedding_init=embed_init, rngs=rngs,
         )
@@ -295,10 +295,11 @@ class GPT(nnx.Module):
         ids = tokens.astype(jnp.int32)
         wrapped = ids.astype(tokens.dtype) != tokens
         tokens = jnp.where((ids < 0) | wrapped, self.config.vocab_size, ids)
-        # Not nnx.Embed's call: its gradient is a scatter-add in the compute dtype, which
-        # in bf16 loses a frequent token's rows and ran slower as training went on
-        # (models/embedding.py). The positions are 0..T-1, so theirs is a slice, and the
-        # two are added in f32: their gradients are summed over tokens in f32.
+        # The token rows come out in f32 with their gradient summed in f32 (nnx.Embed's is
+        # a scatter-add in the compute dtype, which in bf16 lost a frequent token's rows and
+        # ran slower as training went on: models/embedding.py). The positions are 0..T-1,
+        # so theirs is a slice, and the two are added in f32: the position table's gradient
+        # is then an f32 sum over the batch too.
         rows = embedding_lookup(self.wte.embedding[...], tokens, jnp.float32)
         positions = self.wpe.embedding[...][: tokens.shape[1]].astype(jnp.float32)
         return (rows + positions[None]).astype(self.config.dtype)

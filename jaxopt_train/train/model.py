@@ -15,6 +15,7 @@ the compute dtype, its matmul precision applied.
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -110,6 +111,16 @@ def nnx_model_fns(model, loss_fn: Callable, policy: Policy) -> ModelFns:
     if not isinstance(model, nnx.Module):
         raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}")
     check_loss_fn(loss_fn)
+    from jaxopt_train.models.embedding import low_precision_embeds  # noqa: PLC0415
+
+    embeds = low_precision_embeds(model)
+    if embeds:
+        # Trainer(...) -> Trainer.__init__ -> here: the warning names the user's line.
+        warnings.warn(
+            f"nnx.Embed with a 16-bit dtype at {', '.join(embeds)}: its table's gradient is a "
+            "scatter-add in that dtype, which drops a frequent id's contributions (and on GPU "
+            "slows as training goes on); jaxopt_train.models.Embed is a drop-in that sums it "
+            "in float32", UserWarning, stacklevel=3)
     # RNG streams go with the rest of the model state: captured outside the step's
     # trace, Dropout's draw (which advances the stream's count) was refused in it.
     graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
