@@ -16,6 +16,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("jaxopt_train.bench.cli", "benchmarks: train | collectives | matmul | accumulation"),
     "doctor": ("jaxopt_train.runtime.doctor", "check the environment (versions, GPUs, drivers, flags)"),
     "plot": ("jaxopt_train.plot", "plot loss/throughput/MFU/memory curves of run directories"),
+    "kernels": ("jaxopt_train.runtime.kernel_time", "GPU kernel time per step by name in a profile trace"),
     # Also `python -m jaxopt_train.kernels.autotune`, which works but makes runpy warn: the
     # kernels package imports that module for its `autotune` function.
     "autotune": ("jaxopt_train.kernels.autotune", "tune matmul kernel tilings and cache the winners"),

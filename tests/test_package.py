@@ -27,7 +27,7 @@ def test_import_starts_no_backend():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["nonsense"], "unknown command 'nonsense'; expected one of ['train', 'bench', 'doctor', 'plot', 'autotune']"),
+    (["nonsense"], "unknown command 'nonsense'; expected one of ['train', 'bench', 'doctor', 'plot', 'kernels', 'autotune']"),
     ([], "a command is required; expected one of ['train'"),
     (["--verbose", "train"], "unknown option '--verbose' before the command"),
     (["-x"], "unknown option '-x'"),
@@ -47,7 +47,7 @@ def test_cli_help_lists_commands_on_stdout(flag, capsys):
     assert main([flag]) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("usage: jaxopt-train COMMAND") and captured.err == ""
-    for command in ("train", "bench", "doctor", "plot", "autotune"):
+    for command in ("train", "bench", "doctor", "plot", "kernels", "autotune"):
         assert f"\n  {command} " in captured.out
 
 

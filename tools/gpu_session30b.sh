@@ -15,7 +15,7 @@ G="-m jaxopt_train.train.cli --preset gpt-124m --steps 700 --batch-size 16 --war
   --log-every 50 --eval-every 0 --eval-batches 1 --checkpoint-every 0 --progress lines \
   --overwrite --opt-state-dtype bf16 --precision bf16 --grad-dtype compute --lr 6e-4"
 STEP_TAIL=16 step g_new 150 $PY $G --profile-steps 650:653 --run-dir /tmp/g_new
-$PY tools/xplane_kernels.py /tmp/g_new/profile --steps 3 --json "$R/new_late.json" > "$R/k_new_late.log" 2>&1
+$PY -m jaxopt_train.runtime.kernel_time /tmp/g_new/profile --steps 3 --json "$R/new_late.json" > "$R/k_new_late.log" 2>&1
 head -8 "$R/k_new_late.log"
 mkdir -p /tmp/old && tar -xf "${OLD_TAR:-.whl/old.tar}" -C /tmp/old
 B1="$GPT1B_TRAIN --log-every 50"

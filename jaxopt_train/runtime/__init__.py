@@ -1,5 +1,7 @@
 """Runtime tooling: memory limits and checks, XLA flag presets, doctor, GPU monitor, sinks."""
 
+from jaxopt_train.runtime.kernel_time import KernelTime as KernelTime
+from jaxopt_train.runtime.kernel_time import kernel_times as kernel_times
 from jaxopt_train.runtime.memory import FitReport as FitReport
 from jaxopt_train.runtime.memory import MemoryReport as MemoryReport
 from jaxopt_train.runtime.memory import fits as fits
