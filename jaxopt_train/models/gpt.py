@@ -287,19 +287,12 @@ class GPT(nnx.Module):
         lets a data-parallel step differentiate w.r.t. these activations and exchange the
         lookup's gradient as rows (`collectives.embedding_grad_exchange`)."""
         tokens = self._check_tokens(tokens)
-        # A negative id would wrap round to a real row (jnp.take); moved out of range it
-        # gives a NaN row instead, as ids >= vocab_size already do, so the loss shows it.
-        # In int32: in int8 ids vocab_size=256 wrapped round to 0, a real row. An id the
-        # int32 cast changes (uint32 past 2**31: 2**32 - 1 became -1, the last row) is
-        # moved out of range too.
-        ids = tokens.astype(jnp.int32)
-        wrapped = ids.astype(tokens.dtype) != tokens
-        tokens = jnp.where((ids < 0) | wrapped, self.config.vocab_size, ids)
         # The token rows come out in f32 with their gradient summed in f32 (nnx.Embed's is
         # a scatter-add in the compute dtype, which in bf16 lost a frequent token's rows and
-        # ran slower as training went on: models/embedding.py). The positions are 0..T-1,
-        # so theirs is a slice, and the two are added in f32: the position table's gradient
-        # is then an f32 sum over the batch too.
+        # ran slower as training went on: models/embedding.py). Any id outside [0, vocab),
+        # a negative one or a uint32 past int32 included, gives a NaN row: the loss shows
+        # it. The positions are 0..T-1, so theirs is a slice, and the two are added in f32:
+        # the position table's gradient is then an f32 sum over the batch too.
         rows = embedding_lookup(self.wte.embedding[...], tokens, jnp.float32)
         positions = self.wpe.embedding[...][: tokens.shape[1]].astype(jnp.float32)
         return (rows + positions[None]).astype(self.config.dtype)
