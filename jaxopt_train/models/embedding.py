@@ -5,13 +5,16 @@ its gradient is a scatter-add in that dtype: in bf16 every token's row is added
 into an 8-bit-mantissa accumulator. A frequent token (the space in source code,
 ~30% of positions) collects thousands of rows per step; once the running sum is a
 few hundred times one addend, further addends round away. On CPU that gave a 9%
-error on such a row's gradient (`tests/test_models_embedding.py`). On the GPU the
-bf16 scatter also uses a compare-and-swap loop on the 32-bit word holding each
-element. Its time grew with the gradients' values as gpt-124m trained: 13.8 ms of a
+error on such a row's gradient (`tests/test_models_embedding.py`). On the GPU its
+time also grew with the gradients' values as gpt-124m trained (as a compare-and-swap
+loop for 16-bit adds would; the trace shows only the kernel's time): 13.8 ms of a
 43 ms step at step 100, 49 ms of 78 ms at step 650 (BENCHMARKS.md, thirtieth session).
-Here the lookup gathers rows of the stored table and casts only those rows. The
-backward adds the rows' cotangents in float32, which has native atomic adds on GPUs,
-and casts the summed table once, to the table's own dtype.
+
+`embedding_lookup` gathers rows of the stored table and casts only those rows; its
+backward adds the rows' cotangents in float32, which GPUs add atomically in hardware,
+and casts the summed table once, to the table's own dtype. `Embed` is the `nnx.Embed`
+drop-in built on it, and `low_precision_embeds` finds the nnx.Embed modules that
+would still sum in 16 bits (the Trainer warns about them).
 """
 
 from __future__ import annotations
