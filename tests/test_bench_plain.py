@@ -62,7 +62,7 @@ def test_plain_step_is_adamw_on_the_cross_entropy(variant, dtype):
     params, opt_state = runner.state
     assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(dtype)}
     graphdef = nnx.graphdef(plain._model(cfg, dtype, "xla", seed=0))
-    batch = plain.synthetic_lm_batch(4, cfg.seq_len, cfg.vocab_size, seed=0)
+    batch = train_steps.lm_batch(cfg, 4, text=False, seed=0)
     tx = optax.adamw(1e-4, b1=0.9, b2=0.95, weight_decay=0.1)
 
     def loss_fn(p):

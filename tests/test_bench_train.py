@@ -77,7 +77,7 @@ def test_quick_bench_scaling_and_outputs(quick_run):
     assert "| config | step ms | tokens/s | TFLOP/s | MFU |" in table
     assert "| baseline |" in table and "| optimised |" in table and "scaling efficiency" in table
     assert "bf16 weight copy kept in the state" in table
-    assert "model gpt-tiny (quick: layers=1, seq_len=32)," in table
+    assert "model gpt-tiny (quick: layers=1, seq_len=32; uniform random ids)," in table
     assert "grad_sync=reduce-scatter per leaf" in table and "MFU denominator: 0.5 TFLOP/s" in table
     assert json.loads((out / "raw.json").read_text())["rows"][0]["name"] == "baseline"
     png = (out / "train_bench.png").read_bytes()
@@ -192,7 +192,7 @@ def test_a_failing_plain_loop_costs_only_its_row(quick_run, monkeypatch):
     # the rows already measured and the other plain row stay, the table says why.
     from jaxopt_train.bench import plain  # noqa: PLC0415
 
-    def build(cfg, global_batch, run, mesh):
+    def build(cfg, global_batch, run, mesh, text=False):
         if run.variant == "pure":
             raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate\nmore")
         return "runner"
@@ -614,7 +614,7 @@ def test_plain_rows_open_the_memory_window_before_the_runner_holds_its_state(mon
     device = jax.devices()[0]
     held = []
 
-    def build(cfg, global_batch, run, mesh):
+    def build(cfg, global_batch, run, mesh, text=False):
         held.append(jax.device_put(np.ones((1024, 256), np.float32), device))
         return "runner"
 
@@ -732,6 +732,9 @@ def test_shape_flags_are_validated_and_must_apply(argv, message, capsys):
 def test_model_label_names_the_shape_that_ran():
     result = {"model": "gpt-124m", "gpt": {"n_layers": 1, "seq_len": 32}, "args": {"quick": True}}
     assert train_report.model_label(result) == "gpt-124m (quick: layers=1, seq_len=32)"
+    result["gpt"]["data"] = "embedded text corpus (byte ids)"
+    assert train_report.model_label(result) == (
+        "gpt-124m (quick: layers=1, seq_len=32; embedded text corpus (byte ids))")
     result = {"model": "cnn-small", "vision": {"image_size": 64}, "args": {"quick": False}}
     assert train_report.model_label(result) == "cnn-small (image_size=64)"
 
@@ -794,3 +797,41 @@ def test_a_failed_scaling_run_costs_its_table_only(tmp_path, monkeypatch, capsys
     assert result["scaling_failed"].startswith("RuntimeError: RESOURCE_EXHAUSTED")
     assert ("data parallel scaling: no table, the 1-device run failed (RuntimeError: "
             "RESOURCE_EXHAUSTED" in capsys.readouterr().out)
+
+
+# ---------------------------------------------------------------- --text: real id frequencies
+
+
+def test_text_workload_feeds_corpus_windows():
+    from jaxopt_train.data import load_text_corpus
+
+    run = train_steps.RunConfig("baseline")
+    text = train_steps.host_batches(train_steps.Workload("gpt-tiny", 4, seq_len=32, text=True), 2, run)
+    assert text["inputs"].shape == (2, 4, 32) and text["inputs"].max() < 256
+    raw = load_text_corpus().tobytes()
+    assert all(raw.find(row.astype(np.uint8).tobytes()) >= 0 for row in text["inputs"].reshape(-1, 32))
+    uniform = train_steps.host_batches(train_steps.Workload("gpt-tiny", 4, seq_len=32), 2, run)
+
+    def top_share(ids):
+        return np.bincount(ids.ravel(), minlength=256).max() / ids.size
+
+    # Text has a byte (the space) in ~30% of positions; uniform ids have none that frequent.
+    assert top_share(text["inputs"]) > 0.15 and top_share(uniform["inputs"]) < 0.05
+    with pytest.raises(ValueError, match="text=True feeds GPT token ids; model='cnn-small' takes images"):
+        train_steps.Workload("cnn-small", 4, text=True)
+
+
+def test_text_flag_is_gpt_only(capsys):
+    assert "--text applies to GPT models (token ids), not --model cnn-small" in _exit_2(
+        capsys, train._parse, ["--quick", "--model", "cnn-small", "--text"])
+    assert train._parse(["--quick", "--text"]).text is True
+
+
+def test_quick_bench_on_text(tmp_path, capsys):
+    argv = ["--quick", "--devices", "1", "--xla-preset", "none", "--peak-tflops", "0.5", "--text",
+            "--memory-budget", "1GiB", "--out", str(tmp_path)]
+    assert train.main(argv) == 0
+    result = json.loads((tmp_path / "train_bench.json").read_text())
+    assert result["gpt"]["data"] == "embedded text corpus (byte ids)"
+    assert [r["name"] for r in result["rows"]] == ["baseline", "optimised"]
+    assert "seq_len=32; embedded text corpus (byte ids))" in (tmp_path / "train_bench.md").read_text()

@@ -421,3 +421,39 @@ def test_epoch_orders_are_cached_in_uint32_and_unchanged():
     assert items.dtype == np.int64
     np.testing.assert_array_equal(items, np.random.default_rng([3, 1]).permutation(1000)[200:800])
     np.testing.assert_array_equal(epochs, 1)
+
+
+def test_corpus_lm_batch_is_windows_of_the_corpus(tmp_path):
+    from jaxopt_train.data import corpus_lm_batch, load_text_corpus
+
+    corpus = load_text_corpus()
+    batch = corpus_lm_batch(6, 64, seed=3)
+    assert set(batch) == {"inputs", "targets"}
+    assert batch["inputs"].shape == batch["targets"].shape == (6, 64)
+    assert batch["inputs"].dtype == batch["targets"].dtype == np.int32
+    np.testing.assert_array_equal(batch["inputs"][:, 1:], batch["targets"][:, :-1])
+    # Each row is a real window: find its first 64 bytes in the corpus, then compare all 65.
+    raw = corpus.tobytes()
+    for row, target in zip(batch["inputs"], batch["targets"]):
+        start = raw.find(row.astype(np.uint8).tobytes())
+        assert start >= 0
+        np.testing.assert_array_equal(corpus[start:start + 65], np.append(row, target[-1]))
+    np.testing.assert_array_equal(corpus_lm_batch(6, 64, seed=3)["inputs"], batch["inputs"])
+    assert not np.array_equal(corpus_lm_batch(6, 64, seed=4)["inputs"], batch["inputs"])
+    # Real text: one byte (the space) is far more frequent than uniform ids would make it.
+    counts = np.bincount(corpus_lm_batch(64, 256, seed=0)["inputs"].ravel(), minlength=256)
+    assert counts.max() / counts.sum() > 0.15
+
+
+def test_corpus_lm_batch_bad_input(tmp_path):
+    from jaxopt_train.data import corpus_lm_batch
+
+    small = tmp_path / "small.txt"
+    small.write_text("x" * 10)
+    with pytest.raises(ValueError, match="the corpus has 10 bytes; a window of seq_len=10 needs at least 11"):
+        corpus_lm_batch(2, 10, path=small)
+    assert corpus_lm_batch(2, 9, path=small)["inputs"].shape == (2, 9)
+    with pytest.raises(ValueError, match="batch_size"):
+        corpus_lm_batch(0, 8)
+    with pytest.raises(ValueError, match="seq_len"):
+        corpus_lm_batch(2, -1)

@@ -32,8 +32,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxopt_train.bench.train_steps import AXIS, Runner
-from jaxopt_train.data.synthetic import synthetic_lm_batch
+from jaxopt_train.bench.train_steps import AXIS, Runner, lm_batch
 from jaxopt_train.models.gpt import GPTConfig
 
 VARIANTS = ("mixed", "pure")
@@ -112,10 +111,13 @@ def _model(cfg: GPTConfig, param_dtype, attention: str, seed: int, compute=jnp.b
     return Model(nnx.Rngs(seed))
 
 
-def build_plain_runner(cfg: GPTConfig, global_batch: int, run: PlainRun, mesh, *, seed: int = 0):
+def build_plain_runner(cfg: GPTConfig, global_batch: int, run: PlainRun, mesh, *, seed: int = 0,
+                       text: bool = False):
     """Initialises, stages one batch for and compiles the plain loop (`train_steps.Runner`).
 
-    The whole global batch goes through one step (a plain loop has no accumulation)."""
+    The whole global batch goes through one step (a plain loop has no accumulation).
+    ``text``: byte windows of the embedded corpus instead of uniform random ids, as
+    the bench's own rows (`train_steps.lm_batch`)."""
     if global_batch % mesh.devices.size:
         raise ValueError(f"global batch {global_batch} does not split over {mesh.devices.size} devices")
     param_dtype = _PARAM_DTYPES[run.variant]
@@ -128,7 +130,7 @@ def build_plain_runner(cfg: GPTConfig, global_batch: int, run: PlainRun, mesh, *
 
     replicated = NamedSharding(mesh, P())
     state = jax.jit(init, out_shardings=replicated)()
-    batch = synthetic_lm_batch(global_batch, cfg.seq_len, cfg.vocab_size, seed=seed)
+    batch = lm_batch(cfg, global_batch, text=text, seed=seed)
     batch = jax.device_put(batch, NamedSharding(mesh, P(AXIS)))
 
     def loss_fn(params, batch):

@@ -83,6 +83,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-plain", action="store_true",
                    help="GPT: add rows for a careful plain Flax NNX + optax loop (f32 master and "
                    "pure bf16; jaxopt_train.bench.plain), the yardstick the optimised row must beat")
+    p.add_argument("--text", action="store_true",
+                   help="GPT: feed byte windows of the embedded text corpus instead of uniform "
+                   "random ids (real id frequencies: a cost that follows them, such as a frequent "
+                   "token's embedding gradient, shows only then)")
     p.add_argument("--remat", choices=("auto",) + REMAT_ORDER, default="auto")
     p.add_argument("--memory-budget", help="per-device bytes for remat choice, e.g. 16GiB "
                    "(default: the allocator's limit where known, else no remat)")
@@ -195,6 +199,8 @@ def _parse(argv):
         parser.error(f"--compare-matmul applies to GPT models, not --model {args.model}")
     if args.compare_plain and not args.model.startswith("gpt"):
         parser.error(f"--compare-plain applies to GPT models, not --model {args.model}")
+    if args.text and not args.model.startswith("gpt"):
+        parser.error(f"--text applies to GPT models (token ids), not --model {args.model}")
     for flag in ("split_qkv", "fuse_mlp_activation"):
         if getattr(args, flag) and not args.model.startswith("gpt"):  # None, False: nothing asked
             parser.error(f"--{flag.replace('_', '-')} applies to GPT models, not --model {args.model}")
@@ -379,7 +385,8 @@ def run_bench(args, xla_report) -> dict:
     workload = train_steps.Workload(args.model, args.global_batch, args.microbatches,
                                     seq_len=args.seq_len if args.model.startswith("gpt") else None,
                                     n_layers=args.layers if args.model.startswith("gpt") else None,
-                                    image_size=None if args.model.startswith("gpt") else args.image_size)
+                                    image_size=None if args.model.startswith("gpt") else args.image_size,
+                                    text=args.text)
     kind = devices[0].device_kind
     attention = args.attention if args.attention != "auto" else (
         "cudnn" if jax.default_backend() == "gpu" else "xla")
@@ -429,7 +436,9 @@ def run_bench(args, xla_report) -> dict:
     }
     if workload.is_gpt:
         cfg = workload.gpt_config()
-        result["gpt"] = {"seq_len": cfg.seq_len, "d_model": cfg.d_model, "n_layers": cfg.n_layers}
+        result["gpt"] = {"seq_len": cfg.seq_len, "d_model": cfg.d_model, "n_layers": cfg.n_layers,
+                         "data": "embedded text corpus (byte ids)" if workload.text
+                         else "uniform random ids"}
     else:
         result["vision"] = {"image_size": workload.image_side}
     if len(devices) > 1 and not args.no_scaling:
@@ -474,7 +483,8 @@ def _plain_rows(bench, attention: str) -> tuple[list[dict], list[dict]]:
         gc.collect()
         window = (_timing.peak_bytes_in_use(device), _timing.bytes_in_use(device))
         try:
-            runner = plain.build_plain_runner(workload.gpt_config(), workload.global_batch, run, mesh)
+            runner = plain.build_plain_runner(workload.gpt_config(), workload.global_batch, run, mesh,
+                                              text=workload.text)
             rows.append(bench.measure(run, runner=runner, peak_window=window))
             del runner
         except Exception as err:  # noqa: BLE001 - e.g. RESOURCE_EXHAUSTED; reported in the table

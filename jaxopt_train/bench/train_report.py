@@ -243,10 +243,13 @@ def render(result) -> str:
 
 
 def model_label(result) -> str:
-    """The preset and the shape that actually ran, e.g. "gpt-124m (quick: layers=1, seq_len=32)"."""
+    """The preset, shape and (GPT) data that actually ran, e.g.
+    "gpt-124m (quick: layers=1, seq_len=32; uniform random ids)"."""
     args = result.get("args", {})
     if "gpt" in result:
         shape = f"layers={result['gpt']['n_layers']}, seq_len={result['gpt']['seq_len']}"
+        if result["gpt"].get("data"):  # results written before --text have no "data"
+            shape += f"; {result['gpt']['data']}"
     elif "vision" in result:
         shape = f"image_size={result['vision']['image_size']}"
     else:

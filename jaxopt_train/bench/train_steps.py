@@ -54,7 +54,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxopt_train.accumulation import accumulate_gradients, check_divisible, multi_steps
 from jaxopt_train.collectives import all_reduce_tree
-from jaxopt_train.data import synthetic_image_batch, synthetic_lm_batch
+from jaxopt_train.data import corpus_lm_batch, synthetic_image_batch, synthetic_lm_batch
 from jaxopt_train.models import (GPT, GPT_PRESETS, VISION_PRESETS, classification_loss,
                                  create_vision_model, get_gpt_config, gpt_loss,
                                  resnet_flops_per_image)
@@ -82,10 +82,13 @@ class Workload:
     n_layers: int | None = None  # GPT: override the depth (small CPU mode)
     image_size: int | None = None  # vision: override the input side
     num_classes: int = 1000
+    text: bool = False  # GPT: windows of the embedded byte corpus instead of uniform random ids
 
     def __post_init__(self):
         if self.model not in GPT_PRESETS + VISION_PRESETS:
             raise ValueError(f"model={self.model!r}; legal values: {GPT_PRESETS + VISION_PRESETS}")
+        if self.text and not self.is_gpt:
+            raise ValueError(f"text=True feeds GPT token ids; model={self.model!r} takes images")
 
     @property
     def is_gpt(self) -> bool:
@@ -273,12 +276,19 @@ def init_state(workload: Workload, run: RunConfig, mesh, optimizer, seed: int = 
     return graphdef, state
 
 
+def lm_batch(cfg, size: int, *, text: bool, seed: int = 0) -> dict:
+    """GPT inputs and targets [size, seq_len]: uniform random ids, or (``text``) byte
+    windows of the embedded corpus, whose frequent ids a random batch never has."""
+    if text:
+        return corpus_lm_batch(size, cfg.seq_len, seed=seed)
+    return synthetic_lm_batch(size, cfg.seq_len, cfg.vocab_size, seed=seed)
+
+
 def host_batches(workload: Workload, count: int, run: RunConfig, seed: int = 0):
     """`count` global batches stacked on a leading axis, inputs in the compute dtype."""
     size = count * workload.global_batch
     if workload.is_gpt:
-        cfg = workload.gpt_config()
-        batch = synthetic_lm_batch(size, cfg.seq_len, cfg.vocab_size, seed=seed)
+        batch = lm_batch(workload.gpt_config(), size, text=workload.text, seed=seed)
     else:
         batch = synthetic_image_batch(size, image_size=workload.image_side,
                                       num_classes=workload.num_classes, seed=seed)

@@ -7,6 +7,7 @@ from jaxopt_train.data.sharding import process_batch_slice as process_batch_slic
 from jaxopt_train.data.sharding import shard_batch as shard_batch
 from jaxopt_train.data.synthetic import synthetic_image_batch as synthetic_image_batch
 from jaxopt_train.data.synthetic import synthetic_lm_batch as synthetic_lm_batch
+from jaxopt_train.data.text import corpus_lm_batch as corpus_lm_batch
 from jaxopt_train.data.text import load_text_corpus as load_text_corpus
 from jaxopt_train.data.text import stdlib_source_files as stdlib_source_files
 from jaxopt_train.data.tokens import TokenDataset as TokenDataset

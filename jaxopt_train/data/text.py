@@ -22,6 +22,8 @@ import sysconfig
 
 import numpy as np
 
+from jaxopt_train.data.sampling import check_positive_int, check_seed
+
 DEFAULT_MAX_BYTES = 16 * 2**20
 _SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"})
 
@@ -165,3 +167,31 @@ def load_text_corpus(
     max_bytes = int(max_bytes)
     key = None if path is None else str(pathlib.Path(path).resolve())
     return _cached_corpus(key, max_bytes, () if key is None else _file_signature(key))
+
+
+def corpus_lm_batch(batch_size: int, seq_len: int, *, seed: int = 0,
+                    path: str | os.PathLike | None = None) -> dict[str, np.ndarray]:
+    """Windows of a byte corpus at random offsets, as ``{"inputs", "targets"}`` int32 [B, T].
+
+    What `synthetic_lm_batch` gives, with real text's id frequencies (bytes: ids < 256):
+    a benchmark on uniform random ids never sees a cost that follows them, such as the
+    gradient of a frequent token's embedding row (models/embedding.py).
+
+    Args:
+      batch_size, seq_len: the batch shape; targets are the inputs shifted by one.
+      seed: offsets are drawn from ``numpy.random.default_rng(seed)``.
+      path: as `load_text_corpus` (None: the embedded stdlib corpus).
+
+    Raises:
+      ValueError: non-positive sizes, a bad seed, or a corpus of ``seq_len`` bytes or fewer.
+    """
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        check_positive_int(name, value)
+    check_seed(seed)
+    corpus = load_text_corpus(path)
+    if corpus.size <= seq_len:
+        raise ValueError(f"the corpus has {corpus.size:,} bytes; a window of seq_len={seq_len} needs "
+                         f"at least {seq_len + 1:,}")
+    starts = np.random.default_rng(seed).integers(0, corpus.size - seq_len, batch_size)
+    window = corpus[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
+    return {"inputs": window[:, :-1], "targets": window[:, 1:]}
