@@ -224,3 +224,56 @@ def test_trainer_warns_about_a_16_bit_nnx_embed():
                    devices=jax.devices()[:1])
         Trainer(Model(nnx.Embed, None), loss_fn, precision="bf16", total_steps=2,
                    devices=jax.devices()[:1])
+
+
+# ---------------------------------------------------------------- LinenEmbed, the linen.Embed drop-in
+
+
+@pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
+def test_linen_embed_matches_linen_embed_and_sums_in_f32(dtype):
+    import flax.linen as nn
+
+    from jaxopt_train.models import LinenEmbed
+
+    ids = jnp.asarray(skewed_ids(4096).reshape(8, 512))
+    ours, theirs = LinenEmbed(V, D, dtype=dtype), nn.Embed(V, D, dtype=dtype)
+    variables = theirs.init(jax.random.key(0), ids)
+    np.testing.assert_array_equal(
+        np.asarray(ours.init(jax.random.key(0), ids)["params"]["embedding"]),
+        np.asarray(variables["params"]["embedding"]))
+    got, want = ours.apply(variables, ids), theirs.apply(variables, ids)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    x = jax.random.normal(jax.random.key(1), (3, D), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(ours.apply(variables, x, method="attend")),
+                                  np.asarray(theirs.apply(variables, x, method="attend")))
+
+    # As a bf16 policy passes them: the table cast to bf16 before the call. With dtype unset,
+    # linen.Embed then adds the gradient in bf16; ours adds in f32 and rounds once.
+    g = np.asarray(jnp.asarray(np.random.default_rng(2).normal(size=(8, 512, D)) * 1e-3, jnp.bfloat16),
+                   np.float32)
+    bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), variables)
+
+    def grad(module):
+        return jax.grad(lambda v: jnp.sum(module.apply(v, ids).astype(jnp.float32) * g))(bf16)
+
+    want = f32_scatter(np.asarray(ids), g)
+    ours_grad = np.asarray(grad(ours)["params"]["embedding"], np.float32)
+    np.testing.assert_allclose(ours_grad, want, rtol=2 ** -8, atol=1e-7)
+    if dtype is None:  # the case this exists for: the plain module sums the frequent row in bf16
+        theirs_grad = np.asarray(grad(theirs)["params"]["embedding"], np.float32)
+        err = lambda a: np.linalg.norm(a[0] - want[0]) / np.linalg.norm(want[0])  # noqa: E731
+        assert err(theirs_grad) > 0.01 and err(ours_grad) < err(theirs_grad) / 10
+
+
+def test_linen_embed_bad_ids_and_single_row():
+    from jaxopt_train.models import LinenEmbed
+
+    e = LinenEmbed(V, D)
+    variables = e.init(jax.random.key(0), jnp.zeros(2, jnp.int32))
+    assert np.isnan(np.asarray(e.apply(variables, jnp.array([-1, V])))).all()
+    with pytest.raises(ValueError, match="LinenEmbed takes integer ids, got dtype=float32"):
+        e.apply(variables, jnp.zeros(2, jnp.float32))
+    one = LinenEmbed(1, D)
+    v1 = one.init(jax.random.key(0), jnp.zeros((2, 3), jnp.int32))
+    assert one.apply(v1, jnp.zeros((2, 3), jnp.int32)).shape == (2, 3, D)

@@ -1,6 +1,7 @@
 """jaxopt_train.models: Flax NNX GPT and ResNet models, and their FLOP counts."""
 
 from jaxopt_train.models.embedding import Embed as Embed
+from jaxopt_train.models.embedding import LinenEmbed as LinenEmbed
 from jaxopt_train.models.embedding import embedding_lookup as embedding_lookup
 from jaxopt_train.models.flops import gpt_flops_per_token as gpt_flops_per_token
 from jaxopt_train.models.flops import gpt_param_count as gpt_param_count

@@ -12,9 +12,11 @@ loop for 16-bit adds would; the trace shows only the kernel's time): 13.8 ms of 
 
 `embedding_lookup` gathers rows of the stored table and casts only those rows; its
 backward adds the rows' cotangents in float32, which GPUs add atomically in hardware,
-and casts the summed table once, to the table's own dtype. `Embed` is the `nnx.Embed`
-drop-in built on it, and `low_precision_embeds` finds the nnx.Embed modules that
-would still sum in 16 bits (the Trainer warns about them).
+and casts the summed table once, to the table's own dtype. `Embed` and `LinenEmbed`
+are the `nnx.Embed` and `linen.Embed` drop-ins built on it, and `low_precision_embeds`
+finds the nnx.Embed modules that would still sum in 16 bits (the Trainer warns about
+them; a Linen module's submodules are not known before it runs, so there is no such
+check for Linen).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import linen, nnx
 
 
 def embedding_lookup(table: jax.Array, ids: jax.Array, dtype) -> jax.Array:
@@ -109,6 +111,26 @@ class Embed(nnx.Embed):
         if out_sharding is not None:  # as nnx.Embed: jnp.take takes no out_sharding
             lookup = jax.sharding.auto_axes(lookup, out_sharding=out_sharding)
         return lookup(self.embedding[...], inputs)
+
+
+class LinenEmbed(linen.Embed):
+    """`linen.Embed` whose table gradient is summed in float32 (`embedding_lookup`).
+
+    A drop-in: the same fields, parameter (``embedding``) and ``attend``. This matters
+    more in Linen: with ``dtype`` unset, linen.Embed gathers from the table as it is
+    passed in, which under a bf16 policy (`precision.linen_apply`, the Trainer) is
+    the bf16 copy. Differences from linen.Embed: ``promote_dtype`` is not used, and a
+    negative id gives a NaN row, as an id past the table does.
+    """
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        inputs = jnp.asarray(inputs)
+        if not jnp.issubdtype(inputs.dtype, jnp.integer):
+            raise ValueError(f"LinenEmbed takes integer ids, got dtype={inputs.dtype}")
+        if self.num_embeddings == 1:  # a broadcast of the one row: no scatter to fix
+            return super().__call__(inputs)
+        table = self.embedding
+        return embedding_lookup(table, inputs, table.dtype if self.dtype is None else self.dtype)
 
 
 def low_precision_embeds(model) -> list[str]:
