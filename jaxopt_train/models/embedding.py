@@ -87,6 +87,14 @@ def _lookup_bwd(dtype, residuals, g):
 _lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
+def _integer_ids(module, inputs) -> jax.Array:
+    """The drop-ins' own check, before `embedding_lookup`'s: the message names the module."""
+    inputs = jnp.asarray(inputs)
+    if not jnp.issubdtype(inputs.dtype, jnp.integer):
+        raise ValueError(f"{type(module).__name__} takes integer ids, got dtype={inputs.dtype}")
+    return inputs
+
+
 class Embed(nnx.Embed):
     """`nnx.Embed` whose table gradient is summed in float32 (`embedding_lookup`).
 
@@ -98,9 +106,7 @@ class Embed(nnx.Embed):
     """
 
     def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
-        inputs = jnp.asarray(inputs)
-        if not jnp.issubdtype(inputs.dtype, jnp.integer):
-            raise ValueError(f"Embed takes integer ids, got dtype={inputs.dtype}")
+        inputs = _integer_ids(self, inputs)
         if self.num_embeddings == 1:  # a broadcast of the one row: no scatter to fix
             return super().__call__(inputs, out_sharding)
         dtype = self.dtype
@@ -124,9 +130,7 @@ class LinenEmbed(linen.Embed):
     """
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
-        inputs = jnp.asarray(inputs)
-        if not jnp.issubdtype(inputs.dtype, jnp.integer):
-            raise ValueError(f"LinenEmbed takes integer ids, got dtype={inputs.dtype}")
+        inputs = _integer_ids(self, inputs)
         if self.num_embeddings == 1:  # a broadcast of the one row: no scatter to fix
             return super().__call__(inputs)
         table = self.embedding

@@ -256,6 +256,8 @@ class GPT(nnx.Module):
             raise TypeError(f"rngs must be an nnx.Rngs (e.g. nnx.Rngs(0)), got {type(rngs).__name__}")
         cfg = self.config = config
         embed_init = nnx.initializers.normal(cfg.init_std)
+        # Our Embed, though `embed` reads the tables itself: a direct `model.wte(ids)` sums
+        # its gradient in f32 too, and the Trainer has no 16-bit nnx.Embed to warn about.
         self.wte = Embed(
             cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
             embedding_init=embed_init, rngs=rngs,

@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.top < 1:
         p.error(f"--top must be at least 1, got {args.top}")
     try:
-        first = kernel_times(args.trace, steps=args.steps)
+        trace = find_xplane(args.trace)  # once: the header names the file read
+        first = kernel_times(trace, steps=args.steps)
         second = None if args.against is None else kernel_times(args.against, steps=args.steps)
     except (FileNotFoundError, ValueError) as err:
         p.error(str(err))
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if second is None:
         out = [dataclasses.asdict(r) for r in first]
         total = sum(r.ms_per_step for r in first)
-        print(f"{find_xplane(args.trace)}: {total:.3f} ms of GPU time per step over "
+        print(f"{trace}: {total:.3f} ms of GPU time per step over "
               f"{len(_stream_totals(first))} stream(s)")
         print(f"{'ms/step':>9} {'share':>6} {'launches':>8}  stream | kernel")
         for r in first[:args.top]:
