@@ -277,3 +277,43 @@ def test_linen_embed_bad_ids_and_single_row():
     one = LinenEmbed(1, D)
     v1 = one.init(jax.random.key(0), jnp.zeros((2, 3), jnp.int32))
     assert one.apply(v1, jnp.zeros((2, 3), jnp.int32)).shape == (2, 3, D)
+
+
+def test_trainer_warns_about_a_linen_embed_gathering_in_16_bits():
+    import warnings
+
+    import flax.linen as nn
+
+    from jaxopt_train.models import LinenEmbed
+    from jaxopt_train.train import Trainer
+
+    class Model(nn.Module):
+        embed_cls: type
+        dtype: object = None
+
+        @nn.compact
+        def __call__(self, ids):
+            # An f32 head: the tests' strict dtype promotion refuses f16 rows into a bf16 kernel.
+            return nn.Dense(V, dtype=jnp.float32)(self.embed_cls(V, D, dtype=self.dtype, name="tok")(ids))
+
+    def loss_fn(apply, batch):
+        logits = apply(batch["x"]).astype(jnp.float32)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch["x"][..., None], -1))
+
+    ids = (jnp.zeros((2, 4), jnp.int32),)
+
+    def trainer(embed_cls, dtype, precision):
+        return Trainer(Model(embed_cls, dtype), loss_fn, init_args=ids, precision=precision,
+                       total_steps=2, devices=jax.devices()[:1])
+
+    # dtype unset: it gathers from the table as the bf16 policy passes it, a bf16 copy.
+    with pytest.warns(UserWarning, match=r"linen.Embed gathering in 16 bits under the bfloat16 "
+                                         r"compute dtype at tok: .*models.LinenEmbed"):
+        trainer(nn.Embed, None, "bf16")
+    with pytest.warns(UserWarning, match="at tok"):  # a 16-bit dtype set: even under fp32
+        trainer(nn.Embed, jnp.float16, "fp32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer(LinenEmbed, None, "bf16")  # ours
+        trainer(nn.Embed, jnp.float32, "bf16")  # casts the bf16 table up: an f32 scatter-add
+        trainer(nn.Embed, None, "fp32")

@@ -13,14 +13,15 @@ loop for 16-bit adds would; the trace shows only the kernel's time): 13.8 ms of 
 `embedding_lookup` gathers rows of the stored table and casts only those rows; its
 backward adds the rows' cotangents in float32, which GPUs add atomically in hardware,
 and casts the summed table once, to the table's own dtype. `Embed` and `LinenEmbed`
-are the `nnx.Embed` and `linen.Embed` drop-ins built on it, and `low_precision_embeds`
-finds the nnx.Embed modules that would still sum in 16 bits (the Trainer warns about
-them; a Linen module's submodules are not known before it runs, so there is no such
-check for Linen).
+are the `nnx.Embed` and `linen.Embed` drop-ins built on it. `low_precision_embeds`
+finds the nnx.Embed modules that would still sum in 16 bits, and `linen_embeds_called`
+the linen.Embed ones a Linen module calls (its submodules exist only while it runs,
+so they are recorded during `init`); the Trainer warns about both.
 """
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import jax
@@ -145,6 +146,45 @@ def low_precision_embeds(model) -> list[str]:
     found = []
     for path, node in nnx.iter_graph(model):
         if (isinstance(node, nnx.Embed) and not isinstance(node, Embed) and node.num_embeddings > 1
-                and jnp.issubdtype(node.dtype, jnp.floating) and jnp.dtype(node.dtype).itemsize < 4):
+                and _is_16_bit(node.dtype)):
             found.append(".".join(map(str, path)) or "(the model)")
     return found
+
+
+def _is_16_bit(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize < 4
+
+
+@contextlib.contextmanager
+def linen_embeds_called():
+    """Records the plain `linen.Embed` modules (not `LinenEmbed`) called inside the block.
+
+    Yields a list that fills with ``(path, dtype)`` per such module with more than one
+    row, in call order and once each: ``path`` is the module's name path ("embed",
+    "encoder.tokens"), ``dtype`` its ``dtype`` field (None when unset, so that it
+    gathers from the table in whatever dtype the table is passed). Wrap a
+    ``module.init(...)`` with it: a Linen module's submodules exist only while it runs.
+    """
+    seen: list[tuple[str, object]] = []
+    paths: set[str] = set()
+
+    def interceptor(next_fun, args, kwargs, context):
+        module = context.module
+        if (context.method_name == "__call__" and isinstance(module, linen.Embed)
+                and not isinstance(module, LinenEmbed) and module.num_embeddings > 1):
+            path = ".".join(map(str, module.path)) or "(the model)"
+            if path not in paths:
+                paths.add(path)
+                seen.append((path, module.dtype))
+        return next_fun(*args, **kwargs)
+
+    with linen.intercept_methods(interceptor):
+        yield seen
+
+
+def low_precision_linen_embeds(seen, table_dtype) -> list[str]:
+    """Paths among `linen_embeds_called`'s ``seen`` whose lookup, and so whose gradient's
+    scatter-add, is 16-bit when the table arrives in ``table_dtype`` (the compute dtype
+    a policy casts params to): a set ``dtype`` decides, an unset one keeps the table's."""
+    return [path for path, dtype in seen
+            if _is_16_bit(table_dtype if dtype is None else dtype)]

@@ -95,6 +95,17 @@ def _call_loss(loss_fn: Callable, model, batch, train: bool) -> jax.Array:
     return loss.astype(jnp.float32)
 
 
+def _warn_16_bit_embeds(what: str, paths: list[str], drop_in: str) -> None:
+    if paths:
+        # Trainer(...) -> Trainer.__init__ -> *_model_fns -> here: the warning names the
+        # user's line.
+        warnings.warn(
+            f"{what} at {', '.join(paths)}: its table's gradient is a scatter-add in 16 "
+            "bits, which drops a frequent id's contributions (and on GPU slows as training "
+            f"goes on); {drop_in} is a drop-in that sums it in float32", UserWarning,
+            stacklevel=4)
+
+
 def nnx_model_fns(model, loss_fn: Callable, policy: Policy) -> ModelFns:
     """Wraps an `nnx.Module` and `loss_fn(model, batch[, train=...]) -> scalar`.
 
@@ -113,14 +124,8 @@ def nnx_model_fns(model, loss_fn: Callable, policy: Policy) -> ModelFns:
     check_loss_fn(loss_fn)
     from jaxopt_train.models.embedding import low_precision_embeds  # noqa: PLC0415
 
-    embeds = low_precision_embeds(model)
-    if embeds:
-        # Trainer(...) -> Trainer.__init__ -> here: the warning names the user's line.
-        warnings.warn(
-            f"nnx.Embed with a 16-bit dtype at {', '.join(embeds)}: its table's gradient is a "
-            "scatter-add in that dtype, which drops a frequent id's contributions (and on GPU "
-            "slows as training goes on); jaxopt_train.models.Embed is a drop-in that sums it "
-            "in float32", UserWarning, stacklevel=3)
+    _warn_16_bit_embeds("nnx.Embed with a 16-bit dtype", low_precision_embeds(model),
+                        "jaxopt_train.models.Embed")
     # RNG streams go with the rest of the model state: captured outside the step's
     # trace, Dropout's draw (which advances the stream's count) was refused in it.
     graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
@@ -164,7 +169,17 @@ def linen_model_fns(module, loss_fn: Callable, policy: Policy, init_args: tuple,
         raise TypeError(f"init_args={type(init_args).__name__} must be a tuple of example inputs "
                         "for module.init")
     check_loss_fn(loss_fn)
-    variables = dict(module.init(rng, *init_args))
+    from jaxopt_train.models.embedding import (  # noqa: PLC0415
+        linen_embeds_called,
+        low_precision_linen_embeds,
+    )
+
+    with linen_embeds_called() as seen:
+        variables = dict(module.init(rng, *init_args))
+    # linen_apply hands the module its params in the compute dtype.
+    _warn_16_bit_embeds(f"linen.Embed gathering in 16 bits under the {policy.compute_dtype.name} "
+                        "compute dtype", low_precision_linen_embeds(seen, policy.compute_dtype),
+                        "jaxopt_train.models.LinenEmbed")
     params = policy.cast_to_param(variables.pop("params"))
     model_state = variables
 
