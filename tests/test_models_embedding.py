@@ -181,14 +181,15 @@ def test_embed_single_row_and_bad_ids():
     assert np.isnan(np.asarray(rows)).all()
 
 
-def test_embed_out_sharding():
+def test_embed_out_sharding(cpu_devices):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from jaxopt_train.models import Embed
 
-    mesh = jax.make_mesh((8,), ("data",))
-    e = Embed(V, D, rngs=nnx.Rngs(0))
-    ids = jnp.asarray(skewed_ids(64).reshape(8, 8))
+    mesh = jax.make_mesh((8,), ("data",), devices=cpu_devices)  # also on a 1-GPU machine
+    with jax.default_device(cpu_devices[0]):
+        e = Embed(V, D, rngs=nnx.Rngs(0))
+        ids = jnp.asarray(skewed_ids(64).reshape(8, 8))
     with jax.set_mesh(mesh):
         sharded = jax.device_put(ids, NamedSharding(mesh, P("data")))
         out = jax.jit(lambda i: e(i, out_sharding=P("data")))(sharded)
