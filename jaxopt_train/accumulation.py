@@ -121,6 +121,29 @@ def _at_least(dtype, accum_dtype) -> np.dtype:
     return dtype if bits > accum_bits else accum_dtype
 
 
+def grad_accum_dtype(dtype, accum_dtype) -> np.dtype:
+    """What a gradient of `dtype` is summed in over micro-batches: `accum_dtype` (a narrow one
+    is for the gradients' memory, as asked), but a gradient wider than both it and float32
+    (float64) keeps its dtype, and a complex one stays complex with parts at least as wide
+    as `accum_dtype`: cast to a real accumulator it lost its imaginary part."""
+    dtype, accum_dtype = np.dtype(dtype), np.dtype(accum_dtype)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return _complex_with(_wide_real(dtype, accum_dtype))
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize > max(accum_dtype.itemsize, 4):
+        return dtype
+    return accum_dtype
+
+
+def _wide_real(*dtypes) -> np.dtype:
+    """float64 if one of `dtypes` (floating or complex) has 64-bit parts, else float32. (Picked
+    by width: the tests' strict promotion has no float32 + bfloat16 rule.)"""
+    return np.dtype(np.float64 if any(jnp.finfo(d).bits == 64 for d in dtypes) else np.float32)
+
+
+def _complex_with(real) -> np.dtype:
+    return np.dtype(np.complex128 if np.dtype(real) == np.float64 else np.complex64)
+
+
 def mean_term(x, n: int, dtype):
     """`x` as one of n terms of a mean in `dtype`: `x / n` (in f32) where `dtype`'s sum may
     overflow, else `x` itself, to be divided by n after the sum."""
@@ -272,13 +295,24 @@ def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
         micro = _split_microbatches(batch, num_microbatches)
 
         shares = total = None  # without weight_fn: a plain mean over the K micro-batches
+        # float32, or float64 where the accumulator or a gradient is (a float32 share put a
+        # 3e-8 error on float64 gradients).
+        share_dtype = _wide_real(accum_dtype, *[
+            jnp.result_type(p) for p in jax.tree.leaves(params)
+            if jnp.issubdtype(jnp.result_type(p), jnp.inexact)])
         if weight_fn is not None:
-            # Each micro-batch's share w_k / sum(w), in f32 before the scan: the accumulator
+            # Each micro-batch's share w_k / sum(w), before the scan: the accumulator
             # then holds a gradient's magnitude, not one times a token count (an f16
             # accumulator overflowed past 65,504 tokens).
-            weights = jax.vmap(lambda mb: batch_weight(weight_fn, mb))(micro)
+            weights = jax.vmap(lambda mb: batch_weight(weight_fn, mb))(micro).astype(share_dtype)
             total = jnp.sum(weights)
             shares = weights / total
+
+        def weighted_term(g, share, dtype):
+            # A share of 0 adds nothing (not NaN * 0 from a mean over no tokens).
+            work = _wide_real(dtype, share_dtype)
+            work = _complex_with(work) if jnp.issubdtype(dtype, jnp.complexfloating) else work
+            return jnp.where(share > 0, g.astype(work) * share.astype(work), 0).astype(dtype)
 
         def body(grad_sum, xs):
             micro_batch, micro_keys, share = xs
@@ -288,24 +322,26 @@ def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
             out, grads = value_and_grad(params, micro_batch, *args)
             loss, aux = out if has_aux else (out, None)
             if weight_fn is None:
-                grads = jax.tree.map(lambda g: mean_term(g, num_microbatches, accum_dtype), grads)
-            else:  # a share of 0 adds nothing (not NaN * 0 from a mean over no tokens)
-                grads = jax.tree.map(
-                    lambda g: jnp.where(share > 0, g.astype(jnp.float32) * share, 0).astype(accum_dtype),
-                    grads)
-            grad_sum = jax.tree.map(lambda s, g: s + g, grad_sum, grads)
+                terms = jax.tree.map(lambda g, s: mean_term(g, num_microbatches, s.dtype),
+                                     grads, grad_sum)
+            else:
+                terms = jax.tree.map(lambda g, s: weighted_term(g, share, s.dtype), grads, grad_sum)
+            grad_sum = jax.tree.map(lambda s, g: s + g, grad_sum, terms)
             return grad_sum, (loss, aux)
 
-        zeros = jax.tree.map(lambda p: _zeros_like(p, accum_dtype), params)
+        zeros = jax.tree.map(
+            lambda p: _zeros_like(p, grad_accum_dtype(jnp.result_type(p), accum_dtype)), params)
         grad_sum, (losses, aux) = lax.scan(body, zeros, (micro, keys, shares))
         # A gradient has its primal's dtype: cast the f32 means back to it.
         if weight_fn is None:
             loss = jnp.mean(losses.astype(_at_least(losses.dtype, accum_dtype))).astype(losses.dtype)
-            divisor = 1 if sum_may_overflow(accum_dtype) else num_microbatches  # else done per term
-            grads = jax.tree.map(lambda s, p: (s / divisor).astype(jnp.result_type(p)),
-                                 grad_sum, params)
+            grads = jax.tree.map(  # divided per term where the sum may overflow
+                lambda s, p: (s / (1 if sum_may_overflow(s.dtype) else num_microbatches)
+                              ).astype(jnp.result_type(p)),
+                grad_sum, params)
         else:  # a total weight of 0 is NaN, as the full batch's mean over no tokens
-            loss = jnp.sum(jnp.where(shares > 0, shares * losses.astype(jnp.float32), 0))
+            work = _wide_real(losses.dtype, share_dtype)
+            loss = jnp.sum(jnp.where(shares > 0, shares.astype(work) * losses.astype(work), 0))
             loss = jnp.where(total > 0, loss, jnp.nan).astype(losses.dtype)
             grads = jax.tree.map(
                 lambda s, p: jnp.where(total > 0, s, jnp.nan).astype(jnp.result_type(p)),

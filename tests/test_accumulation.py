@@ -549,3 +549,41 @@ def test_f32_loss_and_aux_are_averaged_in_f32_with_narrow_accumulators(accum_dty
     assert loss.dtype == aux["scaled"].dtype == jnp.float32 and float(want) > 2 * 65504
     np.testing.assert_allclose(loss, want, rtol=1e-6)
     np.testing.assert_allclose(aux["scaled"], want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("accum_dtype", ["f32", "bf16", "f64"])
+def test_float64_and_complex_gradients_keep_their_dtype_over_micro_batches(weighted, accum_dtype):
+    # The accumulator was accum_dtype for every leaf: a complex gradient lost its imaginary
+    # part when K > 1 (it was exact with K = 1), and a float64 one was summed in float32
+    # (8e-8 off; 3e-8 with weight_fn's float32 shares even under a float64 accumulator).
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(0)
+        batch = {"x": jnp.asarray(rng.normal(size=(8, 5))), "y": jnp.asarray(rng.normal(size=8))}
+        w = jnp.asarray(rng.normal(size=5))
+        params = {"w": w, "c": jax.lax.complex(w, w[::-1])}
+
+        def loss(p, b):
+            return (jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+                    + jnp.mean(jnp.abs(b["x"].astype(p["c"].dtype) @ p["c"] - b["y"].astype(p["c"].dtype)) ** 2))
+        want_loss, want = jax.value_and_grad(loss)(params, batch)
+        weight_fn = (lambda b: b["y"].shape[0]) if weighted else None
+        got_loss, got = jax.jit(accumulate_gradients(
+            loss, 4, accum_dtype=accum_dtype, weight_fn=weight_fn))(params, batch)
+        assert got["w"].dtype == np.float64 and got["c"].dtype == np.complex128
+        np.testing.assert_allclose(got["c"].imag, want["c"].imag, rtol=1e-12)
+        np.testing.assert_allclose(got["c"].real, want["c"].real, rtol=1e-12)
+        np.testing.assert_allclose(got["w"], want["w"], rtol=1e-12)
+        np.testing.assert_allclose(got_loss, want_loss, rtol=1e-12)
+
+
+def test_complex64_gradients_under_a_bf16_accumulator_stay_complex():
+    params = jnp.asarray([1 + 2j, -0.5 + 1j], jnp.complex64)
+    batch = jnp.asarray(np.random.default_rng(1).normal(size=(4, 2)), jnp.float32)
+
+    def loss(p, b):
+        return jnp.mean(jnp.abs(b.astype(jnp.complex64) @ p) ** 2)
+    want = jax.grad(loss)(params, batch)
+    _, got = accumulate_gradients(loss, 2, accum_dtype="bf16")(params, batch)
+    assert got.dtype == jnp.complex64
+    np.testing.assert_allclose(got, want, rtol=1e-5)

@@ -253,3 +253,14 @@ def test_complex_gradients_are_unscaled(make):
     _, _, _, finite = prec.apply_updates_if_finite(optax.sgd(0.1), bad, optax.sgd(0.1).init(params),
                                                    params, scale)
     assert not bool(finite)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.complex128])
+def test_float64_gradients_are_unscaled_in_float64(dtype):
+    # 1/scale was taken in float32: unscaling by 1000 put a 4.7e-8 error on a float64 value.
+    with jax.enable_x64(True):
+        scale = prec.StaticLossScale(1000.0)
+        x = jnp.asarray([1.2345678901234567, 3.0], dtype)
+        got = scale.unscale(x * jnp.asarray(1000.0, dtype))  # gradients of the scaled loss
+        assert got.dtype == dtype
+        np.testing.assert_allclose(got, x, rtol=1e-15)
