@@ -234,6 +234,28 @@ def test_ring_order_groups_processes_and_snakes_tpu_coords():
     assert describe_ring(gpus[:1]).startswith("ring over 1 device (1 process, 0 cross-process hops)")
 
 
+def _hops(a, b):
+    return sum(abs(p - q) for p, q in zip(a.coords, b.coords))
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (2, 3, 4), (4, 4, 1), (1, 1, 1), (3, 3, 3), (3, 2, 1),
+                                   (1, 5, 2), (2, 1, 3), (4, 2, 2)])
+@pytest.mark.parametrize("cores", [1, 2])
+def test_tpu_snake_moves_one_hop_per_step(shape, cores):
+    """y never reversed between z layers: on 2x2x2 (0,1,0)->(0,0,1) was 2 hops, and so was the wrap."""
+    X, Y, Z = shape
+    # A host's block need not start at coordinate 0; list the devices shuffled so the order is ours.
+    cells = [(x + 2, y, z + 1, c) for z in range(Z) for y in range(Y) for x in range(X) for c in range(cores)]
+    cells = [cells[i] for i in np.random.default_rng(sum(shape)).permutation(len(cells))]
+    tpus = [SimpleNamespace(id=i, process_index=0, coords=(x, y, z), core_on_chip=c)
+            for i, (x, y, z, c) in enumerate(cells)]
+    ring = [tpus[i] for i in ring_order(tpus)]
+    steps = [_hops(a, b) + (a.coords == b.coords) for a, b in zip(ring, ring[1:])]
+    assert steps == [1] * (len(ring) - 1), [d.coords for d in ring]  # the next chip, or this chip's next core
+    wrap = (Z - 1) + (Y - 1 if Z % 2 else 0) + (X - 1 if Y * Z % 2 else 0)  # as _snake_keys documents
+    assert _hops(ring[-1], ring[0]) == wrap
+
+
 @pytest.mark.parametrize("order", [[0, 1, 9], [0, 1, 1, 2], [0, 1, 2], ["a", 1, 2, 3]])
 def test_describe_ring_refuses_an_order_that_is_not_a_permutation(order):
     devices = [SimpleNamespace(id=i, process_index=0) for i in range(4)]

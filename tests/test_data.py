@@ -349,6 +349,21 @@ def test_shard_batch_names_the_leaves_at_fault():
         shard_batch({"x": np.zeros((0, 3))}, mesh)
 
 
+def test_process_batch_slice_without_a_mesh_is_refused_with_several_processes(monkeypatch):
+    """Under ("model", "data") = (2, 4) over 2 processes, mesh=None gave each process half the
+    rows while its devices hold every data shard: shard_batch built a 4-row batch whose copies
+    differed between processes. shard_batch sees the same shapes as a right 4-row batch, so
+    the refusal has to be here."""
+    assert process_batch_slice(8) == slice(0, 8)  # one process loads everything
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    with pytest.raises(ValueError, match=r"needs the training mesh with more than one process, got mesh=None "
+                                         r"with jax.process_count\(\)=2.*pass process_batch_slice\(8, mesh, 'data'\)"):
+        process_batch_slice(8)
+    with pytest.raises(ValueError, match=r"mesh axis 'batch'.*process_batch_slice\(16, mesh, 'batch'\)"):
+        process_batch_slice(16, axis="batch")
+
+
 _TWO_PROCESS_SCRIPT = textwrap.dedent(
     """
     import sys, jax
@@ -366,6 +381,19 @@ _TWO_PROCESS_SCRIPT = textwrap.dedent(
     total = jax.jit(lambda b: b["inputs"].sum())(batch)
     expected = int(ds.batch(2, 16)["inputs"].sum())
     assert int(total) == expected, (int(total), expected)
+    # The data axis inside each process: every process holds all 4 data shards, so loads all rows.
+    mesh = jax.make_mesh((2, 4), ("model", "data"))
+    rows = process_batch_slice(16, mesh)
+    assert rows == slice(0, 16), rows
+    batch = shard_batch(ds.batch(2, 16, rows=rows), mesh)
+    for shard in batch["inputs"].addressable_shards:
+        np.testing.assert_array_equal(shard.data, ds.batch(2, 16)["inputs"][shard.index])
+    try:
+        process_batch_slice(16)
+    except ValueError as e:
+        assert "got mesh=None with jax.process_count()=2" in str(e), e
+    else:
+        raise AssertionError("process_batch_slice(16) without a mesh was not refused")
     print("OK", pid)
     """
 )

@@ -8,6 +8,7 @@ import pytest
 
 from jaxopt_train.data import (ImageDataset, TokenDataset, load_image_npz, load_text_corpus, load_token_file,
                                process_batch_slice, synthetic_image_batch, synthetic_lm_batch)
+from jaxopt_train.data.images import split_rows
 
 
 def test_big_endian_token_dtype_is_refused_not_read_as_little_endian(tmp_path):
@@ -174,6 +175,18 @@ def test_image_dataset_takes_labels_and_images_as_lists():
 def test_bad_split_seeds_are_refused(split_seed):
     with pytest.raises(ValueError, match=re.escape(f"split_seed={split_seed!r} must be a non-negative int")):
         ImageDataset(np.zeros((10, 4, 4, 3), np.uint8), np.zeros(10, np.int32), split_seed=split_seed)
+
+
+@pytest.mark.parametrize("split_seed", [np.int32(3), np.int64(3), np.uint64(3), np.int64(0)])
+def test_numpy_int_split_seeds_give_the_python_int_split(split_seed):
+    """check_seed takes numpy ints, but split_seed=np.int64(0) raised OverflowError under NumPy 2."""
+    want = split_rows(50, 5, int(split_seed))
+    for got, expected in zip(split_rows(50, 5, split_seed), want):
+        np.testing.assert_array_equal(got, expected)
+    images, labels = np.zeros((50, 2, 2, 1), np.uint8), np.arange(50) % 5
+    val = ImageDataset(images, labels, split="val", split_seed=split_seed)
+    np.testing.assert_array_equal(val.rows, ImageDataset(images, labels, split="val", split_seed=int(split_seed)).rows)
+    np.testing.assert_array_equal(val.rows, want[1])
 
 
 def test_image_split_leaves_one_training_example():

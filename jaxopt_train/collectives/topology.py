@@ -20,10 +20,29 @@ from jaxopt_train.collectives._axis import check_permutation
 from jaxopt_train.runtime.nvml import as_text, nvml_indices, nvml_session
 
 
-def _snake_key(device: Any) -> tuple:
-    """TPU coords (x, y, z) walked as a snake: x reverses on odd rows so each step is one hop."""
-    x, y, z = (tuple(device.coords) + (0, 0, 0))[:3]
-    return (z, y, x if y % 2 == 0 else -x, getattr(device, "core_on_chip", 0))
+def _snake_keys(devices: Sequence[Any]) -> list[tuple]:
+    """Sort keys walking TPU coords (x, y, z) as a boustrophedon: z layer by layer, y
+    reversed on odd layers, x reversed on every odd row of the whole sweep.
+
+    On a full X x Y x Z block of chips each step is one hop (cores of one chip
+    are adjacent). The closing hop, last back to first, spans
+    ``(Z - 1) + (Y - 1 if Z is odd else 0) + (X - 1 if Y * Z is odd else 0)``
+    links (fewer where the slice has torus wrap-around links): 1 on 2x2x1 and
+    2x2x2, 3 on 4x4x1. Coordinates are ranked first, so a host's block need not
+    start at 0; on a block with chips missing a step may be longer.
+    """
+    coords = [(tuple(d.coords) + (0, 0, 0))[:3] for d in devices]
+    ranks = [{v: r for r, v in enumerate(sorted({c[a] for c in coords}))} for a in range(3)]
+    width, depth = len(ranks[0]), len(ranks[1])
+    keys = []
+    for device, (x, y, z) in zip(devices, coords):
+        x, y, z = ranks[0][x], ranks[1][y], ranks[2][z]
+        # Reversing y on odd layers makes a layer start above where the last one ended;
+        # x's parity counts rows over the whole sweep, not within a layer, for the same reason.
+        y = y if z % 2 == 0 else depth - 1 - y
+        x = x if (z * depth + y) % 2 == 0 else width - 1 - x
+        keys.append((z, y, x, getattr(device, "core_on_chip", 0)))
+    return keys
 
 
 def nvlink_counts(devices: Sequence[Any]) -> list[list[int]] | None:
@@ -97,7 +116,8 @@ def ring_order(devices: Sequence[Any], *, override: Sequence[int] | None = None,
     for process in sorted(by_process):
         local = by_process[process]
         if all(getattr(devices[i], "coords", None) is not None for i in local):
-            local = sorted(local, key=lambda i: _snake_key(devices[i]))
+            keys = _snake_keys([devices[i] for i in local])
+            local = [i for _, i in sorted(zip(keys, local))]
         else:
             local = sorted(local, key=lambda i: devices[i].id)
             counts = nvlink_counts([devices[i] for i in local]) if use_nvml else None

@@ -190,7 +190,8 @@ def split_rows(num_examples: int, num_val: int, split_seed: int) -> tuple[np.nda
       >>> [rows.tolist() for rows in split_rows(6, 2, 0)]
       [[0, 2, 3, 5], [1, 4]]
     """
-    seed_key = _splitmix64(np.array([split_seed & _MASK64], dtype=np.uint64))
+    # int(): a numpy int (which check_seed accepts) & 2**64-1 overflows int64 under NumPy 2.
+    seed_key = _splitmix64(np.array([int(split_seed) & _MASK64], dtype=np.uint64))
     keys = _splitmix64(np.arange(num_examples, dtype=np.uint64) ^ seed_key)
     order = np.argsort(keys, kind="stable")
     return np.sort(order[num_val:]), np.sort(order[:num_val])

@@ -46,27 +46,40 @@ def process_batch_slice(global_batch_size: int, mesh: Mesh | None = None, axis: 
 
     Args:
       global_batch_size: Rows of the whole batch, over all processes.
-      mesh: The training mesh; None assumes processes own equal contiguous
-        shares in process order.
+      mesh: The training mesh. None only with one process (which loads
+        everything); with several it is required.
       axis: The mesh's data axis.
 
     Returns:
       ``slice(start, stop)`` into the global batch (everything for one process).
+
+    Raises:
+      ValueError: ``mesh`` is None with more than one process.
     """
     check_positive_int("global_batch_size", global_batch_size)  # numpy ints too, as the datasets take
     global_batch_size = int(global_batch_size)
     if mesh is None:
-        count, index = jax.process_count(), jax.process_index()
-        if global_batch_size % count:
-            raise ValueError(
-                f"global_batch_size={global_batch_size} must be divisible by the {count} processes"
-            )
-        share = global_batch_size // count
-        return slice(index * share, (index + 1) * share)
+        _check_one_process(global_batch_size, axis)
+        return slice(0, global_batch_size)
     devices = _check_axis(mesh, axis)
     _check_divisible(global_batch_size, devices, axis)
     start, stop = _local_row_range(mesh, axis, global_batch_size)
     return slice(start, stop)
+
+
+def _check_one_process(global_batch_size: int, axis: str) -> None:
+    # Without the mesh the rows cannot be known: under ("model", "data") = (2, 4) over two
+    # processes each holds every data shard and must load all rows, and equal shares in
+    # process order would give each half. shard_batch sees the same shapes in the right
+    # and the wrong case, so only this refusal keeps the wrong global batch from being silent.
+    count = jax.process_count()
+    if count > 1:
+        raise ValueError(
+            f"process_batch_slice needs the training mesh with more than one process, got mesh=None "
+            f"with jax.process_count()={count}: a process loads the rows its devices hold along "
+            f"mesh axis {axis!r}, which only the mesh tells; pass "
+            f"process_batch_slice({global_batch_size}, mesh, {axis!r})"
+        )
 
 
 def _check_divisible(rows: int, devices: int, axis: str) -> None:
@@ -81,8 +94,11 @@ def shard_batch(batch: Any, mesh: Mesh, axis: str = "data") -> Any:
     """Returns ``batch`` (a pytree of arrays with a leading batch axis) as global
     `jax.Array` s sharded over ``mesh``'s ``axis`` and replicated over its other axes.
 
-    With several processes each leaf holds only this process's rows
-    (`process_batch_slice`); the global batch is their concatenation.
+    With several processes each leaf holds only this process's rows, from
+    ``process_batch_slice(global_batch_size, mesh, axis)``; the global batch is
+    their concatenation. Processes whose devices hold the same shards must pass
+    the same rows: shard_batch sees only this process's rows, so it cannot check
+    that (``process_batch_slice`` refuses to guess without the mesh).
 
     Raises:
       ValueError: the leaves disagree on the batch size, or the global batch
