@@ -417,9 +417,9 @@ def apply_updates_if_finite(optimizer, grads, opt_state, params, loss_scale: Los
       rounding_seed: bf16 params (no f32 master copy) are updated in f32 and rounded
         back stochastically (`jaxopt_train.stochastic_round`) with bits hashed from
         each weight's values and this uint32, which must change every step. Default:
-        from the optimizer state's step counts; pass the step for an optimizer that
-        has none (plain `optax.sgd`), or a weight meeting the same update twice
-        draws the same bits.
+        from the optimizer state's step counts; an optimizer that has none (plain
+        `optax.sgd`) with bf16 params is refused (ValueError): pass the step (with a
+        constant seed a weight meeting the same update twice draws the same bits).
       **extra_args: passed on to `optimizer.update`, for transformations that
         take them (`optax.contrib.reduce_on_plateau` needs `value=loss`: give
         the unscaled loss, the scaled one moves with the loss scale).
@@ -439,8 +439,15 @@ def apply_updates_if_finite(optimizer, grads, opt_state, params, loss_scale: Los
     grads = jax.tree.map(_widen_to_param, grads, params)
     grads = loss_scale.unscale(grads)
     finite = all_finite(grads)
-    from jaxopt_train.stochastic_round import apply_updates, step_seed  # noqa: PLC0415
+    from jaxopt_train.stochastic_round import (  # noqa: PLC0415
+        apply_updates,
+        require_step_count,
+        step_seed,
+    )
 
+    if rounding_seed is None:
+        require_step_count(opt_state, params, "rounding_seed=<the step number, a uint32 that "
+                                              "changes every step>")
     updates, new_opt_state = optimizer.update(grads, opt_state, params, **extra_args)
     # bf16 params (no f32 master copy) round stochastically: an update below half a bf16
     # step of its weight would be dropped whole by rounding to nearest.

@@ -19,6 +19,8 @@ whether a device updates the whole leaf or a ZeRO shard of it.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,16 +74,69 @@ def stochastic_round_bf16(x: jax.Array, bits16: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(x), up, x).astype(jnp.bfloat16)  # exact: low half is zero
 
 
+def _step_counts(state) -> list:
+    return [leaf for leaf in jax.tree.leaves(state)
+            if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.integer) and not jnp.ndim(leaf)]
+
+
+def has_step_count(state) -> bool:
+    """Whether `state` (an optimizer state, or its `jax.eval_shape`) holds an integer scalar
+    for `step_seed` to draw on. optax.sgd (with or without momentum) and optax.trace keep none."""
+    return bool(_step_counts(state))
+
+
 def step_seed(state) -> jax.Array:
     """A uint32 seed from the integer scalars of an optimizer state (its step counts), which
     move every step and are the same on every device and shard. A state without counts
-    gives a constant seed: the bits then vary only with the values (`element_bits16`)."""
+    gives a constant seed: the bits then vary only with the values (`element_bits16`), so a
+    value that meets the same update again rounds the same way again, and the rounding is
+    biased (`has_step_count` tells; `require_step_count` refuses)."""
     h = jnp.uint32(0x243F6A88)
-    ints = [leaf for leaf in jax.tree.leaves(state)
-            if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.integer) and not jnp.ndim(leaf)]
-    for i, count in enumerate(ints):
+    for i, count in enumerate(_step_counts(state)):
         h = _mix32(h ^ (lax.convert_element_type(count, jnp.uint32) + np.uint32(i)))
     return h
+
+
+class CountedState(NamedTuple):
+    """The state of `with_step_count(inner)` for an `inner` that keeps no step count."""
+
+    inner: Any
+    count: jax.Array  # uint32 scalar, +1 per update: what `step_seed` draws on
+
+
+def with_step_count(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """`inner` with a uint32 step count added to its state when that has none (optax.sgd,
+    optax.trace), so `step_seed` of the state changes every step; with a count already
+    there (Adam's) the state is `inner`'s own. Extra `update` arguments reach `inner`."""
+    inner = optax.with_extra_args_support(inner)
+
+    def init(params):
+        state = inner.init(params)
+        return state if has_step_count(state) else CountedState(state, jnp.zeros((), jnp.uint32))
+
+    def update(updates, state, params=None, **extra_args):
+        if not isinstance(state, CountedState):
+            return inner.update(updates, state, params, **extra_args)
+        updates, new = inner.update(updates, state.inner, params, **extra_args)
+        return updates, CountedState(new, state.count + np.uint32(1))
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def require_step_count(opt_state, params, remedy: str) -> None:
+    """Raises ValueError when `params` has bf16 leaves (which `apply_updates` rounds
+    stochastically) and `opt_state` has no step count to seed that rounding with.
+
+    With a constant seed a weight meeting the same update twice draws the same bits:
+    500 steps of plain optax.sgd moved bf16 weights by 0.0001 where 0.05 was due.
+    `remedy` says what the caller can pass instead.
+    """
+    bf16 = [leaf for leaf in jax.tree.leaves(params) if getattr(leaf, "dtype", None) == jnp.bfloat16]
+    if bf16 and not has_step_count(opt_state):
+        raise ValueError(
+            "bf16 params are rounded stochastically with a seed from the optimizer state's step "
+            "count, and this optimizer's state has none (integer scalars: 0; e.g. optax.sgd); "
+            f"expected a state with a count, or {remedy}")
 
 
 # Xored into the step seed for the params, so their bits differ from the moments' bits of the

@@ -161,3 +161,36 @@ def test_bf16_state_keeps_every_leafs_dtype_across_updates():
             _, new = jax.jit(opt.update)(grads, state, params)
         dtypes = lambda tree: jax.tree.map(lambda x: x.dtype, tree)  # noqa: E731
         assert dtypes(new) == dtypes(state)
+
+
+@pytest.mark.parametrize("make", [lambda: optax.sgd(1.0, momentum=0.99), lambda: optax.trace(0.999)],
+                         ids=["sgd momentum 0.99", "trace 0.999"])
+def test_bf16_state_of_an_optimizer_without_a_step_count_follows_f32(make):
+    """optax.sgd and optax.trace keep no step count, so the rounding's seed was constant:
+    a moment meeting the same values rounded the same way every step, and sgd's momentum
+    trace at 0.99 settled at 0.69 of its f32 value (trace(0.999): 0.18)."""
+    grads = {"w": jnp.asarray(np.random.default_rng(0).uniform(0.5, 1.5, 1000), jnp.float32) * 1e-2}
+
+    def final_trace(optimizer):
+        params = {"w": jnp.zeros(1000, jnp.float32)}
+
+        def body(state, _):
+            return optimizer.update(grads, state, params)[1], None
+        state, _ = jax.lax.scan(body, optimizer.init(params), None, length=2000)
+        return state
+
+    state = final_trace(low_precision_state(make(), "bf16"))
+    want = jax.tree.leaves(final_trace(make()))[0]
+    assert int(state.count) == 2000 and state.count.dtype == jnp.uint32
+    got = jax.tree.leaves(state.inner)[0]
+    assert got.dtype == jnp.bfloat16
+    ratio = np.asarray(got, np.float32) / np.asarray(want)
+    # Unbiased: the mean is on target; each element wanders by its rounding noise (a few %
+    # at 0.999, which averages ~1000 steps of it).
+    assert abs(ratio.mean() - 1) < 5e-3 and np.abs(ratio - 1).max() < 0.1, (ratio.mean(), ratio.min())
+
+
+def test_a_step_count_is_added_only_where_the_state_has_none():
+    params = _params()
+    adam = low_precision_state(optax.adam(1e-3), "bf16").init(params)
+    assert jax.tree.structure(adam) == jax.tree.structure(optax.adam(1e-3).init(params))

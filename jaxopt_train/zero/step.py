@@ -9,13 +9,14 @@ import dataclasses
 from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxopt_train.accumulation import mean_term, sum_may_overflow
-from jaxopt_train.stochastic_round import apply_updates, step_seed
+from jaxopt_train.stochastic_round import apply_updates, step_seed, with_step_count
 from jaxopt_train.collectives import all_reduce_tree
 from jaxopt_train.zero._checks import _check, _mesh_axis_size
 from jaxopt_train.zero.elementwise import elementwise_mismatch
@@ -71,6 +72,10 @@ def make_zero_step(loss_fn: Callable, optimizer: optax.GradientTransformation, p
         random surrogate of `params` to tell).
     """
     _check(stage, method)
+    if any(getattr(leaf, "dtype", None) == jnp.bfloat16 for leaf in jax.tree.leaves(params)):
+        # bf16 params round stochastically with a seed from the state's step count: give
+        # optax.sgd, which keeps none, one (a constant seed rounds a repeated update alike).
+        optimizer = with_step_count(optimizer)
     n = _mesh_axis_size(mesh, axis_name)
     layout = make_layout(params, n)
     mismatch = elementwise_mismatch(optimizer, params, n) if stage else None
