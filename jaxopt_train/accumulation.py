@@ -187,7 +187,10 @@ def check_weight_fn(weight_fn) -> None:
 
 
 def batch_weight(weight_fn: Callable[[Any], Any], batch) -> jax.Array:
-    """`weight_fn(batch)` checked to be a real scalar (see `accumulate_gradients`), in f32."""
+    """`weight_fn(batch)` checked to be a real scalar (see `accumulate_gradients`), in f32;
+    a negative weight (traced, so it cannot raise) becomes NaN, so the loss and gradients it
+    enters are NaN and the trainer skips the step: a micro-batch of weight -w added nothing
+    while the total counted -w, and the rest were silently scaled up."""
     weight = weight_fn(batch)
     shape = np.shape(weight)
     dtype = weight.dtype if hasattr(weight, "dtype") else np.asarray(weight).dtype
@@ -195,7 +198,8 @@ def batch_weight(weight_fn: Callable[[Any], Any], batch) -> jax.Array:
                            or dtype == np.dtype(np.bool_)):
         raise ValueError(f"weight_fn(batch) must return a real scalar (e.g. the number of tokens "
                          f"that count); it returned shape={shape} dtype={dtype}")
-    return jnp.asarray(weight).astype(jnp.float32)
+    weight = jnp.asarray(weight).astype(jnp.float32)
+    return jnp.where(weight >= 0, weight, jnp.nan)
 
 
 def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
@@ -231,7 +235,7 @@ def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
         (without it each micro-batch counts equally: a mean of means). A
         micro-batch of weight 0 adds nothing, even where its mean is NaN; a
         batch of total weight 0 gives NaN loss and gradients, as its full-batch
-        mean would. Aux values are combined as `aux_combine` says, unweighted.
+        mean would, and so does a negative weight. Aux values are combined as `aux_combine` says, unweighted.
 
     Returns:
       `grad_fn(params, batch, *extra)` returning `(loss, grads)` or

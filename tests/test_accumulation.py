@@ -284,6 +284,23 @@ def test_token_weights_do_not_overflow_a_float16_accumulator():
     _assert_trees_close(grads, want_grads, rtol=2e-3, atol=1e-4)
 
 
+@pytest.mark.parametrize("num_microbatches", [1, 4])
+def test_a_negative_weight_makes_the_loss_and_gradients_nan(num_microbatches):
+    """A micro-batch of weight -w added nothing (its share failed `share > 0`) while the total
+    counted -w, so the other micro-batches were scaled up without a word."""
+    params, batch = _masked_problem()
+
+    def weight(b):  # the micro-batch holding row 0 counts negatively, the others positively
+        return jnp.where(b["mask"][0, 0] > 0, -1.0, 1.0) * jnp.sum(b["mask"])
+    batch = {**batch, "mask": batch["mask"].at[:, 0].set(0.0).at[0, 0].set(1.0)}
+    if num_microbatches > 1:  # one share negative, the total positive: only the new NaN tells
+        weights = [float(weight(jax.tree.map(lambda x, k=k: x[k::4], batch))) for k in range(4)]
+        assert weights[0] < 0 < sum(weights) and min(weights[1:]) > 0, weights
+    loss, grads = jax.jit(accumulate_gradients(_masked_loss, num_microbatches, weight_fn=weight))(
+        params, batch)
+    assert np.isnan(loss) and all(np.isnan(g).all() for g in jax.tree.leaves(grads))
+
+
 def test_weight_fn_bad_inputs():
     params, batch = _masked_problem()
     with pytest.raises(TypeError, match=r"weight_fn=3 is not callable; expected weight_fn\(batch\)"):
