@@ -46,6 +46,10 @@ def test_help_exits_zero(capsys):
     (["--matmul", "triton", "--precision", "bf16"], "'triton' is unavailable: needs a CUDA GPU"),
     (["--matmul", "pallas", "--precision", "bf16", "--preset", "cnn-small"], "GPT presets"),
     (["--prometheus-port", "-1"], "--prometheus-port"),
+    # An OverflowError traceback from jax.random.key, after the run dir was made.
+    (["--seed", str(2**63)], "--seed: seed=9223372036854775808 must be an integer in "
+                             "[0, 2**63 - 1 = 9223372036854775807]"),
+    (["--seed", "-1"], "--seed: seed=-1 must be an integer >= 0"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(argv, needle, capsys):
     code, err = _exit_code_and_err(argv, capsys)
@@ -106,6 +110,32 @@ def test_resume_keeps_the_runs_own_settings_and_changes_only_the_flags_given(tmp
 def test_config_errors_name_field_and_value(kwargs, needle):
     with pytest.raises((ValueError, TypeError), match=needle.replace("(", r"\(").replace("[", r"\[")):
         TrainConfig(**kwargs)
+
+
+def test_the_largest_seed_is_int64s():
+    assert TrainConfig(seed=2**63 - 1).seed == 2**63 - 1
+
+
+@pytest.mark.parametrize("error, needle", [
+    (IsADirectoryError(21, "Is a directory", "run/metrics.jsonl"),
+     "cannot use 'run/metrics.jsonl': Is a directory (a file was expected there, found a folder)"),
+    (NotADirectoryError(20, "Not a directory", "run/tb"),
+     "cannot use 'run/tb': Not a directory (a folder was expected there"),
+    (PermissionError(13, "Permission denied", "run/checkpoints"),
+     "cannot use 'run/checkpoints': Permission denied"),
+    (NotADirectoryError("logdir='run/profile' is a file"), "logdir='run/profile' is a file"),
+])
+def test_file_system_errors_exit_2_in_one_line(error, needle, monkeypatch, capsys):
+    from jaxopt_train.train import loop
+
+    def failing_train(cfg, until_step=None):
+        raise error
+
+    monkeypatch.setattr(loop, "train", failing_train)
+    assert cli.main(["--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxopt-train train: error: ") and len(err.strip().splitlines()) == 1
+    assert needle in err
 
 
 def test_profile_range_inside_a_dispatch_group_is_accepted():

@@ -1,7 +1,8 @@
 """Bad inputs to `jaxopt-train train` stop before training, with a message and exit status 2.
 
-Image labels and token ids outside the model's classes / vocabulary, and a
-Prometheus port that cannot be bound. Every check here fires before the train
+Image labels and token ids outside the model's classes / vocabulary, a
+Prometheus port that cannot be bound and paths in the way of the run's outputs: the last
+two found before the run directory is touched (an --overwrite's old run stays whole). Every check here fires before the train
 step is compiled, so these tests build at most a tiny model and compile nothing
 of the trainer's.
 
@@ -20,7 +21,8 @@ import numpy as np
 import pytest
 
 from jaxopt_train.precision import get_policy
-from jaxopt_train.train import TrainConfig, cli, train
+from jaxopt_train.train import RunDirError, TrainConfig, cli, train
+from jaxopt_train.train import loop as loop_lib
 from jaxopt_train.train.model import vision_loss_fn
 from jaxopt_train.train.task import build_task, gpt_model_config
 
@@ -140,16 +142,95 @@ def test_token_dtypes_are_the_token_files():
     assert TOKEN_DTYPES == TOKEN_FILE_DTYPES
 
 
+def _busy_port():
+    """A listening socket (close it after use) and its port."""
+    taken = socket.socket()
+    taken.bind(("0.0.0.0", 0))
+    taken.listen()
+    return taken, taken.getsockname()[1]
+
+
 def test_prometheus_port_in_use_exits_2_naming_the_flag(tmp_path, capsys):
-    with socket.socket() as taken:
-        taken.bind(("0.0.0.0", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
+    taken, port = _busy_port()
+    with taken:
         argv = TINY_GPT_FLAGS + ["--prometheus-port", str(port), "--run-dir", str(tmp_path / "run")]
         assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert f"--prometheus-port {port}" in err and "in use" in err
     assert "or 0 for any free one" in err and "Traceback" not in err
+    # Nothing left behind: it left config.json, an empty metrics.jsonl and checkpoints/,
+    # and a rerun with a free port was then refused as "a run with no finished checkpoint".
+    assert not (tmp_path / "run").exists()
+
+
+def _old_run(run_dir):
+    """A finished run's files (what --overwrite would delete); {relative path: bytes}."""
+    files = {"checkpoints/8/state/data": b"weights", "metrics.jsonl": b'{"step": 8, "loss": 1.5}\n',
+             "config.json": b'{"config": {}}'}
+    for name, content in files.items():
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_bytes(content)
+    return files
+
+
+def _contents(run_dir):
+    return {str(path.relative_to(run_dir)): path.read_bytes()
+            for path in sorted(run_dir.rglob("*")) if path.is_file()}
+
+
+def test_a_busy_prometheus_port_costs_an_overwrites_old_run_nothing(tmp_path, capsys):
+    """--overwrite deleted the old run, then failed to bind the port."""
+    run_dir = tmp_path / "run"
+    before = _old_run(run_dir)
+    taken, port = _busy_port()
+    with taken:
+        argv = TINY_GPT_FLAGS + ["--prometheus-port", str(port), "--run-dir", str(run_dir),
+                                 "--overwrite"]
+        assert cli.main(argv) == 2
+    assert "in use" in capsys.readouterr().err
+    assert _contents(run_dir) == before
+
+
+@pytest.mark.parametrize("overwrite", [True, False])
+def test_a_profile_path_that_is_a_file_costs_the_run_dir_nothing(tmp_path, capsys, overwrite):
+    """RUN_DIR/profile a file: --overwrite deleted the old run, then failed with a traceback;
+    without it the run left config.json, metrics.jsonl and checkpoints/ behind."""
+    run_dir = tmp_path / "run"
+    before = _old_run(run_dir) if overwrite else {}
+    (run_dir / "profile").parent.mkdir(exist_ok=True)
+    (run_dir / "profile").write_bytes(b"notes")
+    argv = TINY_GPT_FLAGS + ["--profile-steps", "0:1", "--run-dir", str(run_dir)]
+    assert cli.main(argv + ["--overwrite"] * overwrite) == 2
+    err = capsys.readouterr().err
+    assert f"{str(run_dir / 'profile')!r} is a file, but the run writes its profiler trace " \
+           "(--profile-steps) there as a folder; move it away, or use another --run-dir" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert _contents(run_dir) == {**before, "profile": b"notes"}
+
+
+def test_a_tensorboard_path_that_is_a_file_is_refused_before_a_resume_writes(tmp_path):
+    run_dir = tmp_path / "run"
+    _old_run(run_dir)
+    (run_dir / "tb").write_bytes(b"")
+    cfg = TrainConfig(run_dir=str(run_dir), resume=True, tensorboard=True)
+    with pytest.raises(RunDirError, match=r"/tb' is a file, but the run writes its TensorBoard events"):
+        loop_lib._check_output_paths(cfg, str(run_dir))
+    # --overwrite deletes a tb of the old run: nothing is in the way then.
+    loop_lib._check_output_paths(dataclasses.replace(cfg, resume=False, overwrite=True),
+                                 str(run_dir))
+
+
+def test_default_run_dir_under_a_file_named_runs_is_a_run_dir_error(tmp_path, monkeypatch, capsys):
+    """./runs a file: NotADirectoryError with a traceback."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").write_bytes(b"")
+    assert cli.main(TINY_GPT_FLAGS) == 2
+    err = capsys.readouterr().err
+    assert "cannot create the default run directory 'runs/gpt-tiny-" in err
+    assert f"expected {str(tmp_path / 'runs')!r} to be a writable folder" in err
+    assert "--run-dir" in err and "Traceback" not in err
+    with pytest.raises(RunDirError, match="default run directory"):
+        train(TrainConfig())
 
 
 # ---------------------------------------------------------------- attention="auto" on a GPU

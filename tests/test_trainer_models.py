@@ -190,6 +190,18 @@ def test_clip_norm_with_a_user_optimizer_clips(zero):
     assert moved(free) > 100 * moved(clipped)
 
 
+@pytest.mark.parametrize("clip_norm", [-1.0, float("nan"), float("inf"), "1", True, np.float32(-2)])
+@pytest.mark.parametrize("optimizer, zero", [(optax.sgd(1e-2), 0), (optax.sgd(1e-2), 1),
+                                             (None, 0), (None, 1)])
+def test_a_bad_clip_norm_is_refused_with_any_optimizer(clip_norm, optimizer, zero):
+    """With optimizer= it was taken unchecked: -1 did gradient ascent, NaN passed the
+    non-finite guard, '1' failed inside the traced step; at zero=1 the default optimizer's
+    clip (the step's) went unchecked too."""
+    with pytest.raises(ValueError, match=r"clip_norm=.* must be a finite real number >= 0 \(0 "
+                                         r"disables clipping\)"):
+        Trainer(MLP(nnx.Rngs(0)), loss_fn, optimizer=optimizer, zero=zero, clip_norm=clip_norm)
+
+
 def test_a_dropout_models_state_checkpoints_and_restores(tmp_path):
     from jaxopt_train.train.checkpoint import Checkpointer, as_abstract
 

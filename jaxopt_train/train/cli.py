@@ -282,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as err:
         print(f"jaxopt-train train: error: {err}", file=sys.stderr)
         return 2
+    except (IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError) as err:
+        # A path in the way or not writable is the user's to fix: one line, not a traceback.
+        print(f"jaxopt-train train: error: {_os_error_line(err)}", file=sys.stderr)
+        return 2
     except NonFiniteError as err:
         print(f"jaxopt-train train: {err}", file=sys.stderr)
         return 1
@@ -295,6 +299,17 @@ def main(argv: list[str] | None = None) -> int:
         summary = f"interrupted at step {result.step}; checkpoint saved in {result.run_dir}"
     print(summary, flush=True)
     return 0
+
+
+def _os_error_line(err: OSError) -> str:
+    """A file-system error in one line: the path, the OS's reason and what was expected."""
+    if err.filename is None:
+        return str(err)
+    hint = {IsADirectoryError: "a file was expected there, found a folder",
+            NotADirectoryError: "a folder was expected there (or on the way to it), found a file",
+            FileExistsError: "something is already there",
+            PermissionError: "this user lacks the permission there"}.get(type(err), "")
+    return f"cannot use {err.filename!r}: {err.strerror or err}" + (f" ({hint})" if hint else "")
 
 
 if __name__ == "__main__":

@@ -29,8 +29,11 @@ REMATS = ("none", "dots_attention", "dots", "full")
 TOKEN_DTYPES = ("uint16", "uint32")  # jaxopt_train.data.tokens.TOKEN_FILE_DTYPES
 
 # Fields that fix the shapes of the parameters: a run directory created with
-# one value cannot be resumed with another.
+# one value cannot be resumed with another. (A vision run records its classifier's
+# width instead of num_classes, a lower bound: `TrainConfig.model_shape`.)
 MODEL_SHAPE_FIELDS = ("preset", "model_overrides", "num_classes", "image_size")
+# The largest seed: the model's init key is `jax.random.key(seed)`, which takes an int64.
+MAX_SEED = 2**63 - 1
 # GPT overrides that choose what is recomputed, never a shape: a run may resume with others.
 REMAT_OVERRIDES = ("remat", "remat_layers", "remat_rest")
 
@@ -168,8 +171,9 @@ class TrainConfig:
                      "keep_checkpoints", "steps_per_dispatch", "max_nonfinite_steps",
                      "num_classes", "image_size"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("warmup", "eval_every", "checkpoint_every", "seed"):
+        for name in ("warmup", "eval_every", "checkpoint_every"):
             _check_int(name, getattr(self, name), minimum=0)
+        _check_seed(self.seed)
         _check_float("lr", self.lr, positive=True)
         _check_float("weight_decay", self.weight_decay, positive=False)
         _check_float("clip_norm", self.clip_norm, positive=False)
@@ -276,8 +280,14 @@ class TrainConfig:
     def _param_dtype_name(self) -> str:
         return _param_dtype_name_of(self.precision)
 
-    def model_shape(self) -> dict[str, Any]:
-        """The fields that determine parameter shapes (compared on resume)."""
+    def model_shape(self, classes: int | None = None) -> dict[str, Any]:
+        """The fields that determine parameter shapes (compared on resume).
+
+        Args:
+          classes: a vision run's classifier width (`Task.classes`): num_classes widened
+            to the data's largest label + 1. Recorded as "classes" in place of num_classes,
+            which does not fix the width. None: num_classes (synthetic data).
+        """
         shape = {name: getattr(self, name) for name in MODEL_SHAPE_FIELDS}
         # The length itself, not "the preset's" (None): a resume that spells out the preset's
         # own --seq-len was refused as a change of shape.
@@ -294,6 +304,8 @@ class TrainConfig:
         if self.is_vision:
             shape.pop("model_overrides")
             shape.pop("seq_len")
+            flag = shape.pop("num_classes")
+            shape["classes"] = flag if classes is None else classes
         else:
             shape.pop("num_classes")
             shape.pop("image_size")
@@ -376,6 +388,13 @@ def _check_int(name: str, value: Any, *, minimum: int) -> None:
         raise TypeError(f"{name}={value!r} must be a Python int >= {minimum}{kind}")
     if value < minimum:
         raise ValueError(f"{name}={value} must be an integer >= {minimum}")
+
+
+def _check_seed(seed: Any) -> None:
+    _check_int("seed", seed, minimum=0)
+    if seed > MAX_SEED:  # jax.random.key raised OverflowError from inside the model's init
+        raise ValueError(f"seed={seed} must be an integer in [0, 2**63 - 1 = {MAX_SEED}] "
+                         "(JAX's PRNG keys take an int64)")
 
 
 def _check_float(name: str, value: Any, *, positive: bool) -> None:

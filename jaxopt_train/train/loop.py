@@ -25,11 +25,11 @@ import numpy as np
 
 from jaxopt_train.precision import get_policy
 import jaxopt_train.train.mfu as mfu_lib
-from jaxopt_train.train.checkpoint import (Checkpointer, RunDirError, clear_run_dir,
+from jaxopt_train.train.checkpoint import (RUN_FILES, Checkpointer, RunDirError, clear_run_dir,
                                            prepare_run_dir)
 from jaxopt_train.train import resume
 from jaxopt_train.train.config import TrainConfig
-from jaxopt_train.train.metrics import MetricsLogger, peak_memory_bytes
+from jaxopt_train.train.metrics import MetricsLogger, open_prometheus_sink, peak_memory_bytes
 from jaxopt_train.train.remat_search import build_fitting_run
 from jaxopt_train.train.state import param_count
 from jaxopt_train.train.stop import StopAgreement, StopSignal
@@ -69,6 +69,11 @@ def _default_run_dir(cfg: TrainConfig) -> str:
             return candidate
         except FileExistsError:
             continue
+        except OSError as err:  # ./runs a file, or not writable: refused as a bad --run-dir is
+            raise RunDirError(
+                f"cannot create the default run directory {candidate!r}: {err.strerror or err}; "
+                f"expected {os.path.abspath('runs')!r} to be a writable folder (or missing): "
+                "move what is there, or pass --run-dir") from err
     raise AssertionError("unreachable")
 
 
@@ -76,11 +81,65 @@ def _write_config(run_dir: str, cfg: TrainConfig, task: Task) -> None:
     """run_dir/config.json, replaced whole (a crash mid-write leaves the old file)."""
     if jax.process_index() != 0:
         return
-    record = {"config": cfg.to_dict(), "model_shape": cfg.model_shape(), "task": task.description}
+    record = {"config": cfg.to_dict(), "model_shape": cfg.model_shape(task.classes),
+              "task": task.description}
     path = os.path.join(run_dir, "config.json")
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         json.dump(record, f, indent=2, sort_keys=True, default=str)
     os.replace(path + ".tmp", path)
+
+
+# What the run writes where a flag says, and whether it is a folder there: found in the way
+# (a file where the trace goes), it must stop the run before the run dir is touched.
+_OUTPUT_PATHS = {"metrics.jsonl": ("metrics", False),
+                 "tb": ("TensorBoard events (--tensorboard)", True),
+                 "profile": ("profiler trace (--profile-steps)", True)}
+
+
+@dataclasses.dataclass
+class _FlagOutputs:
+    """The outputs that flags ask for, opened before anything is written or deleted in the
+    run directory (`train`).
+
+    A busy --prometheus-port or a RUN_DIR/profile that is a file used to fail after
+    --overwrite had deleted the old run, or after a new run had written config.json, an
+    empty metrics.jsonl and checkpoints/, which a rerun then refused as a run.
+    """
+    prometheus: Any = None  # a bound runtime.sinks.PrometheusSink (process 0 only)
+    profiler: Any = None    # a runtime.profiling.StepProfiler: writes nothing before START
+
+    def close(self) -> None:
+        """Frees the port; a no-op once the logger that was handed the sink closed it."""
+        if self.prometheus is not None:
+            self.prometheus.close()
+
+
+def _open_flag_outputs(cfg: TrainConfig, run_dir: str) -> _FlagOutputs:
+    """Checks the paths the run will write and binds the Prometheus port, writing nothing.
+
+    Raises:
+      RunDirError: a path the run writes is in the way (`_check_output_paths`).
+      ValueError: the Prometheus port cannot be bound (in use, privileged).
+    """
+    _check_output_paths(cfg, run_dir)
+    outputs = _FlagOutputs(profiler=_make_profiler(cfg, run_dir))
+    if cfg.prometheus_port is not None and jax.process_index() == 0:  # as MetricsLogger
+        outputs.prometheus = open_prometheus_sink(cfg.prometheus_port)
+    return outputs
+
+
+def _check_output_paths(cfg: TrainConfig, run_dir: str) -> None:
+    """Refuses a file where the run writes a folder, or the reverse: found only when the
+    run opened it, after the old run's deletion (--overwrite clears its own, RUN_FILES)."""
+    used = {"metrics.jsonl": True, "tb": cfg.tensorboard, "profile": cfg.profile_steps is not None}
+    for name, (what, folder) in _OUTPUT_PATHS.items():
+        path = os.path.join(run_dir, name)
+        if not used[name] or (cfg.overwrite and name in RUN_FILES) or not os.path.exists(path):
+            continue
+        if os.path.isdir(path) != folder:
+            found, expected = ("a file", "a folder") if folder else ("a folder", "a file")
+            raise RunDirError(f"{path!r} is {found}, but the run writes its {what} there as "
+                              f"{expected}; move it away, or use another --run-dir")
 
 
 def dispatch_batch(task: Task, step: int, steps_per_dispatch: int) -> dict[str, np.ndarray]:
@@ -154,7 +213,7 @@ def train(config: TrainConfig, *, until_step: int | None = None, devices=None,
     target = cfg.steps if until_step is None else min(until_step, cfg.steps)
     created = cfg.run_dir is None or not os.path.exists(cfg.run_dir)
     run_dir = cfg.run_dir or _default_run_dir(cfg)
-    ckpt = None
+    ckpt = outputs = None
     try:
         prepare_run_dir(run_dir, resume=cfg.resume, overwrite=cfg.overwrite)
         if cfg.resume:  # before building anything: a mismatch fails in milliseconds
@@ -163,7 +222,10 @@ def train(config: TrainConfig, *, until_step: int | None = None, devices=None,
             resume.check_resume_data_order(run_dir, cfg, ckpt)
             resume.check_dispatch_alignment(ckpt.latest_step(), k, ckpt.directory)
             resume.check_steps_left(ckpt.latest_step(), target, cfg.steps, ckpt.directory)
+        outputs = _open_flag_outputs(cfg, run_dir)  # as fast, and before anything is written
         cfg, task, trainer, _ = build_fitting_run(cfg, devices)  # resolves remat="auto"
+        if cfg.resume:  # the classifier's width is known once the data is read
+            resume.check_resume_shape(run_dir, cfg, ckpt, classes=task.classes)
         if not cfg.resume and not trainer.compiled:
             # Before the run dir is touched: a step that cannot compile (too large for the
             # device, --grad-sync peer on other than 2 GPUs) must cost an --overwrite's old
@@ -181,13 +243,15 @@ def train(config: TrainConfig, *, until_step: int | None = None, devices=None,
             trainer.state = resume.restore(ckpt, trainer.state)
         else:  # a resume's settings are written with its first checkpoint (_run)
             _write_config(run_dir, cfg, task)
-        return _run(cfg, task, trainer, ckpt, run_dir, target, stream)
+        return _run(cfg, task, trainer, ckpt, run_dir, target, stream, outputs)
     except BaseException:
         if created:  # a run refused before it wrote anything leaves no empty folder behind
             with contextlib.suppress(OSError):
                 os.rmdir(run_dir)  # only if empty
         raise
     finally:
+        if outputs is not None:  # a port bound for a run that never started is freed
+            outputs.close()
         if ckpt is not None:
             ckpt.close()
 
@@ -214,13 +278,14 @@ def build_run(cfg: TrainConfig, devices=None) -> tuple[Task, Trainer]:
 
 
 def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run_dir: str,
-         target: int, stream: TextIO | None) -> TrainResult:
+         target: int, stream: TextIO | None, outputs: _FlagOutputs) -> TrainResult:
     k = cfg.steps_per_dispatch
     step = int(trainer.state.step)
-    meta = {"model_shape": json.loads(json.dumps(cfg.model_shape())), "preset": cfg.preset,
-            "data_order": resume.data_order(cfg, task.data_size)}
+    meta = {"model_shape": json.loads(json.dumps(cfg.model_shape(task.classes))),
+            "preset": cfg.preset, "data_order": resume.data_order(cfg, task.data_size)}
+    # The Prometheus sink was bound before the run dir was touched (_open_flag_outputs).
     logger = MetricsLogger(run_dir, total_steps=target, start_step=step,
-                           tensorboard=cfg.tensorboard, prometheus_port=cfg.prometheus_port,
+                           tensorboard=cfg.tensorboard, prometheus_sink=outputs.prometheus,
                            progress=cfg.progress, stream=stream)
     if cfg.resume:
         note = resume.data_size_change(ckpt, task.data_size, task.unit)
@@ -244,7 +309,7 @@ def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run
         raise
     logger.message(f"compiled train step in {trainer.compile_seconds:.1f} s; {trainer.memory_report}")
     monitor = _start_monitor()
-    profiler = _make_profiler(cfg, run_dir)
+    profiler = outputs.profiler
     last_loss = eval_loss = None
     interrupted = False
     config_written = not cfg.resume  # a resume's settings go to config.json with its first save

@@ -108,19 +108,27 @@ class MetricsLogger:
         records come after it, and TensorBoard hides an earlier run's past it.
       tensorboard: also write TensorBoard events to run_dir/tb.
       prometheus_port: also serve the metrics on this port.
+      prometheus_sink: or through this sink, bound beforehand (`open_prometheus_sink`:
+        the trainer binds the port before it touches the run directory); the logger
+        closes it.
       progress: "auto" (bar on a terminal, lines otherwise), "bar" or "lines".
       stream: where lines go (default stdout).
     """
 
     def __init__(self, run_dir: str, *, total_steps: int, start_step: int = 0,
                  tensorboard: bool = False, prometheus_port: int | None = None,
-                 progress: str = "auto", stream: TextIO | None = None):
+                 prometheus_sink=None, progress: str = "auto", stream: TextIO | None = None):
+        if prometheus_port is not None and prometheus_sink is not None:
+            raise ValueError(f"{prometheus_port=} and a prometheus_sink were both given; "
+                             "expected one way to serve Prometheus metrics")
         self.is_main = jax.process_index() == 0
         self.stream = stream or sys.stdout
         self.jsonl = JsonlWriter(os.path.join(run_dir, "metrics.jsonl")) if self.is_main else None
         try:
             self.sinks = (_optional_sinks(run_dir, tensorboard, prometheus_port, start_step)
                           if self.is_main else [])
+            if prometheus_sink is not None:
+                self.sinks.append(prometheus_sink)
         except BaseException:
             if self.jsonl is not None:  # the caller never gets an object to close
                 self.jsonl.close()
@@ -210,27 +218,41 @@ def _make_bar(total: int, start: int, stream: TextIO):
     return tqdm(total=total, initial=start, file=stream, unit="step", dynamic_ncols=True)
 
 
-def _optional_sinks(run_dir: str, tensorboard: bool, prometheus_port: int | None,
-                    start_step: int) -> list:
-    if not tensorboard and prometheus_port is None:
-        return []
+def _sinks_module():
     try:
         from jaxopt_train.runtime import sinks  # noqa: PLC0415
     except ImportError as err:
         raise RuntimeError(
             "tensorboard / prometheus_port need jaxopt_train.runtime.sinks, which failed to "
             f"import: {err}") from err
+    return sinks
+
+
+def open_prometheus_sink(prometheus_port: int):
+    """A `runtime.sinks.PrometheusSink` serving on `prometheus_port` (0: any free port).
+
+    Raises:
+      ValueError: the port cannot be bound (in use, privileged), naming the flag.
+    """
+    try:
+        return _sinks_module().PrometheusSink(prometheus_port)
+    except ValueError as err:
+        raise ValueError(f"--prometheus-port {prometheus_port} ({prometheus_port=}): {err}") from err
+
+
+def _optional_sinks(run_dir: str, tensorboard: bool, prometheus_port: int | None,
+                    start_step: int) -> list:
     out = []
     if tensorboard:
         # The steps after start_step are (re)logged by this run: TensorBoard hides an
         # earlier, crashed run's points there, as `jaxopt-train plot` drops its records.
-        out.append(sinks.TensorBoardSink(os.path.join(run_dir, "tb"), purge_step=int(start_step) + 1))
+        out.append(_sinks_module().TensorBoardSink(os.path.join(run_dir, "tb"),
+                                                   purge_step=int(start_step) + 1))
     if prometheus_port is not None:
         try:
-            out.append(sinks.PrometheusSink(prometheus_port))
-        except ValueError as err:
+            out.append(open_prometheus_sink(prometheus_port))
+        except ValueError:
             for sink in out:  # the TensorBoard writer opened above
                 sink.close()
-            raise ValueError(f"--prometheus-port {prometheus_port} "
-                             f"({prometheus_port=}): {err}") from err
+            raise
     return out

@@ -38,11 +38,17 @@ def check_steps_left(step: int, target: int, steps: int, ckpt_dir: str) -> None:
     """Refuses a resume whose checkpoint is past the step it was asked to train to: it would
     train nothing and report the checkpoint's step as done."""
     if step > target:
-        asked = f"--steps {steps}" if target == steps else f"until_step={target}"
+        # The advice names the limit that stopped it: --steps 16 --until-step 4 against a
+        # checkpoint at 8 was told to pass --steps greater than 8.
+        if target == steps:
+            asked, fix = f"--steps {steps}", f"pass --steps greater than {step}"
+        else:
+            asked = f"--until-step {target}"
+            fix = (f"pass an --until-step greater than {step}, or leave it out to train on to "
+                   f"--steps {steps}")
         raise RunDirError(
             f"the checkpoint in {ckpt_dir} is at step {step}, past the last step asked for "
-            f"({asked}), so there is nothing to train; to continue the run pass --steps "
-            f"greater than {step}")
+            f"({asked}), so there is nothing to train; to continue the run {fix}")
 
 
 def _damaged(ckpt: Checkpointer, err: Exception) -> RunDirError:
@@ -96,23 +102,66 @@ def _saved_config(run_dir: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def check_resume_shape(run_dir: str, cfg: TrainConfig, ckpt: Checkpointer) -> None:
+def check_resume_shape(run_dir: str, cfg: TrainConfig, ckpt: Checkpointer,
+                       classes: int | None = None) -> None:
+    """Refuses a checkpoint of another model shape (RunDirError naming what differs).
+
+    `classes`: a vision run's classifier width once its data is read (`Task.classes`);
+    None, before anything is built, leaves the width to that second call.
+    """
     try:
         saved = ckpt.read_meta().get("model_shape")
     except Exception as err:  # noqa: BLE001 - as in restore
         raise _damaged(ckpt, err) from err
     if saved is None:
         saved = _saved_config(run_dir).get("model_shape")
-    if saved is not None:
-        if isinstance(saved.get("model_overrides"), dict):  # runs saved before remat was left out
-            saved = {**saved, "model_overrides": shape_overrides(saved["model_overrides"])}
-        if saved.get("preset") in GPT_PRESETS and saved.get("seq_len", 0) is None:
-            # Saved before the length was resolved: None meant the preset's.
-            saved = {**saved, "seq_len": resolved_seq_len(saved["preset"], None)}
-        current = json.loads(json.dumps(cfg.model_shape()))
-        if "param_dtype" not in saved:  # saved before it was recorded: cannot be checked
-            current.pop("param_dtype")
-        check_same_model(saved, current, run_dir)
+    if saved is None:
+        return
+    saved = dict(saved)
+    if isinstance(saved.get("model_overrides"), dict):  # runs saved before remat was left out
+        saved["model_overrides"] = shape_overrides(saved["model_overrides"])
+    if saved.get("preset") in GPT_PRESETS and saved.get("seq_len", 0) is None:
+        # Saved before the length was resolved: None meant the preset's.
+        saved["seq_len"] = resolved_seq_len(saved["preset"], None)
+    current = json.loads(json.dumps(cfg.model_shape(classes)))
+    if "param_dtype" not in saved:  # saved before it was recorded: cannot be checked
+        current.pop("param_dtype")
+    widths = _classes_to_compare(saved, current, cfg, known=classes is not None)
+    check_same_model(saved, current, run_dir)  # first: another preset differs in width too
+    if widths is not None and widths[0] != widths[1]:
+        raise _classes_changed(*widths, cfg, run_dir)
+
+
+def _classes_to_compare(saved: dict[str, Any], current: dict[str, Any], cfg: TrainConfig, *,
+                        known: bool) -> tuple[Any, int, str] | None:
+    """(saved, now, key) of a vision run's classifier width, taken out of both shapes; None
+    when there is nothing to compare yet (its data not read: `known` false).
+
+    A shape saved before the width was recorded holds the --num-classes flag instead
+    (key "num_classes"): then the flags are compared, as they were then.
+    """
+    if not cfg.is_vision:
+        return None
+    now = current.pop("classes")
+    if "classes" not in saved:
+        return saved.pop("num_classes", None), cfg.num_classes, "num_classes"
+    before = saved.pop("classes")
+    return (before, now, "classes") if known else None
+
+
+def _classes_changed(before: Any, now: int, key: str, cfg: TrainConfig,
+                     run_dir: str) -> RunDirError:
+    fix = "start a new --run-dir"
+    if key == "num_classes":  # an older run: only its flag is known
+        return RunDirError(f"cannot resume run_dir={run_dir!r}: its checkpoints were saved with "
+                           f"num_classes={before!r}, but now num_classes={now}; resume with "
+                           f"--num-classes {before}, or {fix}.")
+    widened = (f", widened to the largest label + 1 in data={cfg.data!r}"
+               if now != cfg.num_classes else "")
+    return RunDirError(
+        f"cannot resume run_dir={run_dir!r}: its checkpoints hold a classifier of {before} "
+        f"classes, but this run's has {now} (num_classes={cfg.num_classes}{widened}); resume "
+        f"on the run's own data and --num-classes, or {fix}.")
 
 
 # The settings that fix which examples batch `step` holds (`data.sampling.batch_indices`:

@@ -31,6 +31,9 @@ class Task:
     # The data's size (tokens, or images) where it is read from files, None for synthetic
     # data: a resume on data of another size draws other batches (`resume.data_size_change`).
     data_size: int | None = None
+    # A vision run's classifier width: --num-classes widened to the data's largest label + 1.
+    # Recorded in the model shape (`TrainConfig.model_shape`): the flag alone does not fix it.
+    classes: int | None = None
 
 
 def build_task(cfg: TrainConfig, policy: Policy) -> Task:
@@ -191,7 +194,8 @@ def _vision_task(cfg: TrainConfig, policy: Policy) -> Task:
     return Task(fns=fns, train_batch=train_batch, eval_batch=eval_batch, unit="images",
                 units_per_example=1,
                 flops_per_example=_vision_flops(cfg.preset, image_size, channels, num_classes),
-                description=f"{cfg.preset} on {description}", data_size=data_size)
+                description=f"{cfg.preset} on {description}", data_size=data_size,
+                classes=num_classes)
 
 
 def _vision_flops(preset: str, image_size: int | tuple[int, int], channels: int,

@@ -23,6 +23,8 @@ Linen: `Trainer(module, loss_fn, init_args=(example_x,))` with
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from typing import Any, Callable
 
@@ -50,6 +52,21 @@ GRAD_SYNCS = config_lib.GRAD_SYNCS
 GRAD_COMPRESSIONS = (None, *config_lib.GRAD_COMPRESSIONS)
 
 
+def check_clip_norm(clip_norm: Any) -> float:
+    """`clip_norm` as a float; ValueError unless it is a finite real number >= 0.
+
+    The one check of every clip a Trainer applies, as `default_optimizer` checks its own:
+    before the optimizer, or by the ZeRO step (at zero > 0 `default_optimizer` gets 0).
+    optax takes any value: -1 scaled each clipped gradient by -1/|g| (gradient ascent),
+    NaN passed the non-finite guard, and '1' failed inside the traced step.
+    """
+    real = not isinstance(clip_norm, bool) and isinstance(clip_norm, numbers.Real)
+    if not (real and 0 <= clip_norm < math.inf):
+        raise ValueError(f"clip_norm={clip_norm!r} must be a finite real number >= 0 (0 "
+                         "disables clipping)")
+    return float(clip_norm)
+
+
 def build_optimizer(zero: int, opt_state_dtype: str, *, clip_norm: float, **schedule):
     """`default_optimizer(**schedule)` with `opt_state_dtype` moments, and where it clips.
 
@@ -59,6 +76,7 @@ def build_optimizer(zero: int, opt_state_dtype: str, *, clip_norm: float, **sche
     Returns:
       (optimizer, zero_clip_norm): the latter is the step's clip (0.0 at zero=0).
     """
+    clip_norm = check_clip_norm(clip_norm)
     optimizer = default_optimizer(clip_norm=0.0 if zero else clip_norm, **schedule)
     return low_precision_state(optimizer, opt_state_dtype), (clip_norm if zero else 0.0)
 
@@ -132,9 +150,10 @@ class Trainer:
       lr, total_steps, warmup, weight_decay: the default optimizer (defaults
         1e-3, 1000, 0, 0.0); given with `optimizer=` they are refused, since that
         optimizer would silently ignore them.
-      clip_norm: global-norm clip of the gradients (default 1.0 for the default
-        optimizer). With `optimizer=` it is off unless given: then it is applied
-        before that optimizer (at zero > 0 by the step, over the whole gradient).
+      clip_norm: global-norm clip of the gradients, a finite number >= 0 (0: none;
+        default 1.0 for the default optimizer). With `optimizer=` it is off unless
+        given: then it is applied before that optimizer (at zero > 0 by the step,
+        over the whole gradient).
       weight_fn: `weight_fn(batch) -> scalar`, what `loss_fn` is a mean over, summed
         over the batch (e.g. `lambda b: b["mask"].sum()`: the tokens that count).
         Micro-batches and devices then count in proportion to it, so the step's
@@ -184,7 +203,7 @@ class Trainer:
                     "that optimizer (e.g. optax.adamw(optax.warmup_cosine_decay_schedule(...)))")
             # A clip the user asked for is kept: before their optimizer, or by the ZeRO step
             # over the whole gradient (a clip inside a sharded optimizer would see one shard).
-            clip = clip_norm or 0.0
+            clip = 0.0 if clip_norm is None else check_clip_norm(clip_norm)
             if clip and not zero:
                 optimizer = optax.chain(optax.clip_by_global_norm(clip), optimizer)
             optimizer = low_precision_state(optimizer, opt_state_dtype)
