@@ -157,7 +157,8 @@ def plot_runs(run_dirs: list[str], out_dir: str, *, overwrite: bool = False) -> 
     curves = {panel: _panel_curves(runs, pattern) for panel, (_, pattern, _) in PANELS.items()}
     paths = {panel: os.path.join(out_dir, f"{panel}.png")
              for panel, found in curves.items() if any(steps for _, _, steps, _ in found)}
-    _make_out_dir(out_dir)
+    if paths:  # with nothing to draw the run ends in an error, leaving no new empty folder
+        _make_out_dir(out_dir)
     _refuse_overwrite(out_dir, list(paths.values()), overwrite)
     import matplotlib
 
@@ -171,7 +172,9 @@ def plot_runs(run_dirs: list[str], out_dir: str, *, overwrite: bool = False) -> 
             _report_non_finite(panel, label, runs[run_name], name, drawn=bool(steps))
             if steps:
                 scale = _metric_scale(panel, name)
-                ax.plot(steps, [v * scale for v in values], label=label)
+                # A one-point series (one eval, one log line) is invisible as a line alone.
+                ax.plot(steps, [v * scale for v in values], label=label,
+                        marker="o" if len(steps) == 1 else None)
         if panel in paths:
             ax.set_xlabel("step")
             ax.set_ylabel(ylabel)

@@ -97,6 +97,21 @@ def test_preallocate_spellings_jaxlib_reads_as_true_warn(monkeypatch, value):
     assert "export XLA_PYTHON_CLIENT_PREALLOCATE=false" in warned.fix
 
 
+def test_empty_memory_settings_are_unset_as_jaxlib_reads_them(monkeypatch):
+    """jaxlib skips an empty fraction or collective size (`if value:`); the doctor failed them,
+    and on "" and 0.5 together reported both as set."""
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "")
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.5")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB", "")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    checks, safe = doctor.check_xla_env()
+    assert safe and _by_name(checks)["memory settings"].status == "pass"
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE", "")  # jaxlib: int("")
+    checks, _ = doctor.check_xla_env()
+    assert any(c.status == "fail" and "ABORT_COLLECTIVES_ON_FAILURE=''" in c.detail for c in checks)
+
+
 def test_memory_settings_pass(monkeypatch):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.45")

@@ -212,6 +212,28 @@ def test_nothing_to_plot_exits_2(tmp_path, capsys):
     sink.close()
     code, err = _plot_error([str(tmp_path / "run")], capsys)
     assert code == 2 and "no run has any metric to plot" in err
+    code, err = _plot_error([str(tmp_path / "run"), "--out", str(tmp_path / "new")], capsys)
+    assert code == 2 and not (tmp_path / "new").exists()  # it made the folder, then failed
+
+
+def test_a_series_of_one_point_is_drawn_with_a_marker(tmp_path, monkeypatch):
+    """ax.plot of one point without a marker draws nothing: a legend entry and empty axes."""
+    import matplotlib.axes
+
+    sink = JsonlSink(tmp_path / "run" / "metrics.jsonl")
+    sink.write(0, {"loss": 2.0})
+    for step in (0, 5):
+        sink.write(step, {"tokens_per_s": 10.0 + step})
+    sink.close()
+    markers = {}
+    real = matplotlib.axes.Axes.plot
+
+    def spy(self, *args, **kwargs):
+        markers[kwargs.get("label")] = kwargs.get("marker")
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy)
+    plot.plot_runs([str(tmp_path / "run")], str(tmp_path / "out"))
+    assert markers == {"loss": "o", "tokens_per_s": None}
 
 
 def test_runs_with_the_same_base_name_are_all_drawn(tmp_path, capsys):

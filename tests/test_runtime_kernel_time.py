@@ -60,8 +60,16 @@ def test_all_gpus_and_the_newest_trace(tmp_path):
         "/device:GPU:0": {STREAM: [("k", 1.0)]}, "/device:GPU:1": {STREAM: [("k", 3.0)]}})
     os.utime(old, (1, 1))
     assert find_xplane(tmp_path) == str(new)
-    assert kernel_times(tmp_path) == [KernelTime("k", STREAM, 2.0, 0.004)]
+    # Per GPU: the two GPUs' streams share a number, and were summed as 2 launches of one.
+    assert kernel_times(tmp_path) == [KernelTime("k", f"GPU:1 {STREAM}", 1.0, 0.003),
+                                      KernelTime("k", f"GPU:0 {STREAM}", 1.0, 0.001)]
     assert kernel_times(old) == [KernelTime("old", STREAM, 1.0, 0.001)]  # a file, read as given
+
+
+def test_a_run_dir_with_glob_characters_is_a_folder_not_a_pattern(tmp_path):
+    trace = write_xspace(tmp_path / "lr=[0.1]/profile/plugins/profile/t/h.xplane.pb",
+                         {"/device:GPU:0": {STREAM: [("k", 1.0)]}})
+    assert find_xplane(tmp_path / "lr=[0.1]/profile") == trace
 
 
 def test_compare_orders_by_change(tmp_path):
@@ -89,6 +97,18 @@ def test_cli_table_diff_and_json(tmp_path, capsys):
     assert f"{STREAM}: 0.019 -> 0.054 ms/step" in out
     assert "+0.035     0.014     0.049" in out and "gemm" not in out.split("kernel\n")[1]
     assert json.loads((tmp_path / "d.json").read_text())[0]["after_ms_per_step"] == pytest.approx(0.0489)
+    # An existing file is kept unless --overwrite; a folder or a path through a file is refused.
+    (tmp_path / "mine.json").write_text("precious")
+    (tmp_path / "afile").write_text("")
+    for path, message in ((tmp_path / "mine.json", "already exists (pass --overwrite"),
+                          (tmp_path, "is a folder"), (tmp_path / "afile/x.json", "afile")):
+        with pytest.raises(SystemExit) as exc:
+            cli_main(["kernels", a, "--json", str(path)])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"--json {path}: " in err and message in err, err
+    assert (tmp_path / "mine.json").read_text() == "precious"
+    assert cli_main(["kernels", a, "--json", str(tmp_path / "mine.json"), "--overwrite"]) == 0
+    assert json.loads((tmp_path / "mine.json").read_text())[0]["name"] == "scatter"
 
 
 def test_a_cpu_trace_has_no_gpu_kernels(tmp_path, capsys):

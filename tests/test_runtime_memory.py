@@ -69,16 +69,24 @@ def test_memory_env_refuses_an_allocator_jaxlib_would_refuse(given):
 
 def test_memory_env_bytes_with_total():
     env = memory_env(bytes="35GiB", total_bytes="140GiB")
-    assert env == {"XLA_CLIENT_MEM_FRACTION": "0.2500"}
+    assert env == {"XLA_CLIENT_MEM_FRACTION": "0.25"}
+
+
+@pytest.mark.parametrize("cap", ["100MiB", "1GiB", "16GiB", "8MiB"])
+def test_memory_env_bytes_never_exceeds_the_cap(cap):
+    """Rounded to 4 places, 100MiB of a 141 GiB GPU came to 101.1 MiB (8MiB: 14.4 MiB)."""
+    total = 141 * GIB
+    fraction = float(memory_env(bytes=cap, total_bytes=total)["XLA_CLIENT_MEM_FRACTION"])
+    assert parse_bytes(cap) - 2 * total * 1e-9 <= fraction * total <= parse_bytes(cap)
 
 
 def test_memory_env_bytes_through_nvml_uses_smallest_visible_gpu(monkeypatch):
     gpus = [FakeGPU(total=80 * GIB), FakeGPU(total=40 * GIB), FakeGPU(total=20 * GIB)]
     fake = install_fake_nvml(monkeypatch, make_fake_nvml(gpus))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    assert memory_env(bytes=10 * GIB) == {"XLA_CLIENT_MEM_FRACTION": "0.2500"}
+    assert memory_env(bytes=10 * GIB) == {"XLA_CLIENT_MEM_FRACTION": "0.25"}
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert memory_env(bytes=10 * GIB) == {"XLA_CLIENT_MEM_FRACTION": "0.5000"}
+    assert memory_env(bytes=10 * GIB) == {"XLA_CLIENT_MEM_FRACTION": "0.5"}
     assert fake.calls["init"] == fake.calls["shutdown"] == 2
 
 
@@ -91,7 +99,7 @@ def test_memory_env_bytes_refuses_a_mig_slice(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-5c89a1f0-0000-0000-0000-000000000000")
     with pytest.raises(RuntimeError, match="cannot size a MIG slice"):
         memory_env(bytes="10GiB")
-    assert memory_env(bytes="9GiB", total_bytes="18GiB") == {"XLA_CLIENT_MEM_FRACTION": "0.5000"}
+    assert memory_env(bytes="9GiB", total_bytes="18GiB") == {"XLA_CLIENT_MEM_FRACTION": "0.5"}
 
 
 def test_memory_env_bytes_without_nvml_says_what_to_do(monkeypatch):
@@ -117,13 +125,16 @@ def test_memory_env_rejects(kwargs, match):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"fraction": 1e-5}, r"fraction=1e-05 would be written as XLA_CLIENT_MEM_FRACTION=0\.0000"),
-    ({"bytes": "1KiB", "total_bytes": "80GiB"}, r"bytes=1024 \(1\.19e-08 of the device's"),
+    ({"fraction": 1e-5}, r"fraction=1e-05 would be written as XLA_CLIENT_MEM_FRACTION=0\.0000"
+                         r".*smallest share it can express is 0\.0001"),
+    ({"bytes": "64", "total_bytes": "80GiB"}, r"bytes=64 \(7\.45e-10 of the device's"
+                                              r".*smallest share it can express is 1e-09"),
 ])
 def test_memory_env_rejects_fraction_that_rounds_to_zero(kwargs, match):
-    with pytest.raises(ValueError, match=match + ".*smallest share it can express is 0.0001"):
+    with pytest.raises(ValueError, match=match):
         memory_env(**kwargs)
     assert memory_env(fraction=1e-4) == {"XLA_CLIENT_MEM_FRACTION": "0.0001"}  # the smallest
+    assert memory_env(bytes="1KiB", total_bytes="80GiB") == {"XLA_CLIENT_MEM_FRACTION": "0.000000011"}
 
 
 @pytest.mark.parametrize("preallocate", ["false", "no", 0, 1])
@@ -381,3 +392,16 @@ def test_memory_env_accepts_numpy_fraction():
         memory_env(fraction=float("nan"))
     with pytest.raises(ValueError, match="a byte count must be >= 0"):
         memory_env(bytes=-1, total_bytes="80GiB")
+
+
+def test_track_memory_refuses_to_decorate_a_generator_function():
+    """Calling a generator function only creates the generator: the report came before its work."""
+    def gen():
+        yield jnp.ones(4)
+
+    async def coro():
+        return 1
+    for fn in (gen, coro):
+        for decorate in (track_memory, track_memory()):
+            with pytest.raises(TypeError, match=rf"{fn.__name__} is a generator or coroutine function"):
+                decorate(fn)

@@ -52,6 +52,11 @@ class Check:
     fix: str = ""
 
 
+
+# Settings jaxlib's GPU client start-up skips when set to "" (`if value:`).
+_EMPTY_IS_UNSET = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                   "XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB")
+
 def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
@@ -144,6 +149,9 @@ def check_xla_env() -> tuple[list[Check], bool]:
         checks.append(Check("XLA_FLAGS", PASS, shown))
     env = {k: v for k, v in sorted(os.environ.items())
            if k.startswith("XLA_PYTHON_CLIENT_") or k == "XLA_CLIENT_MEM_FRACTION"}
+    # jaxlib reads an empty fraction or collective size as unset (`if value:`), as containers
+    # often pass them; the int() settings below it does read, and fails on "".
+    env = {k: v for k, v in env.items() if v or k not in _EMPTY_IS_UNSET}
     problems = []
     if "XLA_CLIENT_MEM_FRACTION" in env and "XLA_PYTHON_CLIENT_MEM_FRACTION" in env:
         problems.append(("both XLA_CLIENT_MEM_FRACTION and XLA_PYTHON_CLIENT_MEM_FRACTION are set "

@@ -50,7 +50,8 @@ def find_xplane(trace: str | os.PathLike) -> str:
     if not os.path.isdir(trace):
         raise FileNotFoundError(f"no trace at {trace!r}: expected a jax.profiler log directory "
                                 f"or an .xplane.pb file")
-    files = glob.glob(os.path.join(trace, "**", "*.xplane.pb"), recursive=True)
+    # Escaped: a run dir named "lr=[0.1]" is a folder, not a glob pattern.
+    files = glob.glob(os.path.join(glob.escape(trace), "**", "*.xplane.pb"), recursive=True)
     if not files:
         raise FileNotFoundError(f"no *.xplane.pb under {trace!r} (a jax.profiler trace writes one "
                                 f"under plugins/profile/<time>/)")
@@ -68,7 +69,8 @@ def kernel_times(trace: str | os.PathLike, *, steps: int = 1,
 
     Returns:
       One `KernelTime` per (stream, name); empty if the trace has no such plane
-      (a CPU run).
+      (a CPU run). With more than one GPU plane the stream names carry the device
+      ("GPU:1 Stream #13"): streams of two GPUs may share a number.
 
     Raises:
       FileNotFoundError: see `find_xplane`.
@@ -79,16 +81,17 @@ def kernel_times(trace: str | os.PathLike, *, steps: int = 1,
     from jax.profiler import ProfileData  # noqa: PLC0415
 
     totals: dict[tuple[str, str], list] = collections.defaultdict(lambda: [0, 0.0])
-    for plane in ProfileData.from_file(find_xplane(trace)).planes:
-        if not plane.name.startswith(device_prefix):
-            continue
+    planes = [plane for plane in ProfileData.from_file(find_xplane(trace)).planes
+              if plane.name.startswith(device_prefix)]
+    for plane in planes:
+        device = f"{plane.name.removeprefix('/device:')} " if len(planes) > 1 else ""
         lines = list(plane.lines)
         # The stream lines hold the launches; other lines ("XLA Ops", "XLA Modules" in
         # some versions) span the same time again and would count it twice.
         streams = [line for line in lines if line.name.startswith("Stream")] or lines
         for line in streams:
             for event in line.events:
-                total = totals[(line.name, _SUFFIX.sub("", event.name))]
+                total = totals[(device + line.name, _SUFFIX.sub("", event.name))]
                 total[0] += 1
                 total[1] += event.duration_ns
     rows = [KernelTime(name, stream, count / steps, ns / 1e6 / steps)
@@ -125,9 +128,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="a second trace (same --steps): print what changed from TRACE to this one")
     p.add_argument("--top", type=int, default=20, help="rows to print (default 20)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
     args = p.parse_args(argv)
     if args.top < 1:
         p.error(f"--top must be at least 1, got {args.top}")
+    if args.json:  # before the traces are read: a bad path fails in a moment, nothing replaced
+        from jaxopt_train.bench.train_report import output_file_problem  # noqa: PLC0415
+
+        problem = output_file_problem(args.json, overwrite=args.overwrite)
+        if problem:
+            p.error(f"--json {args.json}: {problem}")
     try:
         trace = find_xplane(args.trace)  # once: the header names the file read
         first = kernel_times(trace, steps=args.steps)
@@ -143,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         out = [dataclasses.asdict(r) for r in first]
         total = sum(r.ms_per_step for r in first)
         print(f"{trace}: {total:.3f} ms of GPU time per step over "
-              f"{len(_stream_totals(first))} stream(s)")
+              f"{len(_stream_totals(first))} stream(s) (summed over the GPUs traced)")
         print(f"{'ms/step':>9} {'share':>6} {'launches':>8}  stream | kernel")
         for r in first[:args.top]:
             print(f"{r.ms_per_step:9.3f} {r.ms_per_step / total:6.1%} {r.launches_per_step:8.1f}  "

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import fractions
 import functools
+import inspect
 import math
 import numbers
 import os
@@ -122,10 +123,16 @@ def memory_env(*, fraction: float | None = None, bytes: int | str | None = None,
         raise ValueError(f"fraction must be a number in (0, 1], got {fraction=}")
     else:
         asked = f"{fraction=}"
-    written = f"{float(fraction):.4f}"  # the precision XLA is given
+    if bytes is None:
+        written, smallest = f"{float(fraction):.4f}", "0.0001"  # the share as the user put it
+    else:
+        # Rounded down, finely: to 4 places, 100 MiB of a 141 GiB GPU became 101.1 MiB, over
+        # the cap asked for (jaxlib reads the value with float(), at any precision).
+        written = f"{math.floor(fraction * 1e9) / 1e9:.9f}".rstrip("0").rstrip(".")
+        smallest = "1e-09"
     if float(written) == 0:
         raise ValueError(f"{asked} would be written as {_FRACTION_VAR}={written}; the smallest "
-                         "share it can express is 0.0001 of the device's memory")
+                         f"share it can express is {smallest} of the device's memory")
     env = {_FRACTION_VAR: written}
     if preallocate is not None:
         # A string such as "false" is truthy: it would turn preallocation on.
@@ -349,6 +356,13 @@ class track_memory(contextlib.ContextDecorator):  # noqa: N801 - used like a fun
         return False
 
     def __call__(self, fn: Callable) -> Callable:
+        if inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn) \
+                or inspect.isasyncgenfunction(fn):
+            # Calling one only creates the generator: the report would be printed before any
+            # of its work ran.
+            raise TypeError(f"@track_memory wraps a plain function; {fn.__qualname__} is a "
+                            "generator or coroutine function, whose body runs after the call "
+                            "returns: use `with track_memory():` around the loop that consumes it")
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             with track_memory(self._devices, print_report=True):
