@@ -1245,6 +1245,7 @@ def test_autotune_refuses_an_unwritable_cache_before_tuning(tmp_path, monkeypatc
     (b"\xff\xfe not text", "UnicodeDecodeError"),
     (b"[]", "got a JSON list"),
     (b'{"a": {"config": {"block_m"', "JSONDecodeError"),
+    (b"[" * 100_000, "RecursionError"),  # json.loads raised it, and every matmul with it
 ])
 def test_an_unreadable_autotune_cache_is_ignored_then_kept_aside(tmp_path, content, problem,
                                                                  caplog):

@@ -318,3 +318,24 @@ def test_trainer_warns_about_a_linen_embed_gathering_in_16_bits():
         trainer(LinenEmbed, None, "bf16")  # ours
         trainer(nn.Embed, jnp.float32, "bf16")  # casts the bf16 table up: an f32 scatter-add
         trainer(nn.Embed, None, "fp32")
+
+
+def test_host_int64_ids_past_int32_are_out_of_range_not_wrapped():
+    """Without x64 jnp.asarray wraps int64 ids: 2**32 + 1 read row 1, and gpt_loss scored
+    a target of 2**32 as class 0."""
+    from jaxopt_train.models import gpt_loss
+
+    table = jnp.arange(V * D, dtype=jnp.float32).reshape(V, D)
+    ids = np.array([1, 2**32 + 1, -(2**32) + 2, 2**40], np.int64)
+    out = np.asarray(embedding_lookup(table, ids, jnp.float32))
+    np.testing.assert_array_equal(out[0], np.asarray(table[1]))
+    assert np.isnan(out[1:]).all()
+    assert np.isnan(np.asarray(embedding_lookup(table, np.array([2**32], np.uint64), jnp.float32))).all()
+    with pytest.raises(ValueError, match=r"targets must be ids in \[0, 4\); got values from 0 to 4294967296"):
+        gpt_loss(jnp.zeros((2, 4), jnp.float32), np.array([0, 2**32], np.int64))
+
+
+def test_dtype_none_keeps_the_table_dtype():
+    """np.dtype(None) is float64, which JAX turned into float32: a bf16 table's rows came back f32."""
+    table = jnp.ones((V, D), jnp.bfloat16)
+    assert embedding_lookup(table, jnp.array([0, 1]), None).dtype == jnp.bfloat16

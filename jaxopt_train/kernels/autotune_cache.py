@@ -80,7 +80,8 @@ def _parse(path: pathlib.Path) -> tuple[dict, str | None]:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return {}, None
-    except (OSError, ValueError) as err:  # ValueError: bad JSON or bytes that are not UTF-8
+    # ValueError: bad JSON or bytes that are not UTF-8; RecursionError: JSON nested too deep.
+    except (OSError, ValueError, RecursionError) as err:
         return {}, f"{type(err).__name__}: {err}"
     if not isinstance(data, dict):
         return {}, f"expected a JSON object of entries, got a JSON {type(data).__name__}"

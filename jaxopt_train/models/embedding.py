@@ -37,7 +37,8 @@ def embedding_lookup(table: jax.Array, ids: jax.Array, dtype) -> jax.Array:
       table: [num_embeddings, features], a floating array (the parameter as stored).
       ids: integer array of any shape. An id outside [0, num_embeddings), negative
         ones included, gives a NaN row and adds nothing to the gradient.
-      dtype: floating dtype of the returned rows.
+      dtype: floating dtype of the returned rows; None: the table's (as nnx.Embed and
+        linen.Embed with ``dtype`` unset).
 
     Returns:
       ``ids.shape + (features,)`` in ``dtype``.
@@ -46,13 +47,14 @@ def embedding_lookup(table: jax.Array, ids: jax.Array, dtype) -> jax.Array:
       ValueError: a table that is not 2-D and floating, non-integer ids, or a
         non-floating ``dtype``.
     """
-    table, ids = jnp.asarray(table), jnp.asarray(ids)
+    table, ids = jnp.asarray(table), jnp.asarray(_fit_host_ids(ids))
     if table.ndim != 2 or not jnp.issubdtype(table.dtype, jnp.floating):
         raise ValueError(f"table must be a floating array [num_embeddings, features], got "
                          f"shape={table.shape} dtype={table.dtype}")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"ids must be an integer array, got dtype={ids.dtype}")
-    dtype = np.dtype(dtype)
+    # np.dtype(None) is float64, which JAX would make float32: a bf16 table's rows came back f32.
+    dtype = table.dtype if dtype is None else np.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"dtype must be a floating dtype (an out-of-range id gives a NaN row), got {dtype}")
     rows = table.shape[0]
@@ -65,6 +67,16 @@ def embedding_lookup(table: jax.Array, ids: jax.Array, dtype) -> jax.Array:
         in_range &= ids < rows
     ids = jnp.where(in_range, ids.astype(jnp.int32), rows)
     return _lookup(table, ids, dtype)
+
+
+def _fit_host_ids(ids):
+    """Host 64-bit ids as JAX will hold them: without x64 jnp.asarray wraps them to int32, so
+    an id of 2**32 + 1 read row 1. Those past int32 become -1 here, out of range (a NaN row)."""
+    if (isinstance(ids, np.ndarray) and ids.dtype.kind in "iu" and ids.dtype.itemsize == 8
+            and jax.dtypes.canonicalize_dtype(ids.dtype).itemsize < 8):
+        fits = (ids >= 0) & (ids <= np.iinfo(np.int32).max)
+        return np.where(fits, ids, -1).astype(np.int32)
+    return ids
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -62,6 +62,7 @@ def gpt_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
     Returns:
       A float32 scalar.
     """
+    given = targets  # host ids are range-checked as given: without x64 jnp.asarray wraps 2**32 to 0
     logits, targets = jnp.asarray(logits), jnp.asarray(targets)  # lists: a message, not .shape
     if not jnp.issubdtype(logits.dtype, jnp.floating) or logits.ndim < 1:
         # Integer logits gave a finite loss that no gradient can follow (class scores are real).
@@ -76,7 +77,7 @@ def gpt_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
         raise ValueError(f"targets must be integer token ids, got dtype={targets.dtype}")
     if targets.size == 0:  # the mean of nothing is NaN, which would look like a diverged run
         raise ValueError(f"gpt_loss needs at least one target token; got targets shape {targets.shape}")
-    check_ids_in_range(targets, logits.shape[-1], "targets")
+    check_ids_in_range(given if isinstance(given, np.ndarray) else targets, logits.shape[-1], "targets")
     return jnp.mean(softmax_cross_entropy(logits, targets))
 
 
