@@ -75,7 +75,8 @@ def _fit_host_ids(ids):
     if (isinstance(ids, np.ndarray) and ids.dtype.kind in "iu" and ids.dtype.itemsize == 8
             and jax.dtypes.canonicalize_dtype(ids.dtype).itemsize < 8):
         fits = (ids >= 0) & (ids <= np.iinfo(np.int32).max)
-        return np.where(fits, ids, -1).astype(np.int32)
+        # -1 set after the cast: NumPy 2 refuses it as a uint64 in np.where.
+        return np.where(fits, np.where(fits, ids, 0).astype(np.int32), np.int32(-1))
     return ids
 
 
