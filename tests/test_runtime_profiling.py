@@ -213,16 +213,16 @@ def test_train_loop_releases_monitor_and_logger_when_profiler_close_raises(tmp_p
 
     monkeypatch.setattr(loop_lib, "MetricsLogger", Logger)
     monkeypatch.setattr(loop_lib, "_start_monitor", Monitor)
-    monkeypatch.setattr(loop_lib, "_make_profiler", lambda cfg, run_dir: Profiler())
     monkeypatch.setattr(loop_lib, "param_count", lambda params: 0)
     trainer = types.SimpleNamespace(
         state=types.SimpleNamespace(step=0, params=None), compiled=True, compile_seconds=0.0,
         memory_report="", num_devices=1,
         policy=types.SimpleNamespace(compute_dtype=jnp.float32, matmul_precision="highest"))
-    task = types.SimpleNamespace(description="fake", data_size=None)
+    task = types.SimpleNamespace(description="fake", data_size=None, classes=None)
     with pytest.raises(RuntimeError, match="profiler close failed"):
+        # The profiler is made before the run dir is touched (train's _open_flag_outputs).
         loop_lib._run(TrainConfig(peak_tflops=100.0), task, trainer, ckpt=None, run_dir=str(tmp_path), target=0,
-                      stream=None)  # target 0: straight to the clean-up
+                      stream=None, outputs=loop_lib._FlagOutputs(profiler=Profiler()))  # target 0: the clean-up
     assert released == ["monitor", "logger"]
 
 
