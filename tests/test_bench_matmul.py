@@ -64,6 +64,9 @@ def test_config_column_names_the_layout_knobs():
     (["--quick", "--json", "/"], "--json /: '/' is a folder"),
     (["--quick", "--backends", "interpret,xla,interpret"], "repeats \\['interpret'\\]; give each backend once"),
     (["--quick", "--shapes", "16x16x16,8x8x8,16x16x16"], "repeats \\['16x16x16'\\]; give each shape once"),
+    # It printed the header and exited 0, having measured nothing / ignoring --shapes.
+    (["--quick", "--no-plain", "--no-fused", "--no-layer"], "leave nothing to measure"),
+    (["--quick", "--no-plain", "--shapes", "16x16x16"], "--shapes 16x16x16 sets the A @ B table, which --no-plain skips"),
 ])
 def test_bad_arguments_are_refused_with_the_expected_values(argv, message, capsys):
     with pytest.raises(SystemExit):

@@ -426,6 +426,9 @@ def test_bad_flags_exit(argv):
     (["--devices", "99"], "--devices=99, but only 8 cpu device(s) are visible"),
     (["--memory-budget", "12XB"], "--memory-budget: cannot read a byte count from value='12XB'"),
     (["--memory-budget", "0GiB"], "--memory-budget '0GiB' must be more than 0 bytes"),
+    # Read only to pick a GPT remat policy under --remat auto: elsewhere silently ignored.
+    (["--memory-budget", "1GiB", "--remat", "dots"], "--remat dots is fixed, so it would be ignored"),
+    (["--memory-budget", "1GiB", "--model", "cnn-small"], "--model cnn-small has no remat policies"),
     (["--compare-dispatch", "1,x"], "expected a comma list of steps per dispatch, e.g. 1,4,16"),
     (["--compare-dispatch", "4,0"], "every k must be >= 1"),
     (["--peak-tflops", "-1"], "--peak-tflops=-1.0 must be > 0"),

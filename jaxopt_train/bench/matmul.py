@@ -284,6 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.input_sets % args.launches_per_dispatch:
         parser.error(f"--launches-per-dispatch {args.launches_per_dispatch} must divide "
                      f"--input-sets {args.input_sets} (each launch of a dispatch reads its own set)")
+    if args.no_plain and args.no_fused and args.no_layer:  # it printed a header and exited 0
+        parser.error("--no-plain, --no-fused and --no-layer together leave nothing to measure: "
+                     "drop at least one")
+    if args.no_plain and args.shapes is not None:
+        parser.error(f"--shapes {args.shapes} sets the A @ B table, which --no-plain skips: "
+                     "drop one of them")
     custom = None if args.shapes is None else parse_shapes(parser, "--shapes", args.shapes)
     known = [b for b in BACKENDS if b != "auto"] + ["xla_dot"]
     if args.backends and (unknown := [b for b in args.backends.split(",") if b not in known]):

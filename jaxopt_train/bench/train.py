@@ -199,6 +199,12 @@ def _parse(argv):
         parser.error(f"--compare-matmul applies to GPT models, not --model {args.model}")
     if args.compare_plain and not args.model.startswith("gpt"):
         parser.error(f"--compare-plain applies to GPT models, not --model {args.model}")
+    if args.memory_budget and not (args.model.startswith("gpt") and args.remat == "auto"):
+        # choose_remat only reads it to pick a GPT remat policy: elsewhere it was ignored.
+        why = (f"--remat {args.remat} is fixed" if args.model.startswith("gpt")
+               else f"--model {args.model} has no remat policies")
+        parser.error(f"--memory-budget picks a GPT model's remat policy under --remat auto; {why}, "
+                     "so it would be ignored: drop it")
     if args.text and not args.model.startswith("gpt"):
         parser.error(f"--text applies to GPT models (token ids), not --model {args.model}")
     for flag in ("split_qkv", "fuse_mlp_activation"):
