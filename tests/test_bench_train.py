@@ -838,3 +838,18 @@ def test_quick_bench_on_text(tmp_path, capsys):
     assert result["gpt"]["data"] == "embedded text corpus (byte ids)"
     assert [r["name"] for r in result["rows"]] == ["baseline", "optimised"]
     assert "seq_len=32; embedded text corpus (byte ids))" in (tmp_path / "train_bench.md").read_text()
+
+
+def test_auto_grad_sync_does_not_time_hierarchical_in_one_process():
+    """hierarchical groups devices by host: in one process it is one group, the plain ring,
+    which auto timed a second time and could report under the other name."""
+    import jax
+
+    from jaxopt_train.bench import train_steps
+
+    args = train._parse(["--quick", "--devices", "4", "--zero", "0"])
+    workload = train_steps.Workload(args.model, args.global_batch, args.microbatches,
+                                    seq_len=args.seq_len, n_layers=args.layers)
+    run = train_steps.RunConfig("optimised", policy="bf16", accumulation="scan", zero=0)
+    method, times = train.choose_grad_sync(args, workload, run, jax.devices()[:4])
+    assert sorted(times) == ["psum", "ring", "ring_bidir"] and method in times

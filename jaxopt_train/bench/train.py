@@ -339,7 +339,10 @@ def choose_grad_sync(args, workload, run, devices):
         # half the bytes of the f32 params (and the ring accumulates them differently).
         return get_policy(run.policy).cast_to_compute(grads) if run.grad_dtype == "compute" else grads
     grads = jax.jit(zero_grads, out_shardings=NamedSharding(mesh, P()))()
-    methods = ["psum", "ring", "ring_bidir"] + (["hierarchical"] if len(devices) >= 4 else [])
+    # hierarchical groups by host: in one process it is one group, the plain ring timed twice
+    # (and possibly reported as the winner under another name).
+    multi_host = len({d.process_index for d in devices}) > 1
+    methods = ["psum", "ring", "ring_bidir"] + (["hierarchical"] if multi_host and len(devices) >= 4 else [])
     times = {}
     for method in methods:
         fn = jax.jit(jax.shard_map(lambda g, m=method: all_reduce_tree(g, "data", method=m),
