@@ -429,3 +429,17 @@ def test_bf16_params_without_a_master_copy_follow_f32_in_expectation(zero):
     want, got = moved("fp32", 0), moved("bf16-pure", zero)
     np.testing.assert_allclose(np.abs(got).mean(), np.abs(want).mean(), rtol=0.15)
     assert np.corrcoef(got, want)[0, 1] > 0.9
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_bf16_pure_clip_matches_replicated(zero):
+    """optax.clip_by_global_norm summed bf16 gradients' squares in bf16 (11.0625 for 11.0715):
+    the replicated step clipped by another norm than the ZeRO step's f32 one, and the bf16
+    params parted. The trainer's clip now takes the norm in f32 (train.state.global_norm_f32)."""
+    reference, norms, _ = _leaf_run(0, 4, 0.1, precision="bf16-pure")
+    trainer, got_norms, _ = _leaf_run(zero, 4, 0.1, precision="bf16-pure")
+    assert min(norms) > 0.1  # clipping is active on every step
+    np.testing.assert_allclose(got_norms, norms, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(trainer.params), jax.tree.leaves(reference.params)):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -28,7 +28,7 @@ from jaxopt_train.accumulation import (accumulate_gradients, batch_weight, mean_
 from jaxopt_train.collectives import all_reduce_tree, init_error_feedback
 from jaxopt_train import stochastic_round as sr
 from jaxopt_train.precision import all_finite, select_tree
-from jaxopt_train.train.state import TrainState
+from jaxopt_train.train.state import TrainState, global_norm_f32
 
 AXIS = "data"
 
@@ -193,7 +193,7 @@ def make_step_body(loss: Callable, optimizer: optax.GradientTransformation, *,
             # A non-finite step must not poison the carried error forever.
             grad_error=(None if grad_error is None
                         else select_tree(finite, grad_error, state.grad_error)))
-        metrics = {"loss": lax.pmean(value, AXIS), "grad_norm": optax.global_norm(grads),
+        metrics = {"loss": lax.pmean(value, AXIS), "grad_norm": global_norm_f32(grads),
                    "finite": finite, "loss_scale": state.loss_scale.loss_scale}
         return new_state, metrics
 

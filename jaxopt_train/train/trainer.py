@@ -40,7 +40,8 @@ from jaxopt_train.train import config as config_lib
 from jaxopt_train.train.checkpoint import as_abstract
 from jaxopt_train.train.model import ModelFns, linen_model_fns, nnx_model_fns
 from jaxopt_train.train.optim import low_precision_state
-from jaxopt_train.train.state import TrainState, default_optimizer, init_train_state
+from jaxopt_train.train.state import (TrainState, clip_by_global_norm_f32, default_optimizer,
+                                      init_train_state)
 from jaxopt_train.train.step import (AXIS, agreed_needed_bytes, build_eval_step, build_train_step,
                                      init_sharded_error_feedback, jit_steps, make_data_mesh,
                                      memory_summary, place_batch, replicate, smallest_pool)
@@ -205,7 +206,7 @@ class Trainer:
             # over the whole gradient (a clip inside a sharded optimizer would see one shard).
             clip = 0.0 if clip_norm is None else check_clip_norm(clip_norm)
             if clip and not zero:
-                optimizer = optax.chain(optax.clip_by_global_norm(clip), optimizer)
+                optimizer = optax.chain(clip_by_global_norm_f32(clip), optimizer)
             optimizer = low_precision_state(optimizer, opt_state_dtype)
             zero_clip_norm = clip if zero else 0.0
         # Linen's variables are created here, by module.init: the state can own them.
