@@ -126,14 +126,18 @@ def global_norm_f32(tree) -> jax.Array:
     return jnp.sqrt(sum(squares(x) for x in leaves)) if leaves else jnp.float32(0)
 
 
+def clip_to_norm(grads, norm: jax.Array, max_norm: float):
+    """optax.clip_by_global_norm's formula with the whole gradient's `norm` given: the
+    replicated step's clip and the ZeRO step's (whose norm is summed over shards)."""
+    return jax.tree.map(lambda g: jax.lax.select(norm < max_norm, g, (g / norm.astype(g.dtype))
+                                                 * jnp.asarray(max_norm, g.dtype)), grads)
+
+
 def clip_by_global_norm_f32(max_norm: float) -> optax.GradientTransformation:
-    """`optax.clip_by_global_norm(max_norm)` with the norm from `global_norm_f32`, the same
-    scaling formula as the ZeRO step's clip (`train.zero_step._clip`)."""
+    """`optax.clip_by_global_norm(max_norm)` with the norm from `global_norm_f32`."""
     def update(updates, state, params=None):
         del params
-        norm = global_norm_f32(updates)
-        return jax.tree.map(lambda g: jax.lax.select(norm < max_norm, g, (g / norm.astype(g.dtype))
-                                                     * jnp.asarray(max_norm, g.dtype)), updates), state
+        return clip_to_norm(updates, global_norm_f32(updates), max_norm), state
     return optax.GradientTransformation(optax.init_empty_state, update)
 
 

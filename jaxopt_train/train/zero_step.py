@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 from jaxopt_train.accumulation import mean_term, sum_may_overflow
 from jaxopt_train import stochastic_round as sr
 from jaxopt_train.precision import all_finite, select_tree
-from jaxopt_train.train.state import TrainState
+from jaxopt_train.train.state import TrainState, clip_to_norm
 from jaxopt_train.train.step import local_gradients
 from jaxopt_train.zero import (elementwise_mismatch, gather_leaves, leaf_specs,
                                opt_state_leaf_specs, place_leaves, reduce_scatter_leaves, spec_dim)
@@ -75,12 +75,6 @@ def zero_state_specs(opt_specs, params_spec=P()) -> TrainState:
     """shard_map specs of a ZeRO TrainState: stage 1 params P(), stage 3 the per-leaf specs."""
     return TrainState(step=P(), params=params_spec, model_state=P(), opt_state=opt_specs,
                       loss_scale=P(), nonfinite_streak=P(), grad_error=None)
-
-
-def _clip(grads, norm, clip_norm: float):
-    """optax.clip_by_global_norm's formula, with the whole gradient's `norm`."""
-    return jax.tree.map(lambda g: lax.select(norm < clip_norm, g, (g / norm.astype(g.dtype))
-                                             * jnp.asarray(clip_norm, g.dtype)), grads)
 
 
 def _finish_step(state: TrainState, params, opt_state, model_state, finite, value, norm):
@@ -208,7 +202,7 @@ def _update_shards(state: TrainState, grads, own, optimizer, param_specs, *, num
     grads = state.loss_scale.unscale(grads)
     norm, finite = _leaf_norm_and_finite(grads, param_specs)
     if clip_norm:
-        grads = _clip(grads, norm, clip_norm)
+        grads = clip_to_norm(grads, norm, clip_norm)
     new_own, opt_state = _update(optimizer, grads, state.opt_state, own, state.step)
     return select_tree(finite, new_own, own), opt_state, finite, norm
 
