@@ -50,6 +50,9 @@ def test_help_exits_zero(capsys):
     (["--seed", str(2**63)], "--seed: seed=9223372036854775808 must be an integer in "
                              "[0, 2**63 - 1 = 9223372036854775807]"),
     (["--seed", "-1"], "--seed: seed=-1 must be an integer >= 0"),
+    # Ignored with --data (the file's images), yet saved in the model shape: it refused a resume.
+    (["--preset", "cnn-small", "--data", "x.npz", "--image-size", "64"],
+     "image_size=64 sizes the synthetic images; with data='x.npz' the images are the file's own size"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(argv, needle, capsys):
     code, err = _exit_code_and_err(argv, capsys)

@@ -147,6 +147,24 @@ def check_image_arrays(images: np.ndarray, labels: np.ndarray) -> None:
             f"need as many labels as images (and at least one), got {images.shape[0]} images "
             f"and {labels.shape[0]} labels"
         )
+    if np.issubdtype(images.dtype, np.floating):
+        _check_finite(images)
+
+
+def _check_finite(images: np.ndarray, chunk: int = 1024) -> None:
+    # One NaN pixel makes every batch holding it NaN (BatchNorm shares statistics across the
+    # batch), and the trainer skips each such step without a word about the image. Checked a
+    # chunk at a time: a memory-mapped file is read once, not copied whole.
+    bad_images = 0
+    first = None
+    for start in range(0, images.shape[0], chunk):
+        finite = np.isfinite(images[start:start + chunk]).all(axis=(1, 2, 3))
+        bad_images += int((~finite).sum())
+        if first is None and not finite.all():
+            first = start + int(np.flatnonzero(~finite)[0])
+    if bad_images:
+        raise ValueError(f"{bad_images} of {images.shape[0]} images hold NaN or inf pixels (first "
+                         f"at index {first}); expected finite pixel values")
 
 
 def _val_size(num_examples: int, val_fraction: float) -> int:

@@ -238,6 +238,11 @@ class TrainConfig:
             if not self.is_vision and getattr(self, name) != _DEFAULTS[name]:
                 raise ValueError(f"{name}={getattr(self, name)!r} only applies to vision presets "
                                  f"{VISION_PRESETS}, not preset={self.preset!r}; drop it")
+        if self.is_vision and self.data is not None and self.image_size != _DEFAULTS["image_size"]:
+            # It sizes synthetic images only: with --data the run trained on the file's images,
+            # while the flag went into the checkpoint's model shape and refused a resume.
+            raise ValueError(f"image_size={self.image_size} sizes the synthetic images; with "
+                             f"data={self.data!r} the images are the file's own size: drop it")
         if self.resume and self.overwrite:
             raise ValueError("resume=True and overwrite=True contradict each other: pick one")
         if self.run_dir is not None and (not isinstance(self.run_dir, str) or not self.run_dir):
