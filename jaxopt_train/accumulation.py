@@ -235,7 +235,8 @@ def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
         (without it each micro-batch counts equally: a mean of means). A
         micro-batch of weight 0 adds nothing, even where its mean is NaN; a
         batch of total weight 0 gives NaN loss and gradients, as its full-batch
-        mean would, and so does a negative weight. Aux values are combined as `aux_combine` says, unweighted.
+        mean would, and so does a negative weight. Aux values are combined as
+        `aux_combine` says, unweighted.
 
     Returns:
       `grad_fn(params, batch, *extra)` returning `(loss, grads)` or
