@@ -319,6 +319,17 @@ def test_logged_lr_is_the_optimizer_schedule(steps, warmup):
         assert loop_lib._current_lr(cfg, step) == pytest.approx(float(schedule(step)), rel=1e-5)
 
 
+@pytest.mark.parametrize("steps, warmup, cut", [(8, 2, False), (8, 7, False), (8, 8, True), (10, 20, True),
+                                                (1, 3, False)])
+def test_a_warmup_cut_to_the_run_is_said(steps, warmup, cut):
+    cfg = TrainConfig(steps=steps, warmup=warmup, lr=3e-3)
+    note = loop_lib.warmup_note(cfg)
+    assert (note is not None) == cut
+    if cut:  # what the note says: the last step runs at the peak lr, nothing decays
+        assert f"warmup={warmup} >= steps={steps}" in note and f"over {steps - 1} step(s)" in note
+        assert loop_lib._current_lr(cfg, steps - 1) == pytest.approx(cfg.lr)
+
+
 # ---------------------------------------------------------------- Trainer vs references
 
 def _tiny_gpt():

@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--precision", default=d.precision,
                    help=f"policy: one of {list(config_lib.PRECISIONS)} or 'p=f32,c=bf16,o=f32'")
     o.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
-    o.add_argument("--warmup", type=int, default=d.warmup, help="warmup steps")
+    o.add_argument("--warmup", type=int, default=d.warmup,
+                   help="linear warmup steps (cut to steps - 1 when longer; the run then says so)")
     o.add_argument("--weight-decay", type=float, default=d.weight_decay)
     o.add_argument("--clip-norm", type=float, default=d.clip_norm, help="0 disables clipping")
     o.add_argument("--seed", type=int, default=d.seed)

@@ -301,6 +301,8 @@ def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run
                    f"{trainer.num_devices} x {device.device_kind}; precision {cfg.precision}; "
                    f"global batch {cfg.batch_size} x {cfg.microbatches} micro-batch(es)"
                    + (f"; resuming at step {step}" if cfg.resume else ""))
+    if warmup_note(cfg):
+        logger.message(warmup_note(cfg))
     try:
         if not trainer.compiled:  # remat="auto" compiled it while choosing
             trainer.compile(dispatch_batch(task, step, k))
@@ -420,6 +422,19 @@ def _log(cfg: TrainConfig, task: Task, trainer: Trainer, logger: MetricsLogger,
             "0 turns clipping off), or use "
             "a precision with a loss scaler (fp16) or more range (bf16/fp32).")
     return metrics["loss"]
+
+
+def warmup_note(cfg: TrainConfig) -> str | None:
+    """What the run says when `default_optimizer` cuts its warmup to `steps - 1`, else None.
+
+    Not an error: the default warmup (20) is longer than a short smoke run, and
+    refusing it would refuse every one. But such a run never decays its lr.
+    """
+    if cfg.warmup < cfg.steps or cfg.steps == 1:
+        return None
+    return (f"note: warmup={cfg.warmup} >= steps={cfg.steps}, so the lr warms up over {cfg.steps - 1} "
+            f"step(s) and the run ends at its peak {cfg.lr:g} with no cosine decay; pass a "
+            f"warmup below {cfg.steps} (--warmup) for one")
 
 
 def _current_lr(cfg: TrainConfig, step: int) -> float:
