@@ -1,5 +1,6 @@
 """Smoke test of `jaxopt-train bench collectives` on the 8 emulated CPU devices."""
 
+import argparse
 import json
 import sys
 import types
@@ -14,6 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxopt_train.bench import collectives as bench
+from jaxopt_train.bench import collectives_flags as flags
 from jaxopt_train.bench import collectives_gpt as bench_gpt
 from jaxopt_train.collectives import all_reduce_tree
 from jaxopt_train.models import GPT, get_gpt_config, gpt_loss
@@ -110,7 +112,9 @@ def test_repeated_list_items_are_refused(monkeypatch, argv, message, capsys):
 @pytest.mark.parametrize("grad_dtype, expected, extra, methods", [
     pytest.param("param", "float32", ["--gpt-embedding-exchange", "--gpt-zero1"],
                  ["psum", "ring", "psum+embx", "ring+embx", "zero1"], id="param-all-methods"),
-    pytest.param("compute", "bfloat16", ["--gpt-methods", "ring"], ["psum", "ring"], id="compute-ring"),
+    # hierarchical in one process: split in two groups (the default grouping is one group, the flat ring)
+    pytest.param("compute", "bfloat16", ["--gpt-methods", "ring,hierarchical"],
+                 ["psum", "ring", "hierarchical/4x2"], id="compute-ring-hierarchical"),
 ])
 def test_gpt_step_reports_every_method_with_the_gradient_dtype(tmp_path, grad_dtype, expected,
                                                                 extra, methods):
@@ -319,6 +323,25 @@ def test_methods_this_run_cannot_time_are_refused_up_front(monkeypatch, capsys, 
     with pytest.raises(SystemExit) as exc:
         bench.main(["--sizes", "4K", *argv])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("local, processes, label", [(8, 1, "hierarchical/4x2"), (4, 2, "hierarchical/4x2"),
+                                                      (2, 4, "hierarchical/2x4"), (1, 8, "hierarchical/1x8")])
+def test_gpt_hierarchical_groups_by_process_or_splits_one_process_in_two(local, processes, label):
+    assert bench_gpt.method_label("hierarchical", 8, local, processes) == label
+    assert bench_gpt.sync_options("hierarchical", 8, local, processes) == {"group_size": int(label[13])}
+    assert bench_gpt.sync_options("ring", 8, local, processes) == {}
+    assert bench_gpt.method_label("ring", 8, local, processes) == "ring"
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_gpt_hierarchical_needs_two_groups_of_two(n, capsys):
+    parser = argparse.ArgumentParser(prog="bench")
+    args = argparse.Namespace(methods=None, dtypes=["f32"], chunks=[1], gpt=True, gpt_methods=["hierarchical"])
+    with pytest.raises(SystemExit) as exc:
+        flags.check_methods_run(parser, args, n, "cpu", lambda *a: {})
+    assert exc.value.code == 2
+    assert "'hierarchical' cannot run here" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag", [["--gpt-zero1"], ["--gpt-trace", "t"], ["--gpt-methods", "ring"],

@@ -175,6 +175,10 @@ def check_methods_run(parser: argparse.ArgumentParser, args, n: int, platform_na
         parser.error(f"argument --methods: {missing} cannot run here ({n} {platform_name} devices, "
                      f"--dtypes {','.join(args.dtypes)}); "
                      + "; ".join(f"{m} needs {_METHOD_NEEDS.get(m, 'other devices')}" for m in missing))
+    if args.gpt and "hierarchical" in args.gpt_methods and (n < 4 or n % 2):
+        # One process is one group: the bench splits the axis in two, which needs >= 2 per group.
+        parser.error(f"argument --gpt-methods: 'hierarchical' cannot run here ({n} {platform_name} devices): "
+                     f"it needs {_METHOD_NEEDS['hierarchical']}")
     if args.gpt and "peer" in args.gpt_methods:
         from jaxopt_train.collectives.peer import check_platform  # noqa: PLC0415
 

@@ -88,13 +88,16 @@ def bench_gpt(args, record: Callable[[dict], None]) -> list[dict]:
         return jax.value_and_grad(loss)(narrow(p))
 
     def step_body(method, exchange=False):
+        options = sync_options(method, n, jax.local_device_count(), jax.process_count())
+
         def body(p, toks):
             if exchange:  # --gpt-embedding-exchange
-                loss, g = exchange_gradients(graphdef, narrow(p), toks, method=method, bucket_mb=args.bucket_mb)
+                loss, g = exchange_gradients(graphdef, narrow(p), toks, method=method, bucket_mb=args.bucket_mb,
+                                             group_size=options.get("group_size"))
             else:
                 loss, g = grads_of(p, toks)
                 if method is not None:
-                    g = all_reduce_tree(g, "data", method=method, bucket_mb=args.bucket_mb)
+                    g = all_reduce_tree(g, "data", method=method, bucket_mb=args.bucket_mb, **options)
             return _sgd_update(p, g), lax.pmean(loss, "data")
         return body
 
@@ -112,9 +115,10 @@ def bench_gpt(args, record: Callable[[dict], None]) -> list[dict]:
     # (row name, all-reduce method, step body, params' specs, params as the step takes them)
     # psum first: every row's step_vs_psum needs the baseline from this same run.
     methods = ["psum", *(m for m in dict.fromkeys(args.gpt_methods) if m != "psum")]
-    runs = [(m, m, step_body(m), P(), replicated) for m in methods]
+    label = {m: method_label(m, n, jax.local_device_count(), jax.process_count()) for m in methods}
+    runs = [(label[m], m, step_body(m), P(), replicated) for m in methods]
     if args.gpt_embedding_exchange:
-        runs += [(m + "+embx", m, step_body(m, exchange=True), P(), replicated) for m in methods]
+        runs += [(label[m] + "+embx", m, step_body(m, exchange=True), P(), replicated) for m in methods]
     if args.gpt_zero1:
         specs = leaf_specs(params, n)
         runs.append(("zero1", "psum", zero1_step_body(graphdef, specs, grad_dtype), specs,
@@ -122,7 +126,8 @@ def bench_gpt(args, record: Callable[[dict], None]) -> list[dict]:
 
     def comm_fn(method, specs):  # the step's collectives alone, on gradient-sized data
         if specs == P():
-            return lambda g: all_reduce_tree(g, "data", method=method, bucket_mb=args.bucket_mb)
+            options = sync_options(method, n, jax.local_device_count(), jax.process_count())
+            return lambda g: all_reduce_tree(g, "data", method=method, bucket_mb=args.bucket_mb, **options)
         return lambda g: gather_leaves(reduce_scatter_leaves(g, specs, "data", method=method), specs)
 
     psum_step = None
@@ -154,6 +159,25 @@ def bench_gpt(args, record: Callable[[dict], None]) -> list[dict]:
         rows.append(row)
         record(row)
     return rows
+
+
+def sync_options(method: str, n: int, local: int, processes: int) -> dict:
+    """`all_reduce_tree` options of a `--gpt-methods` name on `n` devices.
+
+    "hierarchical" groups by process by default; in one process that is a single
+    group, i.e. the flat ring timed a second time under another name. The bench
+    then splits the axis in two groups of n // 2 (as the sweep's variant does)."""
+    if method != "hierarchical":
+        return {}
+    if processes > 1 and n % local == 0 and local < n:
+        return {"group_size": local}
+    return {"group_size": n // 2}
+
+
+def method_label(method: str, n: int, local: int, processes: int) -> str:
+    """The row name: "hierarchical/<group>x<groups>" says which hierarchy was timed."""
+    group = sync_options(method, n, local, processes).get("group_size")
+    return method if group is None else f"{method}/{group}x{n // group}"
 
 
 def hidden_fraction(step: float, compute_only: float, comm: float) -> tuple[float, float | None]:
@@ -192,7 +216,8 @@ def zero1_step_body(graphdef, specs, grad_dtype=None, axis_name="data"):
     return body
 
 
-def exchange_gradients(graphdef, params, tokens, *, method: str, bucket_mb: float, axis_name="data"):
+def exchange_gradients(graphdef, params, tokens, *, method: str, bucket_mb: float, axis_name="data",
+                       group_size: int | None = None):
     """Loss and summed-over-devices gradients of a GPT data-parallel step, with the
     embedding lookup's gradient exchanged as rows (`embedding_grad_exchange`).
 
@@ -201,7 +226,8 @@ def exchange_gradients(graphdef, params, tokens, *, method: str, bucket_mb: floa
     overlap the rest), and the lookup's part (token and position tables) follows
     from the gathered cotangent of the embeddings. Equal to differentiating the
     whole model and all-reducing every gradient, up to summation order.
-    Runs inside `shard_map` over `axis_name`; `tokens` is [B, T + 1] (inputs, targets).
+    Runs inside `shard_map` over `axis_name`; `tokens` is [B, T + 1] (inputs, targets);
+    `group_size` is "hierarchical"'s (see `all_reduce_tree`).
     """
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
@@ -218,7 +244,8 @@ def exchange_gradients(graphdef, params, tokens, *, method: str, bucket_mb: floa
         return gpt_loss(nnx.merge(graphdef, q).logits_from_embeddings(x0), tokens[:, 1:])
 
     loss, (grads, dx0) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, model.embed(ids))
-    grads = all_reduce_tree(grads, axis_name, method=method, bucket_mb=bucket_mb)
+    options = {} if group_size is None else {"group_size": group_size}
+    grads = all_reduce_tree(grads, axis_name, method=method, bucket_mb=bucket_mb, **options)
     table = embedding_grad_exchange(ids, dx0, axis_name, cfg.vocab_size)
     positions = lax.psum(jnp.sum(dx0.astype(jnp.float32), axis=0), axis_name)
     grads = _add_to_leaf(grads, "wte", table)

@@ -131,7 +131,8 @@ def all_reduce_tree(tree: Any, axis_name: AxisName, *, method: str = "psum", buc
       method: "psum" (XLA's all-reduce), "ring", "ring_bidir" (two opposite
         rings over halves), "hierarchical" (rings inside groups of
         `group_size` consecutive devices, default the devices of one process,
-        then across groups), or "peer" (2 Hopper GPUs in one process: one
+        then across groups; in one process that default is one group, i.e.
+        the flat ring: pass `group_size` to split it), or "peer" (2 Hopper GPUs in one process: one
         Mosaic GPU kernel stores into the peer's memory, see `peer`; with
         compression "bf16" only; buckets of other than f16/bf16/f32 leaves
         are summed by psum).
