@@ -477,3 +477,51 @@ def test_nvlink_counts_ask_nvml_for_the_gpus_cuda_visible_devices_maps_to(monkey
     assert asked == [2, 3]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-0f3c,GPU-1a2b")  # cannot be mapped: no guess
     assert nvlink_counts(devices) is None and asked == [2, 3]
+
+
+@pytest.mark.parametrize("method", ["ring", "ring_bidir", "hierarchical"])
+def test_an_f32_wire_sums_bf16_buckets_as_exactly_as_psum(mesh, method):
+    """bf16 gradients on their own wire round at every hop (as NCCL's ring does);
+    wire_dtype=f32 rounds once, at the end, as psum of the f32 values does."""
+    keys = jax.random.split(jax.random.key(5), 3)
+    tree = {"g": jax.random.normal(keys[0], (N * 64, 33), jnp.float32).astype(jnp.bfloat16),
+            "w": jax.random.normal(keys[1], (N * 5,), jnp.float32),
+            "count": jax.random.randint(keys[2], (N * 3,), -2**20, 2**20, jnp.int32)}
+    tree = jax.device_put(tree, NamedSharding(mesh, P("data")))
+    group = {"group_size": 4} if method == "hierarchical" else {}
+
+    def body(t):
+        exact = lax.psum(t["g"].astype(jnp.float32), "data").astype(jnp.bfloat16)
+        return (all_reduce_tree(t, "data", method=method, wire_dtype=jnp.float32, **group),
+                all_reduce_tree(t, "data", method=method, **group), exact, lax.psum(t, "data"))
+    wide, narrow, exact, ref = _smap(body, mesh, P("data"), P("data"))(tree)
+    assert wide["g"].dtype == jnp.bfloat16 and wide["count"].dtype == jnp.int32
+    same = lambda a, b: np.mean(np.asarray(a, np.float32) == np.asarray(b, np.float32))  # noqa: E731
+    # f32 partial sums differ from psum's only in summation order: a tie rounds another way, rarely
+    assert same(wide["g"], exact) > 0.995
+    assert same(narrow["g"], exact) < 0.9  # the default bf16 wire: ~half the elements off by an ulp or more
+    np.testing.assert_array_equal(np.asarray(wide["count"]), np.asarray(ref["count"]))
+    np.testing.assert_allclose(np.asarray(wide["w"]), np.asarray(ref["w"]), rtol=1e-6, atol=1e-6)
+
+
+def test_a_bf16_wire_halves_f32_precision_not_the_result_dtype(mesh):
+    x = jax.device_put(jax.random.normal(jax.random.key(6), (N * 16, 8), jnp.float32),
+                       NamedSharding(mesh, P("data")))
+    got, ref, mag = _smap(lambda g: (all_reduce_tree(g, "data", method="ring", wire_dtype=jnp.bfloat16),
+                                     lax.psum(g, "data"), lax.psum(jnp.abs(g), "data")),
+                          mesh, P("data"), P("data"))(x)
+    assert got.dtype == jnp.float32
+    err = np.abs(np.asarray(got) - np.asarray(ref))
+    assert err.max() > 0 and np.all(err <= N * 2.0**-8 * np.asarray(mag))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(method="psum", wire_dtype=jnp.float32), ValueError, r"got wire_dtype=.*method='psum'"),
+    (dict(method="ring", compression="bf16", wire_dtype=jnp.float32), ValueError, "compression='bf16'"),
+    (dict(method="ring", wire_dtype=jnp.int32), TypeError, "wire_dtype=int32 must be a floating dtype"),
+    (dict(method="ring", wire_dtype="fp32x"), TypeError, "'fp32x' is not a dtype; expected a floating one"),
+])
+def test_a_wire_dtype_that_would_be_ignored_or_cannot_carry_floats_is_refused(mesh, kwargs, error, match):
+    fn = _smap(lambda g: all_reduce_tree(g, "data", **kwargs), mesh, P("data"), P("data"))
+    with pytest.raises(error, match=match):
+        fn.trace(jnp.ones((N, 16), jnp.float32))

@@ -39,19 +39,42 @@ def _hierarchy(axis_name, group_size, ring_order) -> list[_Ring]:
     return [inner, outer]
 
 
-def _reducer(method: str, axis_name, *, ring_order, group_size, num_chunks):
+def _reducer(method: str, axis_name, *, ring_order, group_size, num_chunks, wire_dtype):
     """The function flat -> sum over the axis for one bucket, by `method`."""
     if method == "psum":
         return lambda flat: lax.psum(flat, axis_name)
+
+    def wire(flat):  # integer buckets keep their own dtype on the wire: exact, as psum's
+        return wire_dtype if jnp.issubdtype(flat.dtype, jnp.floating) else None
+
     if method == "peer":  # the kernel moves floats; other buckets (integer leaves) go through psum
-        return lambda flat: (peer_all_reduce(flat, axis_name) if flat.dtype in PEER_DTYPES
+        return lambda flat: (peer_all_reduce(flat, axis_name, wire_dtype=wire(flat)) if flat.dtype in PEER_DTYPES
                              else lax.psum(flat, axis_name))
     if method == "hierarchical":
         rings = _hierarchy(axis_name, group_size, ring_order)
     else:
         rings = [single_ring(axis_name, ring_order)]
     bidirectional = method == "ring_bidir"
-    return lambda flat: all_reduce_rings(flat, rings, num_chunks=num_chunks, bidirectional=bidirectional)
+    return lambda flat: all_reduce_rings(flat, rings, num_chunks=num_chunks, bidirectional=bidirectional,
+                                         wire_dtype=wire(flat))
+
+
+def _check_wire_dtype(wire_dtype, method: str, compression):
+    """The floating dtype partial sums travel in, or None; refused where it would be ignored."""
+    if wire_dtype is None:
+        return None
+    if method == "psum" or compression is not None:
+        raise ValueError(f"wire_dtype= sets what the ring and peer methods send; got {wire_dtype=} with "
+                         f"{method=}, {compression=} (psum's wire is XLA's; compression's is its codec)")
+    try:
+        wire = jnp.dtype(wire_dtype)
+    except TypeError as err:
+        raise TypeError(f"wire_dtype={wire_dtype!r} is not a dtype; expected a floating one such as "
+                        "jnp.float32 or jnp.bfloat16") from err
+    if not jnp.issubdtype(wire, jnp.floating):
+        raise TypeError(f"wire_dtype={wire} must be a floating dtype (it carries the floating buckets; "
+                        "integer buckets keep their own)")
+    return wire
 
 
 def _check_method_options(method: str, ring_order, group_size, num_chunks, compression) -> None:
@@ -107,7 +130,7 @@ def all_reduce_tree(tree: Any, axis_name: AxisName, *, method: str = "psum", buc
                     first_bucket_mb: float | None = None, compression: str | None = None,
                     error_state: compression_lib.ErrorFeedbackState | None = None,
                     ring_order: Sequence[int] | None = None, group_size: int | None = None,
-                    num_chunks: int = 1):
+                    num_chunks: int = 1, wire_dtype=None):
     """Sums every leaf of `tree` over `axis_name` (like `lax.psum`), in buckets, by the chosen algorithm.
 
     Call inside `jax.shard_map` or `jax.pmap`. Leaves are packed, last leaf
@@ -150,6 +173,11 @@ def all_reduce_tree(tree: Any, axis_name: AxisName, *, method: str = "psum", buc
         with the other methods, and with `compression`, which would ignore it).
       num_chunks: pipelined rings per shard for the ring methods (refused
         with "psum" and "peer", and with `compression`, which would ignore it).
+      wire_dtype: the floating dtype the ring and peer methods send partial
+        sums in (default each bucket's own). bf16 gradients on a bf16 wire
+        round at every hop, as NCCL's ring does; `jnp.float32` sums them as
+        exactly as psum at twice the bytes. Integer buckets keep their dtype.
+        Refused with "psum" and with `compression`, which set their own wire.
 
     Returns:
       The summed tree (leaves keep shape and dtype), or
@@ -176,7 +204,9 @@ def all_reduce_tree(tree: Any, axis_name: AxisName, *, method: str = "psum", buc
     leaves, treedef = jax.tree.flatten(tree)
     _check_leaves(leaves)
     errors = None if error_state is None else _error_leaves(error_state, treedef, leaves)
-    reduce_flat = _reducer(method, axis_name, ring_order=ring_order, group_size=group_size, num_chunks=num_chunks)
+    wire = _check_wire_dtype(wire_dtype, method, compression)
+    reduce_flat = _reducer(method, axis_name, ring_order=ring_order, group_size=group_size, num_chunks=num_chunks,
+                           wire_dtype=wire)
     exchange_ring = None
     if compression is not None and method not in ("psum", "peer"):  # "hierarchical" exchanges over the flat ring
         exchange_ring = single_ring(axis_name, ring_order)
