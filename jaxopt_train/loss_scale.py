@@ -168,6 +168,11 @@ class _LossScale:
     def _count_skip(self, grads_finite):
         return self.skipped_steps + jnp.logical_not(grads_finite).astype(jnp.int32)
 
+    def skip(self):
+        """Counts a step skipped for a reason that says nothing about the scale (a batch
+        with nothing to count): `skipped_steps += 1`, the scale and its counters unchanged."""
+        return self._replace(skipped_steps=self.skipped_steps + 1)
+
 
 class NoOpLossScale(_LossScale):
     """Scale 1: for fp32/bf16. Still counts skipped (non-finite) steps."""

@@ -255,6 +255,33 @@ def test_token_weighted_steps_match_the_whole_batch_token_mean(options):
     assert not np.isfinite(unweighted.step(batch)["loss"][0])  # device 2's mean over no tokens
 
 
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_a_batch_with_nothing_to_count_is_skipped_without_touching_the_loss_scale(zero):
+    """Total weight 0: the gradients are NaN (a mean over no tokens), so the step is
+    skipped, but nothing overflowed: the fp16 scale used to back off (halve) and the
+    non-finite streak to grow, so a run of padding-only batches stopped the run."""
+    trainer = Trainer(MLP(nnx.Rngs(0)), _masked_loss, precision="fp16", optimizer=optax.sgd(1e-2),
+                      zero=zero, weight_fn=lambda b: b["mask"].sum())
+    batch = {k: v * 0.1 if k != "mask" else v for k, v in _masked_batch().items()}  # loss x 2**15 < 65504
+    assert bool(trainer.step(batch)["finite"][0])  # one real step: the growth counter is 1
+    before = jax.tree.map(np.asarray, (trainer.state.params, trainer.state.loss_scale))
+    empty = dict(batch, mask=np.zeros_like(batch["mask"]))
+    for _ in range(3):
+        metrics = trainer.step(empty)
+        assert not bool(metrics["finite"][0])  # skipped: params and optimizer state kept
+    after = trainer.state
+    jax.tree.map(np.testing.assert_array_equal, before[0], jax.tree.map(np.asarray, after.params))
+    assert float(after.loss_scale.loss_scale) == float(before[1].loss_scale)
+    assert int(after.loss_scale.growth_counter) == int(before[1].growth_counter) == 1
+    assert int(after.loss_scale.skipped_steps) == 3  # counted as skipped: the logged lr counts skips
+    assert int(after.nonfinite_streak) == 0
+    # Real overflows still back off (the default hysteresis of 2: at the second) and grow the streak.
+    for _ in range(2):
+        trainer.step(dict(batch, x=np.full_like(batch["x"], np.inf)))
+    assert float(trainer.state.loss_scale.loss_scale) == float(before[1].loss_scale) / 2
+    assert int(trainer.state.nonfinite_streak) == 2
+
+
 def test_weight_fn_must_be_callable_and_return_a_scalar():
     with pytest.raises(TypeError, match=r"weight_fn='mask' is not callable; expected weight_fn\(batch\)"):
         Trainer(MLP(nnx.Rngs(0)), _masked_loss, weight_fn="mask")

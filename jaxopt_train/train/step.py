@@ -125,6 +125,28 @@ def local_gradients(loss: Callable, state: TrainState, params, batch, microbatch
     return value, combine_counts(model_state, state.model_state, microbatches), grads
 
 
+def empty_batch(weight_fn: Callable | None, batch) -> jax.Array:
+    """Whether the step's batch has total weight 0 over "data" (nothing in it counts);
+    always False without `weight_fn`. Call inside shard_map."""
+    if weight_fn is None:
+        return jnp.zeros((), jnp.bool_)
+    return lax.psum(batch_weight(weight_fn, batch), AXIS) == 0
+
+
+def next_scale_and_streak(state: TrainState, finite, empty) -> tuple[Any, jax.Array]:
+    """The loss scale and non-finite streak after a step.
+
+    A batch of total weight 0 has NaN gradients, as its mean over nothing would: the
+    step is skipped like an overflow, but it says nothing about the scale. A dynamic
+    scale would back off for it, and a run of padding-only batches would hit
+    `max_nonfinite_steps`; so the scale and the streak are kept, and only
+    `skipped_steps` counts it (the logged lr counts skips)."""
+    scale = select_tree(empty, state.loss_scale.skip(), state.loss_scale.adjust(finite))
+    streak = jnp.where(empty, state.nonfinite_streak,
+                       jnp.where(finite, 0, state.nonfinite_streak + 1)).astype(jnp.int32)
+    return scale, streak
+
+
 def make_step_body(loss: Callable, optimizer: optax.GradientTransformation, *,
                    microbatches: int, num_devices: int, grad_sync: str = "psum",
                    grad_compression: str | None = None,
@@ -159,6 +181,7 @@ def make_step_body(loss: Callable, optimizer: optax.GradientTransformation, *,
         params = state.params if grad_cast is None else grad_cast(state.params)
         value, model_state, grads = local_gradients(loss, state, params, batch, microbatches,
                                                     weight_fn)
+        empty = empty_batch(weight_fn, batch)
         # The one cross-device reduction of this optimizer step. (Error feedback
         # holds loss-scaled units: a changed fp16 scale mis-weights one step's
         # correction by the same factor, a bounded and transient error.)
@@ -183,13 +206,13 @@ def make_step_body(loss: Callable, optimizer: optax.GradientTransformation, *,
         # bits would otherwise repeat for a weight that meets the same update again.
         params = sr.apply_updates(state.params, updates, sr.step_seed((state.step, state.opt_state)))
         model_state = _pmean_floating(model_state)
+        loss_scale, streak = next_scale_and_streak(state, finite, empty)
         new_state = TrainState(
             step=state.step + 1,
             params=select_tree(finite, params, state.params),
             model_state=select_tree(finite, model_state, state.model_state),
             opt_state=select_tree(finite, opt_state, state.opt_state),
-            loss_scale=state.loss_scale.adjust(finite),
-            nonfinite_streak=jnp.where(finite, 0, state.nonfinite_streak + 1).astype(jnp.int32),
+            loss_scale=loss_scale, nonfinite_streak=streak,
             # A non-finite step must not poison the carried error forever.
             grad_error=(None if grad_error is None
                         else select_tree(finite, grad_error, state.grad_error)))

@@ -46,7 +46,7 @@ from jaxopt_train.accumulation import mean_term, sum_may_overflow
 from jaxopt_train import stochastic_round as sr
 from jaxopt_train.precision import all_finite, select_tree
 from jaxopt_train.train.state import TrainState, clip_to_norm
-from jaxopt_train.train.step import local_gradients
+from jaxopt_train.train.step import empty_batch, local_gradients, next_scale_and_streak
 from jaxopt_train.zero import (elementwise_mismatch, gather_leaves, leaf_specs,
                                opt_state_leaf_specs, place_leaves, reduce_scatter_leaves, spec_dim)
 
@@ -77,17 +77,17 @@ def zero_state_specs(opt_specs, params_spec=P()) -> TrainState:
                       loss_scale=P(), nonfinite_streak=P(), grad_error=None)
 
 
-def _finish_step(state: TrainState, params, opt_state, model_state, finite, value, norm):
-    """The next TrainState and the step's metrics; `params` must already be finite-selected."""
+def _finish_step(state: TrainState, params, opt_state, model_state, finite, value, norm, empty):
+    """The next TrainState and the step's metrics; `params` must already be finite-selected;
+    `empty`: the batch had total weight 0 (`train.step.next_scale_and_streak`)."""
     model_state = jax.tree.map(
         lambda x: lax.pmean(x, AXIS) if jnp.issubdtype(x.dtype, jnp.floating) else x, model_state)
+    loss_scale, streak = next_scale_and_streak(state, finite, empty)
     new_state = TrainState(
         step=state.step + 1, params=params,
         model_state=select_tree(finite, model_state, state.model_state),
         opt_state=select_tree(finite, opt_state, state.opt_state),
-        loss_scale=state.loss_scale.adjust(finite),
-        nonfinite_streak=jnp.where(finite, 0, state.nonfinite_streak + 1).astype(jnp.int32),
-        grad_error=None)
+        loss_scale=loss_scale, nonfinite_streak=streak, grad_error=None)
     metrics = {"loss": lax.pmean(value, AXIS), "grad_norm": norm, "finite": finite,
                "loss_scale": state.loss_scale.loss_scale}
     return new_state, metrics
@@ -254,6 +254,7 @@ def make_zero_step_body(loss: Callable, optimizer: optax.GradientTransformation,
                                                     weight_fn)
         new_own, opt_state, finite, norm = _update_shards(state, grads, own, **update)
         params = new_own if zero == 3 else gather_leaves(new_own, param_specs, AXIS)
-        return _finish_step(state, params, opt_state, model_state, finite, value, norm)
+        return _finish_step(state, params, opt_state, model_state, finite, value, norm,
+                            empty_batch(weight_fn, batch))
 
     return one_step
