@@ -192,6 +192,7 @@ def test_prepare_run_dir_guards(tmp_path):
     assert existing_checkpoint_steps(run) == [3]
     with open(os.path.join(run, "notes.txt"), "w") as f:
         f.write("the user's own file")
+    os.makedirs(os.path.join(run, "profile", "plugins"))  # the old run's --profile-steps trace
     clear_run_dir(run)  # once the new run is built
     assert existing_checkpoint_steps(run) == [] and os.listdir(run) == ["notes.txt"]
     # A run that died before its first checkpoint left metrics and a config: a new run

@@ -24,6 +24,7 @@ from jaxopt_train.precision import get_policy
 from jaxopt_train.train import RunDirError, TrainConfig, cli, train
 from jaxopt_train.train import loop as loop_lib
 from jaxopt_train.train.model import vision_loss_fn
+from jaxopt_train.train.checkpoint import clear_run_dir
 from jaxopt_train.train.task import build_task, gpt_model_config
 
 TINY_GPT_FLAGS = ["--model", "d_model=32", "--model", "n_layers=1", "--model", "n_heads=2",
@@ -215,9 +216,27 @@ def test_a_tensorboard_path_that_is_a_file_is_refused_before_a_resume_writes(tmp
     cfg = TrainConfig(run_dir=str(run_dir), resume=True, tensorboard=True)
     with pytest.raises(RunDirError, match=r"/tb' is a file, but the run writes its TensorBoard events"):
         loop_lib._check_output_paths(cfg, str(run_dir))
-    # --overwrite deletes a tb of the old run: nothing is in the way then.
-    loop_lib._check_output_paths(dataclasses.replace(cfg, resume=False, overwrite=True),
-                                 str(run_dir))
+    # No run writes a file there, so --overwrite keeps it (clear_run_dir): still in the way.
+    with pytest.raises(RunDirError, match=r"/tb' is a file"):
+        loop_lib._check_output_paths(dataclasses.replace(cfg, resume=False, overwrite=True), str(run_dir))
+    # An old run's tb folder is deleted by --overwrite: nothing is in the way then.
+    (run_dir / "tb").unlink()
+    (run_dir / "tb").mkdir()
+    loop_lib._check_output_paths(dataclasses.replace(cfg, resume=False, overwrite=True), str(run_dir))
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "config.json"])
+def test_a_folder_where_the_run_writes_a_file_is_refused_not_deleted_by_overwrite(tmp_path, name):
+    """--overwrite rmtree'd a folder named metrics.jsonl; and a config.json folder let the old
+    run be deleted before writing the new settings failed."""
+    run_dir = tmp_path / "run"
+    (run_dir / name).mkdir(parents=True)
+    (run_dir / name / "mine.txt").write_text("keep")
+    cfg = TrainConfig(run_dir=str(run_dir), overwrite=True)
+    with pytest.raises(RunDirError, match=f"/{name}' is a folder, but the run writes its .* there as a file"):
+        loop_lib._check_output_paths(cfg, str(run_dir))
+    clear_run_dir(str(run_dir))
+    assert (run_dir / name / "mine.txt").read_text() == "keep"
 
 
 def test_default_run_dir_under_a_file_named_runs_is_a_run_dir_error(tmp_path, monkeypatch, capsys):

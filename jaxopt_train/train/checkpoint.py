@@ -320,8 +320,9 @@ def existing_checkpoint_steps(run_dir: str) -> list[int]:
                   if name.isdigit() and os.path.isdir(os.path.join(directory, name)))
 
 
-# What a run leaves in its directory: an existing one of these means a run was there.
-RUN_FILES = (CHECKPOINT_SUBDIR, "metrics.jsonl", "config.json", "tb")
+# What a run leaves in its directory, and whether it is a folder: an existing one of these
+# means a run was there, and --overwrite deletes those of the kind the run writes.
+RUN_FILES = {CHECKPOINT_SUBDIR: True, "metrics.jsonl": False, "config.json": False, "tb": True, "profile": True}
 
 
 def prepare_run_dir(run_dir: str, *, resume: bool, overwrite: bool) -> None:
@@ -344,7 +345,8 @@ def prepare_run_dir(run_dir: str, *, resume: bool, overwrite: bool) -> None:
         raise RunDirError(
             f"run_dir={run_dir!r} already holds checkpoints (steps {steps}); pass --resume to "
             "continue that run, --overwrite to delete it and start over, or another --run-dir")
-    found = [name for name in RUN_FILES[1:] if os.path.exists(os.path.join(run_dir, name))]
+    found = [name for name, folder in RUN_FILES.items() if name != CHECKPOINT_SUBDIR
+             and (os.path.isdir if folder else os.path.isfile)(os.path.join(run_dir, name))]
     if found and not steps and not overwrite:
         raise RunDirError(
             f"run_dir={run_dir!r} holds a run with no finished checkpoint ({', '.join(found)}): "
@@ -360,14 +362,17 @@ def prepare_run_dir(run_dir: str, *, resume: bool, overwrite: bool) -> None:
 
 def clear_run_dir(run_dir: str) -> None:
     """Deletes what an earlier run left in run_dir (checkpoints, metrics, config, TensorBoard
-    events): `--overwrite`, called once the new run is built. Other files stay."""
+    events, profiler traces): `--overwrite`, called once the new run is built. Other files
+    stay, and so does a name of `RUN_FILES` of the other kind (a folder named metrics.jsonl,
+    a file named profile): no run wrote it, and the new run refuses it before this
+    (`loop._check_output_paths`)."""
     if jax.process_index() != 0:
         return
-    for name in RUN_FILES:
+    for name, folder in RUN_FILES.items():
         path = os.path.join(run_dir, name)
-        if os.path.isdir(path):
+        if folder and os.path.isdir(path):
             shutil.rmtree(path)
-        elif os.path.exists(path):
+        elif not folder and os.path.isfile(path):
             os.remove(path)
 
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxopt_train.precision import get_policy
 import jaxopt_train.train.mfu as mfu_lib
-from jaxopt_train.train.checkpoint import (RUN_FILES, Checkpointer, RunDirError, clear_run_dir,
+from jaxopt_train.train.checkpoint import (Checkpointer, RunDirError, clear_run_dir,
                                            prepare_run_dir)
 from jaxopt_train.train import resume
 from jaxopt_train.train.config import TrainConfig
@@ -91,7 +91,7 @@ def _write_config(run_dir: str, cfg: TrainConfig, task: Task) -> None:
 
 # What the run writes where a flag says, and whether it is a folder there: found in the way
 # (a file where the trace goes), it must stop the run before the run dir is touched.
-_OUTPUT_PATHS = {"metrics.jsonl": ("metrics", False),
+_OUTPUT_PATHS = {"metrics.jsonl": ("metrics", False), "config.json": ("settings", False),
                  "tb": ("TensorBoard events (--tensorboard)", True),
                  "profile": ("profiler trace (--profile-steps)", True)}
 
@@ -130,16 +130,17 @@ def _open_flag_outputs(cfg: TrainConfig, run_dir: str) -> _FlagOutputs:
 
 def _check_output_paths(cfg: TrainConfig, run_dir: str) -> None:
     """Refuses a file where the run writes a folder, or the reverse: found only when the
-    run opened it, after the old run's deletion (--overwrite clears its own, RUN_FILES)."""
-    used = {"metrics.jsonl": True, "tb": cfg.tensorboard, "profile": cfg.profile_steps is not None}
+    run opened it, after the old run's deletion. --overwrite clears what a run wrote
+    (`RUN_FILES` of their kind), so only a path of the other kind is in the way then."""
+    used = {"metrics.jsonl": True, "config.json": True, "tb": cfg.tensorboard,
+            "profile": cfg.profile_steps is not None}
     for name, (what, folder) in _OUTPUT_PATHS.items():
         path = os.path.join(run_dir, name)
-        if not used[name] or (cfg.overwrite and name in RUN_FILES) or not os.path.exists(path):
+        if not used[name] or not os.path.exists(path) or os.path.isdir(path) == folder:
             continue
-        if os.path.isdir(path) != folder:
-            found, expected = ("a file", "a folder") if folder else ("a folder", "a file")
-            raise RunDirError(f"{path!r} is {found}, but the run writes its {what} there as "
-                              f"{expected}; move it away, or use another --run-dir")
+        found, expected = ("a file", "a folder") if folder else ("a folder", "a file")
+        raise RunDirError(f"{path!r} is {found}, but the run writes its {what} there as "
+                          f"{expected}; move it away, or use another --run-dir")
 
 
 def dispatch_batch(task: Task, step: int, steps_per_dispatch: int) -> dict[str, np.ndarray]:
