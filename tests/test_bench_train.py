@@ -853,3 +853,16 @@ def test_auto_grad_sync_does_not_time_hierarchical_in_one_process():
     run = train_steps.RunConfig("optimised", policy="bf16", accumulation="scan", zero=0)
     method, times = train.choose_grad_sync(args, workload, run, jax.devices()[:4])
     assert sorted(times) == ["psum", "ring", "ring_bidir"] and method in times
+
+
+def test_help_states_every_default_including_the_quick_ones(capsys):
+    """The optimised config's bf16 moments and compute-dtype gradients are the opposite of
+    `jaxopt-train train`'s defaults: --help did not say them, nor the sizes it would run."""
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for said in ("(default: gpt-124m; with --quick: gpt-tiny)", "(default: 40; with --quick: 4)",
+                 "moments (default: bf16)", "(default: compute)", "(default: auto)",
+                 "(default: gpu-throughput)", "(default: the model's own; with --quick: 32)"):
+        assert said in text, said

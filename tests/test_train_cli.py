@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+from types import SimpleNamespace
 
 import jax
 import pytest
@@ -195,6 +196,16 @@ def test_memory_limit_takes_a_share_of_the_gpu_too(monkeypatch, capsys):
     assert cli.main(["--memory-limit", "0.5", "--steps", "1"]) == 0
     assert cli.main(["--memory-limit", "2", "--steps", "1"]) == 0  # above 1: bytes
     assert calls == [{"fraction": 0.5, "preallocate": True}, {"bytes": "2", "preallocate": True}]
+    # Where NVML finds no GPU (this CPU machine, or a fake NVML with none) it says the cap does nothing.
+    from jaxopt_train.runtime import nvml as nvml_lib
+
+    fake = SimpleNamespace(nvmlDeviceGetCount=lambda: 0, nvmlShutdown=lambda: None)
+    for count, said in ((0, True), (2, False)):
+        fake.nvmlDeviceGetCount = lambda count=count: count
+        monkeypatch.setattr(nvml_lib, "load_nvml", lambda: (fake, ""))
+        capsys.readouterr()
+        assert cli.main(["--memory-limit", "0.5", "--steps", "1"]) == 0
+        assert ("no NVIDIA GPU found: the cap has no effect on this machine" in capsys.readouterr().err) == said
 
 
 def test_memory_limit_without_nvml_says_to_give_a_share(monkeypatch, capsys):

@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     from jaxopt_train.train.optim import STATE_DTYPES  # noqa: PLC0415
 
     p = argparse.ArgumentParser(prog="jaxopt-train bench train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=_Help)
     p.add_argument("--model", choices=GPT_PRESETS + VISION_PRESETS)
     p.add_argument("--global-batch", type=int, help="sequences or images per optimizer step")
     p.add_argument("--microbatches", type=int, help="micro-batches per optimizer step")
@@ -87,10 +87,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="GPT: feed byte windows of the embedded text corpus instead of uniform "
                    "random ids (real id frequencies: a cost that follows them, such as a frequent "
                    "token's embedding gradient, shows only then)")
-    p.add_argument("--remat", choices=("auto",) + REMAT_ORDER, default="auto")
+    p.add_argument("--remat", choices=("auto",) + REMAT_ORDER, default="auto",
+                   help="optimised config's remat policy; auto: the least that fits --memory-budget")
     p.add_argument("--memory-budget", help="per-device bytes for remat choice, e.g. 16GiB "
                    "(default: the allocator's limit where known, else no remat)")
-    p.add_argument("--grad-sync", choices=("auto",) + METHODS, default="auto")
+    p.add_argument("--grad-sync", choices=("auto",) + METHODS, default="auto",
+                   help="optimised config's gradient all-reduce; auto: the fastest on gradient-shaped data "
+                   "here (psum on one device and under --zero 1)")
     p.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
                    help="optimised attention; auto = cudnn on GPU, else xla")
     p.add_argument("--opt-state-dtype", choices=STATE_DTYPES, default="bf16",
@@ -119,7 +122,8 @@ def _parser() -> argparse.ArgumentParser:
                    "H200 2.0 GiB less memory and an equal or slightly faster step); "
                    "--fuse-mlp-activation also on the other kernels, --no-fuse-mlp-activation "
                    "nowhere")
-    p.add_argument("--xla-preset", choices=sorted(PRESETS), default="gpu-throughput")
+    p.add_argument("--xla-preset", choices=sorted(PRESETS), default="gpu-throughput",
+                   help="XLA flags every config runs under (runtime.xla_flags; compare with none)")
     p.add_argument("--xla-extra", default=None, help="more XLA flags, '--name=value ...'")
     p.add_argument("--devices", type=int, help="use the first N devices (default: all)")
     p.add_argument("--no-scaling", action="store_true", help="skip the 1-device scaling run")
@@ -133,7 +137,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="replace report files that already exist (--out's, --json's)")
     p.add_argument("--quick", action="store_true", help="CPU small mode (tiny shapes and steps)")
+    for action in p._actions:  # defaults that depend on --quick are filled in after parsing (_parse)
+        if action.dest in DEFAULTS and action.default is None:
+            full = "the model's own" if DEFAULTS[action.dest] is None else DEFAULTS[action.dest]
+            action.help = (f"{action.help or ''} (default: {full}; "
+                           f"with --quick: {QUICK.get(action.dest, DEFAULTS[action.dest])})").lstrip()
     return p
+
+
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and "(default: X)" after a flag that has one and does
+    not say it itself. The optimised config's --opt-state-dtype bf16 and --grad-dtype compute
+    are the opposite of `jaxopt-train train`'s: a help without them misled."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _parse(argv):

@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("trace", help="jax.profiler log directory (its newest trace) or an .xplane.pb file")
     p.add_argument("--steps", type=int, default=1, help="training steps in the traced window (default 1)")
     p.add_argument("--against", metavar="TRACE",
-                   help="a second trace (same --steps): print what changed from TRACE to this one")
+                   help="a second, later trace (same --steps): print what changed from this one "
+                        "(the before column) to TRACE (after)")
     p.add_argument("--top", type=int, default=20, help="rows to print (default 20)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --json file")

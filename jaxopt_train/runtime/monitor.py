@@ -52,11 +52,11 @@ class GPUMonitor:
     `latest()` / `summary()` return empty dicts, so a training loop can always use it.
 
     Example:
-      >>> with GPUMonitor(interval_s=1.0) as monitor:
-      ...     for step in range(steps):
-      ...         metrics = train_step(...)
-      ...         sink.write(step, {**metrics, **monitor.latest()})
-      >>> print(monitor.summary())
+      >>> import time
+      >>> with GPUMonitor(interval_s=0.1) as monitor:
+      ...     for step in range(3):
+      ...         time.sleep(0.1)  # a train step; then sink.write(step, {**metrics, **monitor.latest()})
+      >>> summary = monitor.summary()  # {} where NVML finds no GPU
 
     Metric keys are `FIELD/gpuN`, e.g. `DCGM_FI_DEV_GPU_UTIL/gpu0`.
 

@@ -261,7 +261,17 @@ def apply_memory_limit(argv: list[str] | None = None) -> None:
                 if "bytes" in amount and "NVML" in str(err) else "")
         build_parser().error(f"--memory-limit {value}: {err}{hint}")
     print(f"jaxopt-train train: GPU memory capped at {value}: "
-          + " ".join(f"{k}={v}" for k, v in sorted(env.items())), file=sys.stderr)
+          + " ".join(f"{k}={v}" for k, v in sorted(env.items())) + _no_gpu_note(), file=sys.stderr)
+
+
+def _no_gpu_note() -> str:
+    """Said after the cap where NVML sees no NVIDIA GPU: XLA's CPU client takes no pool cap."""
+    from jaxopt_train.runtime.nvml import nvml_session, try_call  # noqa: PLC0415
+
+    with nvml_session() as (nvml, _):
+        if nvml is not None and (try_call(nvml.nvmlDeviceGetCount, default=0) or 0) > 0:
+            return ""
+    return " (no NVIDIA GPU found: the cap has no effect on this machine)"
 
 
 def main(argv: list[str] | None = None) -> int:
