@@ -43,6 +43,7 @@ NaN is re-sent on every later step.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -51,7 +52,7 @@ import numpy as np
 from jax import lax
 
 from jaxopt_train.collectives.peer import peer_all_reduce
-from jaxopt_train.collectives.ring import _Ring, all_gather_chunks, wire_cast
+from jaxopt_train.collectives.ring import _Ring, all_gather_chunks, all_reduce_rings, single_ring, wire_cast
 
 CODECS = ("bf16", "int8")
 INT8_BLOCK = 256
@@ -183,22 +184,52 @@ def compressed_all_reduce(flat, axis_name, n: int, *, codec: str, ring: _Ring | 
         instead of a ppermute; same sums and errors as the ring exchange.
 
     On an axis of one device nothing is encoded: the sum is `flat + error`
-    exactly (as `lax.psum`) and the new error is zero.
+    exactly (as `lax.psum`, in `flat`'s dtype when wider than f32) and the new
+    error is zero.
+
+    Differentiable straight through: the gradient is that of the exact sum.
+    (Rounding has a zero derivative, so autodiff through the codec gave 0 for
+    every element but each int8 block's largest, and a wrong value there.)
     """
-    size = flat.size
+    if n == 1 and not peer:  # nothing travels: encoding would only lose precision that lax.psum keeps
+        wide = flat.dtype if np.dtype(flat.dtype).itemsize > 4 else np.dtype(np.float32)
+        total = flat.astype(wide) if error is None else flat.astype(wide) + error.reshape(-1).astype(wide)
+        return total, None if error is None else jnp.zeros(error.shape, jnp.float32)
     v = flat.astype(jnp.float32)
     if error is not None:
         v = v + error.reshape(-1)
+    reduce = functools.partial(_compressed_sum, axis_name=axis_name, n=n, codec=codec, ring=ring,
+                               error_shape=None if error is None else error.shape, peer=peer)
+    return _straight_through(reduce, axis_name)(v)
+
+
+def _straight_through(reduce, axis_name):
+    """`reduce` (v -> (sum, new error)) whose derivative is that of the exact sum over
+    `axis_name`: the cotangent of the sum, summed over the axis (by a ring, so it is
+    typed varying like `v`); the new error passes no gradient."""
+    @jax.custom_vjp
+    def run(v):
+        return reduce(v)
+
+    def backward(_, cotangents):
+        return (all_reduce_rings(cotangents[0], [single_ring(axis_name)]),)
+
+    run.defvjp(lambda v: (reduce(v), None), backward)
+    return run
+
+
+def _compressed_sum(v, *, axis_name, n: int, codec: str, ring: _Ring | None, error_shape, peer: bool):
+    """`compressed_all_reduce` of f32 `v` (error already added); the new error has `error_shape`
+    (None: no feedback)."""
+    size = v.size
     if peer:
         if codec != "bf16":
             raise ValueError(f"the peer exchange compresses to bf16 only; got codec={codec!r}")
         result, sent = peer_all_reduce(v, axis_name, wire_dtype=jnp.bfloat16, return_wire_copy=True)
-        return result, None if error is None else (v - sent).reshape(error.shape)
-    if n == 1:  # nothing travels: encoding would only lose precision that lax.psum keeps
-        return v, None if error is None else jnp.zeros(error.shape, jnp.float32)
+        return result, None if error_shape is None else (v - sent).reshape(error_shape)
     if ring is not None and ring.size == 2:
         result, local_error = _pair_exchange(v, codec, ring)
-        return result, None if error is None else local_error.reshape(error.shape)
+        return result, None if error_shape is None else local_error.reshape(error_shape)
     per = n * (INT8_BLOCK if codec == "int8" else 1)
     chunks = jnp.pad(v, (0, -size % per)).reshape(n, -1)
     me = lax.axis_index(axis_name) if ring is None else ring.position()
@@ -207,10 +238,10 @@ def compressed_all_reduce(flat, axis_name, n: int, *, codec: str, ring: _Ring | 
     shard = jnp.sum(decode(received, codec), axis=0)
     packed = encode(shard, codec)
     result = decode(_gather(packed, ring, axis_name, n), codec).reshape(-1)[:size]
-    if error is None:
+    if error_shape is None:
         return result, None
     local_error = chunks - decode(sent, codec)
     shard_error = shard - decode(packed, codec)
     mine = lax.dynamic_index_in_dim(local_error, me, 0, keepdims=False) + shard_error
     new_error = lax.dynamic_update_index_in_dim(local_error, mine, me, 0)
-    return result, new_error.reshape(-1)[:size].reshape(error.shape)
+    return result, new_error.reshape(-1)[:size].reshape(error_shape)
