@@ -16,10 +16,10 @@ export CUDA_VISIBLE_DEVICES=0 JAX_COMPILATION_CACHE_DIR=/tmp/jcache
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv > "$R/gpu.txt" 2>&1
 T="$PY -m pytest -q -rfE -p no:cacheprovider"
 STEP_TAIL=4 step t_gpu 170 $T -m gpu tests --ignore=tests/test_kernels_gpu.py --ignore=tests/test_collectives_gpu.py
-STEP_TAIL=6 step t_changed 200 $T tests/test_docstring_examples.py tests/test_train_inputs.py \
+STEP_TAIL=6 step t_changed 200 $T tests/test_docstring_examples.py tests/test_train_inputs.py tests/test_train_cli.py \
   "tests/test_trainer_models.py::test_a_batch_with_nothing_to_count_is_skipped_without_touching_the_loss_scale" \
-  tests/test_train.py -k "warmup or optimizer_schedule or nothing_to_count or help or memory_limit or overwrite or folder" \
-  tests/test_bench_train.py tests/test_train_cli.py
+  "tests/test_bench_train.py::test_help_states_every_default_including_the_quick_ones"
+STEP_TAIL=3 step t_warmup 60 $T tests/test_train.py -k "warmup or optimizer_schedule"
 G="-m jaxopt_train.train.cli --preset gpt-124m --steps 12 --batch-size 8 --lr 6e-4 \
   --log-every 6 --eval-every 0 --checkpoint-every 0 --progress lines --precision bf16 --run-dir /tmp/smoke"
 STEP_TAIL=8 step smoke 120 $PY $G --overwrite
