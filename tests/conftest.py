@@ -54,12 +54,12 @@ def jax_compile_cache(tmp_path_factory):
     """
     cache = tmp_path_factory.getbasetemp() / "jaxopt_train_jax_cache"
     cache.mkdir(exist_ok=True)
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_exec_time_optimization_effort")
-    old = {name: getattr(jax.config, name) for name in names}
-    jax.config.update("jax_compilation_cache_dir", str(cache))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_exec_time_optimization_effort", -1.0)
+    settings = {"jax_compilation_cache_dir": str(cache), "jax_persistent_cache_min_compile_time_secs": 0.0,
+                "jax_exec_time_optimization_effort": -1.0}
+    # jax 0.11 (the GPU machine's) has no jax_exec_time_optimization_effort: set what exists.
+    old = {name: getattr(jax.config, name) for name in settings if hasattr(jax.config, name)}
+    for name in old:
+        jax.config.update(name, settings[name])
     yield
     for name, value in old.items():
         jax.config.update(name, value)

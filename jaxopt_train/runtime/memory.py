@@ -303,8 +303,8 @@ class track_memory(contextlib.ContextDecorator):  # noqa: N801 - used like a fun
       >>> import jax.numpy as jnp
       >>> with track_memory() as report:
       ...     y = jnp.ones((1024, 1024)) @ jnp.ones((1024, 1024))
-      >>> print(report)  # doctest: +ELLIPSIS
-      memory: ...
+      >>> "peak" in str(report) or "unavailable" in str(report)  # the latter on CPU
+      True
 
     As a decorator, `@track_memory` and `@track_memory(devices)` both work.
 
