@@ -219,3 +219,19 @@ def test_an_error_without_a_message_still_gets_its_row(tmp_path, monkeypatch):
                        "xla", "--json", str(path)]) == 1
     xla_dot, xla = json.loads(path.read_text())["plain"]
     assert "error" not in xla_dot and xla["error"] == "AssertionError: " and "wrong_output" not in xla
+
+
+@pytest.mark.parametrize("shape, requested, per_dispatch, platform, expected", [
+    ((8192, 8192, 8192), 4, 1, "gpu", 4),       # 268 MB a set: the requested 4 already pass L2
+    ((1024, 1024, 1024), 4, 1, "gpu", 32),      # 4 MiB a set: 4 sets were 16.8 MB, hot in a 50 MB L2
+    ((1000, 777, 513), 4, 4, "gpu", 64),        # 1.8 MB a set: 73 wanted, capped at 64
+    ((64, 64, 64), 4, 3, "gpu", 66),            # the cap, rounded up to whole dispatches
+    ((1024, 1024, 1024), 2, 1, "cpu", 2),       # no L2 to dodge in the CPU test mode
+])
+def test_small_shapes_rotate_over_more_sets_than_l2_holds(shape, requested, per_dispatch, platform,
+                                                          expected):
+    count = bench.rotation_sets(*shape, jnp.bfloat16, requested, per_dispatch, platform)
+    assert count == expected and count % per_dispatch == 0
+    m, n, k = shape
+    if platform == "gpu" and count < bench.MAX_SETS:
+        assert count * (m * k + k * n + n) * 2 >= bench.ROTATE_BYTES

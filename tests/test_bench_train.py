@@ -866,3 +866,13 @@ def test_help_states_every_default_including_the_quick_ones(capsys):
                  "moments (default: bf16)", "(default: compute)", "(default: auto)",
                  "(default: gpu-throughput)", "(default: the model's own; with --quick: 32)"):
         assert said in text, said
+
+
+def test_train_table_prints_tflops_without_an_exponent():
+    """Two H200s reach ~1,059 TFLOP/s: the table printed 1.06e+03."""
+    row = {"name": "optimised", "step_ms": 90.6, "throughput": 180843.0, "tflops": 1058.9, "mfu": 0.535,
+           "peak_memory_bytes": 2**34, "peak_memory_source": "allocator", "memory_swing_bytes": 0,
+           "compile_s": 9.0, "host_dispatch_ms_per_step": 0.1, "epoch_hours": 2.0, "epoch_cost_usd": 10.0}
+    table = train_report.markdown_table([row, dict(row, tflops=53.44), dict(row, tflops=0.01234)], "tokens")
+    assert "| 1,059 |" in table and "e+" not in table
+    assert "| 53.4 |" in table and "| 0.0123 |" in table

@@ -295,6 +295,18 @@ def test_nvlink_peak_asks_nvml_for_the_gpu_cuda_visible_devices_maps_to(monkeypa
                       "GPUs by UUID; not mapped to NVML")
 
 
+@pytest.mark.parametrize("kind, peak", [("NVIDIA H100 PCIe", 300.0), ("NVIDIA H100 NVL", 300.0),
+                                        ("NVIDIA H100 80GB HBM3", 450.0), ("NVIDIA H200", 450.0),
+                                        ("NVIDIA GH200 480GB", 450.0), ("NVIDIA A100-SXM4-80GB", 300.0)])
+def test_nvlink_datasheet_fallback_tells_the_bridged_cards_apart(monkeypatch, kind, peak):
+    """Without NVML an H100 PCIe / NVL (a 600 GB/s bridge) got the SXM part's 450 GB/s a direction."""
+    from jaxopt_train.runtime import nvml as nvml_lib
+
+    monkeypatch.setattr(nvml_lib, "load_nvml", lambda: (None, "no NVML here"))
+    device = types.SimpleNamespace(platform="gpu", id=0, local_hardware_id=0, device_kind=kind)
+    assert bench.nvlink_peak(device)[0] == peak
+
+
 def _quick(*argv):
     return ["--quick", "--sizes", "4K", "--dtypes", "f32", "--chunks", "1", *argv]
 

@@ -18,6 +18,7 @@ from jaxopt_train.train import mfu as mfu_lib
     ("NVIDIA H200 NVL", "bf16", 835.0),
     ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
     ("TPU v4", "bf16", 275.0),
+    ("TPU v4 lite", "bf16", 138.0),  # v4i: half v4's MXUs; it matched v4's 275 (MFU halved)
     ("TPU v5 lite", "bf16", 197.0),
     ("TPU v5p", "bf16", 459.0),
     ("TPU v6 lite", "bf16", 918.0),

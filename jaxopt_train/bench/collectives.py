@@ -41,8 +41,10 @@ __all__ = ["DTYPES", "RING_VARIANTS", "bench_collectives", "build_parser", "fmt_
            "nvlink_peak", "parse_size", "print_table", "sweep_input", "time_burst", "trace_overlap",
            "variants"]
 
-# NVLink bandwidth per direction by device kind, used when NVML cannot say (datasheets).
-NVLINK_PEAK_GBS = {"H200": 450.0, "H100": 450.0, "GH200": 450.0, "B200": 900.0, "A100": 300.0, "V100": 150.0}
+# NVLink bandwidth per direction by device kind, used when NVML cannot say (datasheets);
+# matched in order, so the PCIe/NVL cards (a 600 GB/s NVLink bridge: 300 each way) come first.
+NVLINK_PEAK_GBS = {"H100 PCIe": 300.0, "H100 NVL": 300.0, "H200": 450.0, "H100": 450.0, "GH200": 450.0,
+                   "B200": 900.0, "A100": 300.0, "V100": 150.0}
 # Per-direction GB/s of one NVLink, keyed by what nvmlDeviceGetNvLinkVersion returns: an
 # nvmlNvlinkVersion_t enum, not the version (1: 1.0, 2: 2.0, 3: 2.2, 4: 3.0, 5: 3.1, 6: 4.0,
 # 7: 5.0). An A100 returns 5 (NVLink 3.x, 25 GB/s), an H100/H200 6 (4.0, 25 GB/s).

@@ -1,7 +1,8 @@
 """`jaxopt-train bench matmul`: TFLOP/s of every matmul backend next to XLA's dot.
 
 For each shape, every backend runs on random bf16 data rotating over several
-input sets (together larger than L2, so no call finds its operands cached),
+input sets (on a GPU together over 128 MiB, so no call finds its operands in
+L2; the smallest shapes, capped at 64 sets, stay smaller),
 is checked against the f32 reference (max error over max |reference| within the
 autotuner's tolerance: 2e-2 for bf16, 5e-3 for fp16; a backend outside it, or with
 nan/inf output, is reported WRONG, not timed, and the command exits 1 at the end),
@@ -45,6 +46,24 @@ def _peak(device_kind: str, dtype) -> float | None:
     """Dense peak FLOP/s from the one table MFU also uses (`train.mfu.PEAK_TFLOPS`)."""
     tflops = peak_tflops(device_kind, "bf16" if dtype == jnp.bfloat16 else "fp16")
     return None if tflops is None else tflops * 1e12
+
+
+# On a GPU the rotating input sets of a shape together pass this many bytes (over twice an
+# H100/H200's 50 MB L2, three times an A100's 40 MB), so no call finds its operands cached:
+# 4 sets of 1024^3 bf16 were 16.8 MB, hot in L2. Capped at MAX_SETS: the smallest shapes'
+# calls are mostly launch overhead, and thousands of sets would take longer to make than to time.
+ROTATE_BYTES = 128 << 20
+MAX_SETS = 64
+
+
+def rotation_sets(m: int, n: int, k: int, dtype, requested: int, per_dispatch: int, platform: str) -> int:
+    """Input sets to rotate over for one shape: at least `requested`; on a GPU enough to pass
+    `ROTATE_BYTES` (at most `MAX_SETS`), rounded up to a multiple of `per_dispatch`."""
+    count = requested
+    if platform == "gpu":
+        per_set = (m * k + k * n + n) * jnp.dtype(dtype).itemsize
+        count = max(requested, min(MAX_SETS, -(-ROTATE_BYTES // per_set)))
+    return -(-count // per_dispatch) * per_dispatch
 
 
 def _input_sets(m, n, k, dtype, count, seed=0):
@@ -124,7 +143,7 @@ def _measure_layer(backends, shape, dtype, args, peak):
     """Rows of the forward + backward table: useful FLOPs 3 x 2MNK (the recomputing
     backward runs a fourth product that is not counted)."""
     m, n, k = shape
-    sets = _input_sets(m, n, k, dtype, args.input_sets)
+    sets = _input_sets(m, n, k, dtype, _set_count(shape, dtype, args))
     cotangent = jax.random.normal(jax.random.key(1), (m, n), jnp.float32).astype(dtype)
 
     def reference(a, b, bias):
@@ -148,7 +167,7 @@ def _measure_layer(backends, shape, dtype, args, peak):
 
 def _measure(make_fn, backends, shape, dtype, args, peak, fused: bool):
     m, n, k = shape
-    sets = _input_sets(m, n, k, dtype, args.input_sets)
+    sets = _input_sets(m, n, k, dtype, _set_count(shape, dtype, args))
     a, b, bias = sets[0]
     ref = matmul_reference(a, b, bias=bias if fused else None, activation="gelu" if fused else None,
                            out_dtype=jnp.float32)
@@ -166,6 +185,10 @@ def _measure(make_fn, backends, shape, dtype, args, peak, fused: bool):
     return _timed_rows(entries, sets, args, peak, 2 * m * n * k,
                        lambda out: float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))) / scale,
                        reference_tolerance(dtype))
+
+
+def _set_count(shape, dtype, args) -> int:
+    return rotation_sets(*shape, dtype, args.input_sets, args.launches_per_dispatch, args.platform)
 
 
 def _timed_rows(entries, sets, args, peak, flops: int, rel_error, tolerance: float):
@@ -189,7 +212,7 @@ def _timed_rows(entries, sets, args, peak, flops: int, rel_error, tolerance: flo
                                        f"reference exceeds the tolerance {tolerance:g}")
             seconds = time_fn(fn, sets, calls=args.calls, bursts=args.bursts, warmup_s=args.warmup_s,
                               per_dispatch=args.launches_per_dispatch)
-            row["ms"] = seconds * 1e3
+            row["ms"], row["input_sets"] = seconds * 1e3, len(sets)
             row["tflops"] = flops / seconds / 1e12
             row["pct_peak"] = None if peak is None else 100 * row["tflops"] * 1e12 / peak
         except Exception as err:  # noqa: BLE001
@@ -258,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                         "--quick: 2)")
     parser.add_argument("--bursts", type=int, default=None, help="default 5 (--quick: 2)")
     parser.add_argument("--input-sets", type=int, default=None,
-                        help="rotating input sets, together larger than L2 (default 4; --quick: 2)")
+                        help="rotating input sets, at least (default 4; --quick: 2); on a GPU a shape "
+                             "gets more, up to 64, until they pass 128 MiB, over twice L2")
     parser.add_argument("--warmup-s", type=float, default=None, help="default 1.0 (--quick: 0)")
     parser.add_argument("--launches-per-dispatch", type=int, default=1, metavar="K",
                         help="run each backend on K input sets per jitted call (K divides "
@@ -311,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--json {args.json}: {problem}")
 
     device = jax.devices()[0]
+    args.platform = device.platform  # the input sets' rotation (_set_count)
     if args.backends:
         backends = args.backends.split(",")
     elif args.quick:
@@ -342,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             f.write(json.dumps({**header, "plain": rows, "fused": fused_rows, "layer": layer_rows,
                                 "geomean_vs_xla_large": summary}, indent=1, allow_nan=False))
     print(f"device: {device.device_kind}  jax {jax.__version__}  dtype {args.dtype}  "
-          f"(median of {args.bursts} bursts x {args.calls} calls, {args.input_sets} rotating inputs, "
+          f"(median of {args.bursts} bursts x {args.calls} calls, >= {args.input_sets} rotating inputs, "
           f"{args.launches_per_dispatch} per dispatch)")
     if rows:
         print(_table(rows, "matmul: C = A @ B"))

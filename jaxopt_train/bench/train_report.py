@@ -106,6 +106,11 @@ def _hours(h: float) -> str:
     return f"{h * 60:.1f} min" if h < 1 else f"{h:.2f} h"
 
 
+def _tflops(value: float) -> str:
+    """Three figures without an exponent: two H200s' ~1,059 TFLOP/s printed as 1.06e+03."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
 def markdown_table(rows: list[dict[str, Any]], unit: str) -> str:
     header = (f"| config | step ms | {unit}/s | TFLOP/s | MFU | peak mem GiB | swing GiB | "
               "compile s | dispatch ms/step | epoch | cost USD | speed-up | mem ratio |")
@@ -113,7 +118,7 @@ def markdown_table(rows: list[dict[str, Any]], unit: str) -> str:
     for r in rows:
         src = {"allocator": "", "xla-estimate": "*", "live-arrays": "+"}.get(r["peak_memory_source"], "?")
         lines.append(
-            f"| {r['name']} | {r['step_ms']:.2f} | {r['throughput']:,.0f} | {r['tflops']:.3g} | "
+            f"| {r['name']} | {r['step_ms']:.2f} | {r['throughput']:,.0f} | {_tflops(r['tflops'])} | "
             f"{_fmt(r['mfu'], '.1f', 100, '%')} | {_fmt(r['peak_memory_bytes'], '.3f', 1 / GIB)}{src} | "
             f"{_fmt(r['memory_swing_bytes'], '.3f', 1 / GIB)} | {r['compile_s']:.1f} | "
             f"{r['host_dispatch_ms_per_step']:.2f} | {_hours(r['epoch_hours'])} | "

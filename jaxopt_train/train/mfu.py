@@ -27,6 +27,8 @@ PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     ("h100", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0}),
     ("h200", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0}),
     ("a100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    # TPU v4i reports "TPU v4 lite": 4 MXUs to v4's 8 at 1.05 GHz (4 x 128^2 x 2 x 1.05e9).
+    ("tpu v4 lite", {"bf16": 138.0}),
     ("tpu v4", {"bf16": 275.0}),
     ("tpu v5 lite", {"bf16": 197.0}),
     ("tpu v5e", {"bf16": 197.0}),
