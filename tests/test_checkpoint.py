@@ -212,6 +212,50 @@ def test_prepare_run_dir_guards(tmp_path):
     assert blocker.read_text() == "keep me"
 
 
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_file_where_the_run_dir_or_its_checkpoints_go_is_named_as_such(tmp_path, resume):
+    """A file run_dir read "cannot create ...: File exists"; a file RUN_DIR/checkpoints was "a run
+    with no finished checkpoint ... pass --overwrite", which then failed at the first save."""
+    as_file = tmp_path / "afile"
+    as_file.write_text("keep")
+    with pytest.raises(RunDirError, match=r"run_dir '.*afile' is a file; expected a folder there"):
+        prepare_run_dir(str(as_file), resume=resume, overwrite=False)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").write_text("keep")
+    for overwrite in (False, True) if not resume else (False,):
+        with pytest.raises(RunDirError, match=r"its checkpoints folder '.*checkpoints' is a file; expected a folder"):
+            prepare_run_dir(str(run), resume=resume, overwrite=overwrite)
+    assert as_file.read_text() == "keep" and (run / "checkpoints").read_text() == "keep"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through a read-only mode")
+def test_a_checkpoints_folder_that_cannot_be_written_is_refused_before_training(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints").chmod(0o500)
+    try:
+        with pytest.raises(RunDirError, match=r"cannot write checkpoints in '.*checkpoints': Permission denied"):
+            prepare_run_dir(str(run), resume=False, overwrite=False)
+    finally:
+        (run / "checkpoints").chmod(0o700)
+
+
+def test_the_write_check_leaves_nothing_behind(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    prepare_run_dir(str(run), resume=False, overwrite=False)
+    assert os.listdir(run) == []
+    import tempfile
+
+    def refuse(**kwargs):  # as an immutable (chattr +i) or read-only mount answers, root too
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    with pytest.raises(RunDirError, match=r"cannot write checkpoints in '.*run': Operation not permitted; "
+                                          r"expected a writable folder"):
+        prepare_run_dir(str(run), resume=False, overwrite=False)
+
+
 def test_check_same_model_names_the_difference():
     check_same_model({"preset": "gpt-tiny"}, {"preset": "gpt-tiny"}, "r")
     with pytest.raises(RunDirError, match="model_overrides: saved"):

@@ -192,6 +192,25 @@ def test_nonfinite_run_stops_with_clear_error_keeping_last_good_checkpoint(tmp_p
     assert np.isfinite(records[1]["loss"]) and records[2]["loss"] == "nan"
 
 
+def test_nonfinite_limit_reached_at_a_checkpoint_between_log_lines_stops_there(tmp_path, monkeypatch):
+    """Checkpoint step 6 between the log lines at 4 and 8: its save was skipped without a
+    word and the run went on past the limit (to 8, or on to the end)."""
+    real_build_task = loop_lib.build_task
+
+    def poisoned_build_task(cfg, policy):
+        task = real_build_task(cfg, policy)
+        clean = task.train_batch
+        task.train_batch = lambda step: (dict(clean(step), inputs=np.full_like(clean(step)["inputs"], 10_000))
+                                         if 4 <= step < 6 else clean(step))  # two bad steps, then clean
+        return task
+
+    monkeypatch.setattr(loop_lib, "build_task", poisoned_build_task)
+    cfg = _tiny(tmp_path, max_nonfinite_steps=2, checkpoint_every=2, log_every=4, keep_checkpoints=3)
+    with pytest.raises(NonFiniteError, match="stopping at step 6: 2 consecutive steps had non-finite"):
+        train(cfg)
+    assert sorted(os.listdir(os.path.join(cfg.run_dir, "checkpoints"))) == ["2", "4"]
+
+
 def test_resume_with_settings_that_change_the_state_or_data_is_refused_by_name(tmp_path):
     cfg = _tiny(tmp_path)
     train(cfg, until_step=2)

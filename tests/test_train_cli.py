@@ -64,12 +64,16 @@ def test_bad_flags_exit_2_naming_the_flag(argv, needle, capsys):
 
 def test_defaults_and_overrides_parse(tmp_path, capsys):
     assert cli.config_from_args([]) == TrainConfig()
-    run_dir = str(tmp_path / "no_config_json")
-    cfg = cli.config_from_args(["--preset", "gpt-tiny", "--model", "d_model=64", "--model",
-                                "remat_rest=dots", "--no-scan-layers", "--steps", "20",
-                                "--run-dir", run_dir, "--resume"])
+    run_dir = tmp_path / "no_config_json"
+    argv = ["--preset", "gpt-tiny", "--model", "d_model=64", "--model", "remat_rest=dots", "--no-scan-layers",
+            "--steps", "20", "--run-dir", str(run_dir), "--resume"]
+    cfg = cli.config_from_args(argv)
     assert cfg.model_overrides == {"d_model": 64, "remat_rest": "dots"}
     assert cfg.steps == 20 and cfg.resume and not cfg.scan_layers
+    # No run dir: nothing to warn about (the run refuses: nothing to resume).
+    assert "config.json is missing" not in capsys.readouterr().err
+    run_dir.mkdir()
+    assert cli.config_from_args(argv) == cfg
     assert "config.json is missing" in capsys.readouterr().err
 
 

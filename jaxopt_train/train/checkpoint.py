@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from typing import Any
 
 import jax
@@ -334,10 +335,17 @@ def prepare_run_dir(run_dir: str, *, resume: bool, overwrite: bool) -> None:
     Raises:
       RunDirError: run_dir holds a run (checkpoints, or metrics/config of a run that died
         before its first checkpoint) and neither `resume` nor `overwrite` is set, or
-        `resume` is set and there is no checkpoint to resume, or run_dir cannot be created,
-        or its path is one orbax cannot restore checkpoints from (`_unreadable_path`).
+        `resume` is set and there is no checkpoint to resume, or run_dir or its checkpoints
+        folder is a file, cannot be created or written (checked by making and removing a
+        folder in it), or its path is one orbax cannot restore checkpoints from
+        (`_unreadable_path`).
     """
-    unreadable = _unreadable_path(os.path.abspath(os.path.join(run_dir, CHECKPOINT_SUBDIR)))
+    ckpt_dir = os.path.join(run_dir, CHECKPOINT_SUBDIR)
+    for path, what in ((run_dir, "run_dir"), (ckpt_dir, "its checkpoints folder")):
+        if os.path.exists(path) and not os.path.isdir(path):  # before the messages below misread it
+            raise RunDirError(f"{what} {path!r} is a file; expected a folder there (move the file "
+                              "away, or pass another --run-dir)")
+    unreadable = _unreadable_path(os.path.abspath(ckpt_dir))
     if unreadable:
         raise RunDirError(f"run_dir={run_dir!r} holds {unreadable}")
     steps = existing_checkpoint_steps(run_dir)
@@ -358,6 +366,18 @@ def prepare_run_dir(run_dir: str, *, resume: bool, overwrite: bool) -> None:
         os.makedirs(run_dir, exist_ok=True)
     except OSError as err:  # a file in the way, no permission, read-only or missing mount
         raise RunDirError(f"cannot create run_dir={run_dir!r}: {err.strerror or err}") from err
+    _check_writable(ckpt_dir if os.path.isdir(ckpt_dir) else run_dir)
+
+
+def _check_writable(folder: str) -> None:
+    """Makes and removes a folder in `folder`, as a checkpoint save will. A read-only or
+    immutable checkpoints folder was found at the first save, after the steps before it,
+    and orbax's threads then held the process for 300 s."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=folder))
+    except OSError as err:
+        raise RunDirError(f"cannot write checkpoints in {folder!r}: {err.strerror or err}; "
+                          "expected a writable folder (pass another --run-dir)") from err
 
 
 def clear_run_dir(run_dir: str) -> None:

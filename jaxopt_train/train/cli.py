@@ -167,6 +167,8 @@ def _resumed_values(parser, values: dict, given: set[str]) -> dict:
     on this command line changed (e.g. --steps to extend it), so that a resumed run keeps
     its data, precision, batch and seed. The changes are printed."""
     path = os.path.join(values["run_dir"], "config.json")
+    if not os.path.isdir(values["run_dir"]):  # nothing to resume: the run dir check says so
+        return values
     if not os.path.exists(path):
         print(f"jaxopt-train train: warning: {path} is missing, so the run's own settings are "
               "unknown; resuming with this command line's flags and defaults", file=sys.stderr)

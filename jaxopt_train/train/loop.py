@@ -348,6 +348,7 @@ def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run
                 stopping = agreement.update(stop.received)
                 finished = step >= target
                 if stopping:  # the checkpoint first: a second signal or SIGKILL may follow soon
+                    check_streak(cfg, trainer, step)
                     save()
                 evaluate = not stopping and (finished or (cfg.eval_every and step % cfg.eval_every == 0))
                 checkpoint = finished or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
@@ -361,11 +362,13 @@ def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run
                                      eval_loss if evaluate else None, monitor)
                     interval = _Interval()
                 if checkpoint:
+                    check_streak(cfg, trainer, step)  # between log lines too: not past the limit
                     save()  # a no-op if saved above
                 # One process acts on a signal that came during the log or the eval at once;
                 # several act only on what they agreed after the dispatch.
                 stopping = stopping or (agreement.local_only and stop.received is not None)
                 if stopping:
+                    check_streak(cfg, trainer, step)
                     save()  # a no-op if saved above
                     interrupted = True
                     name = signal.Signals(agreement.signal or stop.received).name
@@ -414,15 +417,24 @@ def _log(cfg: TrainConfig, task: Task, trainer: Trainer, logger: MetricsLogger,
     if monitor is not None:
         metrics.update(monitor.latest())
     logger.log(step, metrics)
+    check_streak(cfg, trainer, step)
+    return metrics["loss"]
+
+
+def check_streak(cfg: TrainConfig, trainer: Trainer, step: int) -> None:
+    """Raises NonFiniteError once `max_nonfinite_steps` consecutive steps were non-finite.
+
+    Checked wherever the loop reads the device anyway (a log line, a checkpoint, a signal's
+    save): a checkpoint step between log lines used to skip its save without a word and
+    run on past the limit."""
     streak = int(trainer.state.nonfinite_streak)
     if streak >= cfg.max_nonfinite_steps:
         raise NonFiniteError(
             f"stopping at step {step}: {streak} consecutive steps had non-finite gradients "
             f"(max_nonfinite_steps={cfg.max_nonfinite_steps}); params were left unchanged on those "
-            f"steps and no checkpoint was written once the streak reached that limit. Lower --lr, clip harder (a lower --clip-norm; "
-            "0 turns clipping off), or use "
-            "a precision with a loss scaler (fp16) or more range (bf16/fp32).")
-    return metrics["loss"]
+            "steps and no checkpoint was written once the streak reached that limit. Lower --lr, "
+            "clip harder (a lower --clip-norm; 0 turns clipping off), or use a precision with a "
+            "loss scaler (fp16) or more range (bf16/fp32).")
 
 
 def warmup_note(cfg: TrainConfig) -> str | None:
