@@ -460,6 +460,32 @@ def test_targets_out_of_range_are_refused_or_nan_never_a_real_class(bad):
     assert np.isnan(grad[1, 1]).all() and np.isfinite(np.delete(grad.reshape(6, 4), 4, axis=0)).all()
 
 
+def test_int64_targets_past_int32_do_not_wrap_to_a_class_under_x64():
+    """The loss cast targets to int32 before its range check: under x64 a traced 2**32 + 5
+    read class 5, a plausible loss and finite gradient."""
+    with jax.enable_x64(True):
+        logits = jax.random.normal(jax.random.key(0), (1, 8), jnp.float32)
+        bad = jnp.array([2**32 + 5], jnp.int64)
+        loss, grad = jax.jit(jax.value_and_grad(lambda l, t: softmax_cross_entropy(l, t).sum()))(logits, bad)
+        assert np.isnan(loss) and np.isnan(np.asarray(grad)).all()
+        good = jax.jit(softmax_cross_entropy)(logits, jnp.array([5], jnp.int64))
+        assert np.isfinite(good).all()
+
+
+def test_an_fp16_gpt_trains_on_cpu():
+    """XLA:CPU cannot compile the fp16 attention backward ("The precision 'F16_F16_F32' is not
+    supported by dot_general on CPU"): on CPU the fp16 model attends in f32."""
+    cfg = small_cfg(dtype=jnp.float16)
+    graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    tokens = tokens_for(cfg, length=cfg.seq_len + 1)
+    loss_fn = lambda p: gpt_loss(nnx.merge(graphdef, p)(tokens[:, :-1]), tokens[:, 1:])  # noqa: E731
+    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
+    assert np.isfinite(loss) and all(np.isfinite(np.asarray(g, np.float32)).all() for g in jax.tree.leaves(grads))
+    graphdef32, params32 = nnx.split(GPT(small_cfg(), rngs=nnx.Rngs(0)), nnx.Param)  # the same init
+    f32_loss = jax.jit(lambda p: gpt_loss(nnx.merge(graphdef32, p)(tokens[:, :-1]), tokens[:, 1:]))
+    assert float(loss) == pytest.approx(float(f32_loss(params32)), rel=2e-2)
+
+
 @pytest.mark.parametrize(
     "overrides, match",
     [

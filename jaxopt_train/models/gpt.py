@@ -184,6 +184,10 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     # dot of an f32 cotangent with bf16, is checked when the step is lowered, which
     # no block here can cover: compile a bf16 model with XLA attention under
     # "standard" too (tests/test_train.py).
+    if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
+        # XLA:CPU cannot compile the backward's fp16 dot ("The precision 'F16_F16_F32' is
+        # not supported by dot_general on CPU"): there an fp16 model attends in f32.
+        return causal_attention(*(a.astype(jnp.float32) for a in (q, k, v)), implementation).astype(q.dtype)
     with jax.numpy_dtype_promotion("standard"):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 

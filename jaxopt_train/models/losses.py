@@ -29,11 +29,12 @@ def softmax_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 def _xent_forward(logits, targets):
     x = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(x, axis=-1)
-    targets = targets.astype(jnp.int32)
     # A target outside [0, vocab) (e.g. -100 as an ignore index, which we do not
     # support) must not wrap round to a real class: its loss and gradient are NaN,
-    # which the trainer's finite check reports, instead of a plausible number.
+    # which the trainer's finite check reports, instead of a plausible number. Checked
+    # in the targets' own dtype: under x64 an int64 2**32 + 5 cast first read class 5.
     valid = (targets >= 0) & (targets < x.shape[-1])
+    targets = jnp.where(valid, targets, -1).astype(jnp.int32)  # the backward sees -1: invalid
     picked = jnp.take_along_axis(x, jnp.where(valid, targets, 0)[..., None], axis=-1)[..., 0]
     return jnp.where(valid, lse - picked, jnp.nan), (logits, targets, lse)
 
