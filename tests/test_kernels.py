@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import flax.linen as linen
@@ -733,8 +734,11 @@ def test_out_dtype_takes_dtype_names():
      "needs cluster='none'"),
     (lambda a, b: matmul(a, b, bias=[1.0] * 6), TypeError, r"bias must be an array of shape \(N,\)=\(6,\)"),
     (lambda a, b: matmul(a, b, bias=1.0), TypeError, "bias must be an array"),
-    (lambda a, b: matmul(a, b, out_dtype="int8"), ValueError, "out_dtype='int8' is not a known dtype name"),
-    (lambda a, b: matmul(a, b, out_dtype=jnp.int32), ValueError, "out_dtype=int32 must be a floating dtype"),
+    (lambda a, b: matmul(a, b, out_dtype="int8"), ValueError, "out_dtype='int8' is not supported; expected one of"),
+    (lambda a, b: matmul(a, b, out_dtype=jnp.int32), ValueError, r"out_dtype=<class '.*int32'> is not supported"),
+    # float64 was a TypeError, after the int8 message had listed it as accepted
+    (lambda a, b: matmul(a, b, out_dtype=jnp.float64), ValueError, "bfloat16, float16, float32, or None"),
+    (lambda a, b: matmul(a, b, out_dtype="float64"), ValueError, "'float64' is not supported"),
     (lambda a, b: matmul(a, b, config={"num_stages": True}), ValueError, "num_stages=True must be an int"),
     (lambda a, b: matmul(a, b, config={"num_warps": 4.0}), ValueError, "num_warps=4.0 must be an int"),
 ])
@@ -1350,3 +1354,39 @@ def test_dot_general_takes_default_precision_in_any_spelling(monkeypatch, precis
     want = lax.dot_general(lhs, rhs, dims, precision=lax.Precision.HIGHEST,
                            preferred_element_type=jnp.float32)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("shape_a, shape_b", [((0, 8), (8, 4)), ((2, 0, 8), (8, 4)), ((3, 8), (8, 0)),
+                                              ((2, 0), (0, 3))])
+def test_empty_operands_give_what_jnp_dot_gives(backend, shape_a, shape_b):
+    """They were refused ("empty operands are not supported"): an empty batch reached matmul
+    as an error. K = 0 gives the epilogue of zeros, e.g. gelu(bias)."""
+    a, b = jnp.ones(shape_a, jnp.bfloat16), jnp.ones(shape_b, jnp.bfloat16)
+    bias = jnp.linspace(-1.0, 1.0, shape_b[1]).astype(jnp.bfloat16)
+    got = jax.jit(lambda a, b, bias: matmul(a, b, bias=bias, activation="gelu", out_dtype=jnp.float32,
+                                            backend=backend))(a, b, bias)
+    want = matmul_reference(a, b, bias=bias, activation="gelu", out_dtype=jnp.float32)
+    assert got.shape == want.shape == (*shape_a[:-1], shape_b[1]) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+    grads = jax.grad(lambda a, b, bias: jnp.sum(matmul(a, b, bias=bias, activation="gelu",
+                                                        out_dtype=jnp.float32, backend=backend)),
+                     (0, 1, 2))(a, b, bias)
+    assert [g.shape for g in grads] == [a.shape, b.shape, bias.shape]
+
+
+def test_xla_backend_gradient_of_a_vmapped_b_on_cpu():
+    """Under jax.vmap the dB product's moveaxis folded into a transposed bf16 dot, which
+    XLA:CPU cannot run (UNIMPLEMENTED: Unsupported element type for DotThunk::Execute)."""
+    a = jax.random.normal(jax.random.key(0), (5, 7), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (3, 7, 4), jnp.bfloat16)
+
+    def loss(f, a, b):
+        return jnp.sum(jax.vmap(f, (None, 0))(a, b) ** 2)
+    ours = lambda a, b: matmul(a, b, out_dtype=jnp.float32, backend="xla")  # noqa: E731
+    ref = lambda a, b: jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))  # noqa: E731
+    got = jax.jit(jax.grad(functools.partial(loss, ours), (0, 1)))(a, b)
+    want = jax.grad(functools.partial(loss, ref), (0, 1))(a, b)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w.astype(jnp.bfloat16), np.float32),
+                                   rtol=2e-2, atol=2e-2)

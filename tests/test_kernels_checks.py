@@ -131,6 +131,7 @@ def test_matmul_kernel_backends_refuse_explicitly_sharded_operands_clearly():
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("placed_bias", [False, True])  # True: replicated on the mesh (dbias kept dZ's N-sharding)
 @pytest.mark.parametrize("a_shape, a_spec, b_spec, transpose_b, save", [
     ((8, 16), P("x", None), None, False, False),  # M sharded (b not placed): dB contracts it
     ((2, 8, 16), P(None, "x", None), P(), False, True),  # a batch dim sharded past the first
@@ -139,7 +140,7 @@ def test_matmul_kernel_backends_refuse_explicitly_sharded_operands_clearly():
     ((4, 8, 16), P("x", None, None), P("y", None), True, False),  # tied head, N sharded
 ])
 def test_xla_backend_differentiates_explicitly_sharded_operands(a_shape, a_spec, b_spec,
-                                                                transpose_b, save):
+                                                                transpose_b, save, placed_bias):
     """The kernel backends' error sends sharded operands to backend='xla', whose batch-merging
     reshape and 2-D backward products JAX refused for them ("This reshape is not supported",
     "Contracting dimensions are sharded", a custom VJP type mismatch), where jnp.dot works.
@@ -164,9 +165,10 @@ def test_xla_backend_differentiates_explicitly_sharded_operands(a_shape, a_spec,
     with jax.set_mesh(mesh):
         a_sh = jax.device_put(a, NamedSharding(mesh, a_spec))
         b_sh = b if b_spec is None else jax.device_put(b, NamedSharding(mesh, b_spec))
-        value, grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2)))(a_sh, b_sh, bias)
-        assert [jax.typeof(g).sharding.spec for g in grads[:2]] == [
-            jax.typeof(a_sh).sharding.spec, jax.typeof(b_sh).sharding.spec]
+        bias_sh = jax.device_put(bias, NamedSharding(mesh, P())) if placed_bias else bias
+        value, grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2)))(a_sh, b_sh, bias_sh)
+        assert [jax.typeof(g).sharding.spec for g in grads] == [
+            jax.typeof(x).sharding.spec for x in (a_sh, b_sh, bias_sh)]
     want_value, want = jax.value_and_grad(ref, argnums=(0, 1, 2))(a, b, bias)
     np.testing.assert_allclose(float(value), float(want_value), rtol=1e-2)
     for g, w in zip(grads, want):

@@ -55,8 +55,6 @@ def _check_inputs(a, b, bias, activation, out_dtype, transpose_b=False):
     if a.shape[-1] != b.shape[k_axis]:
         raise ValueError(f"contracting dims differ: a.shape[-1]={a.shape[-1]} (K) but "
                          f"b.shape[{k_axis}]={b.shape[k_axis]}; expected a (..., M, K) and b {layout}")
-    if 0 in a.shape or 0 in b.shape:
-        raise ValueError(f"empty operands are not supported: {a.shape=}, {b.shape=}")
     if a.dtype != b.dtype:
         raise TypeError(f"a and b must share a dtype; got {a.dtype=} and {b.dtype=} "
                         f"(cast one of them; legal: bfloat16, float16, float32)")
@@ -71,9 +69,14 @@ def _check_inputs(a, b, bias, activation, out_dtype, transpose_b=False):
             raise TypeError(f"bias must be floating point; got {bias.dtype=}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"{activation=} is not supported; expected one of {ACTIVATIONS}")
-    out_dtype = jnp.dtype(a.dtype if out_dtype is None else as_float_dtype(out_dtype, "out_dtype"))
-    if out_dtype not in OUTPUT_DTYPES:
-        raise TypeError(f"{out_dtype=} is not supported; expected one of bfloat16, float16, float32")
+    given = out_dtype
+    try:
+        out_dtype = jnp.dtype(a.dtype if given is None else as_float_dtype(given, "out_dtype"))
+    except (TypeError, ValueError):
+        out_dtype = None
+    if out_dtype not in OUTPUT_DTYPES:  # one message and type for int8, "int8", float64 alike
+        raise ValueError(f"out_dtype={given!r} is not supported; expected one of bfloat16, float16, "
+                         "float32, or None for a's dtype")
     compute = jnp.dtype(jnp.bfloat16) if a.dtype == jnp.float32 else jnp.dtype(a.dtype)
     return compute, out_dtype
 
@@ -404,6 +407,8 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
     # the operands to vary alike first (differentiating the cast psums dB back, as jnp.dot's
     # own gradient does). A no-op elsewhere.
     a, b, bias = to_varying((a, b, bias), varying_axes_of_tree((a, b, bias)))
+    if 0 in a.shape or 0 in b.shape:  # no tile to launch: the epilogue of an empty (K=0: zero) product
+        return _empty_matmul(a.astype(compute), b.astype(compute), bias, activation, out_dtype, transpose_b)
     if backend == "xla":  # N-D: no reshape (see `matmul_vjp._xla_products`)
         return _matmul_2d(a.astype(compute), b.astype(compute), bias, activation, out_dtype,
                           backend, config, transpose_b, save_preactivation)
@@ -413,6 +418,15 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
     out = _matmul_2d(a2, b.astype(compute), bias, activation, out_dtype, backend, config,
                      transpose_b, save_preactivation)
     return out.reshape(*batch_shape, n)
+
+
+def _empty_matmul(a, b, bias, activation, out_dtype, transpose_b):
+    """`matmul` where M, N or K is 0, by plain jnp (autodiff differentiates it): with K = 0
+    the output is the epilogue of zeros, e.g. gelu(bias), as `jnp.dot` gives zeros. Widened
+    to f32 first (exact): XLA:CPU runs no bf16 x bf16 -> f32 dot with a transposed operand."""
+    rhs = b.T if transpose_b else b
+    acc = jnp.matmul(a.astype(jnp.float32), rhs.astype(jnp.float32))
+    return apply_epilogue(acc, bias, activation).astype(out_dtype)
 
 
 def matmul_reference(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,

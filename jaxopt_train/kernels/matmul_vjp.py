@@ -167,6 +167,11 @@ def _xla_products(dz, a, b, transpose_b, da_dtype, db_dtype):
     dims (as the kernels' 2-D operands do) is a reshape JAX refuses for operands typed with
     explicit sharding, and each product names its output's sharding (`_out_sharding`)."""
     last, rows = dz.ndim - 1, tuple(range(dz.ndim - 1))
+    if jax.default_backend() == "cpu" and dz.dtype != jnp.float32:
+        # XLA:CPU runs no bf16 x bf16 -> f32 dot with a transposed left operand, and under
+        # jax.vmap the moveaxis below is folded back into one: widen (exact for bf16/fp16
+        # products, which f32 holds), as the interpret kernel does.
+        dz, a, b = (x.astype(jnp.float32) for x in (dz, a, b))
     da = jax.lax.dot_general(dz, b, (((last,), (0 if transpose_b else 1,)), ((), ())),
                              preferred_element_type=jnp.float32, out_sharding=_out_sharding(a))
     lhs, rhs = (dz, a) if transpose_b else (a, dz)  # dB = dZ^T A (N, K) or A^T dZ (K, N)
@@ -203,10 +208,23 @@ def _matmul_2d_bwd(activation, out_dtype, backend, config, transpose_b, save_pre
     else:
         da = _linear(dz_compute, b, "b", da_dtype, backend, config)  # dz @ b.T
         db = _linear(a, dz_compute, "a", db_dtype, backend, config)  # a.T @ dz
+    if bias is not None and backend == "xla":
+        dbias = _sharded_like(dbias, bias)
     if shift is None:
         return da, db, dbias
     unscale = lambda x, like: jnp.ldexp(x.astype(jnp.float32), shift).astype(like.dtype)  # noqa: E731
     return unscale(da, a), unscale(db, b), None if bias is None else unscale(dbias, bias)
+
+
+def _sharded_like(x, like):
+    """`x` in `like`'s sharding type: dbias, a column sum of dZ, keeps dZ's N-sharding, and a
+    custom_vjp's cotangent must have its primal's type (a bias placed replicated on the mesh
+    of an N-sharded `b` failed with "Custom VJP bwd rule must produce an output with the same
+    type")."""
+    want = _out_sharding(like)
+    if want is None or jax.typeof(x).sharding.spec == want.spec:
+        return x
+    return jax.sharding.reshard(x, want)
 
 
 _matmul_2d.defvjp(_matmul_2d_fwd, _matmul_2d_bwd)
