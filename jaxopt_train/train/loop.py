@@ -302,8 +302,9 @@ def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run
                    f"{trainer.num_devices} x {device.device_kind}; precision {cfg.precision}; "
                    f"global batch {cfg.batch_size} x {cfg.microbatches} micro-batch(es)"
                    + (f"; resuming at step {step}" if cfg.resume else ""))
-    if warmup_note(cfg):
-        logger.message(warmup_note(cfg))
+    note = warmup_note(cfg)
+    if note:
+        logger.message(note)
     try:
         if not trainer.compiled:  # remat="auto" compiled it while choosing
             trainer.compile(dispatch_batch(task, step, k))
