@@ -28,7 +28,14 @@ def softmax_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 def _xent_forward(logits, targets):
     x = logits.astype(jnp.float32)
-    lse = jax.nn.logsumexp(x, axis=-1)
+    # logsumexp as top + log(sum(exp(x - top))), with both parts kept for the backward:
+    # rebuilding the softmax from the rounded sum lse = top + log_sum lost lse's low
+    # bits (f32's spacing is 0.06 at 1e6), and at such logits the gradient's rows no
+    # longer summed to 0. x - top is exact for the large logits that matter.
+    top = jnp.max(x, axis=-1)
+    top = lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))  # an all -inf row: NaN-free shift
+    log_sum = jnp.log(jnp.sum(jnp.exp(x - top[..., None]), axis=-1))
+    lse = top + log_sum
     # A target outside [0, vocab) (e.g. -100 as an ignore index, which we do not
     # support) must not wrap round to a real class: its loss and gradient are NaN,
     # which the trainer's finite check reports, instead of a plausible number. Checked
@@ -36,12 +43,14 @@ def _xent_forward(logits, targets):
     valid = (targets >= 0) & (targets < x.shape[-1])
     targets = jnp.where(valid, targets, -1).astype(jnp.int32)  # the backward sees -1: invalid
     picked = jnp.take_along_axis(x, jnp.where(valid, targets, 0)[..., None], axis=-1)[..., 0]
-    return jnp.where(valid, lse - picked, jnp.nan), (logits, targets, lse)
+    # (x - top) - log_sum rather than x - lse: see above.
+    loss = jnp.where(valid, (top - picked) + log_sum, jnp.nan)
+    return loss, (logits, targets, top, log_sum)
 
 
 def _xent_backward(residuals, g):
-    logits, targets, lse = residuals
-    probs = jnp.exp(logits.astype(jnp.float32) - lse[..., None])
+    logits, targets, top, log_sum = residuals
+    probs = jnp.exp((logits.astype(jnp.float32) - top[..., None]) - log_sum[..., None])
     vocab = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     onehot = (vocab == targets[..., None]).astype(jnp.float32)
     valid = ((targets >= 0) & (targets < logits.shape[-1]))[..., None]
