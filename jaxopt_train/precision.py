@@ -47,6 +47,7 @@ _DTYPE_ALIASES = {
     "f16": jnp.float16, "float16": jnp.float16, "fp16": jnp.float16,
     "f64": jnp.float64, "float64": jnp.float64,
 }
+_FLOAT_DTYPES = frozenset(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64))
 _STRING_KEYS = {
     "p": "param_dtype", "params": "param_dtype", "param": "param_dtype",
     "c": "compute_dtype", "compute": "compute_dtype",
@@ -72,9 +73,11 @@ def as_float_dtype(value: Any, field: str) -> np.dtype:
         dtype = np.dtype(value)
     except TypeError as err:
         raise TypeError(f"{field}={value!r} is not a dtype") from err
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"{field}={dtype} must be a floating dtype "
-                         "(float32, bfloat16, float16, float64)")
+    # float8 and float128 are floating too, but nothing here computes in them: a policy
+    # of float8 params, or float128 (which JAX cannot hold), must fail here.
+    if dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{field}={dtype} must be a floating dtype this library computes in: "
+                         "one of float32, bfloat16, float16, float64")
     return dtype
 
 
@@ -187,6 +190,20 @@ def get_policy(name_or_policy: str | Policy) -> Policy:
         return Policy.from_string(name_or_policy)
     raise ValueError(f"unknown precision policy {name_or_policy!r}; expected one of {PRESETS} "
                      "or a spec like 'p=f32,c=bf16,o=f32'")
+
+
+def check_trainable(policy: Policy) -> None:
+    """Raises ValueError for a policy training cannot use: float16 master weights.
+
+    Their 10-bit mantissa rounds away any update below 2**-11 of the weight (lr 1e-3
+    times a unit gradient, for instance), so the loss stops falling without an error;
+    loss scaling does not help, it only protects the gradients. (Inference through
+    `nnx_apply` / `linen_apply` may use float16 params.)"""
+    if policy.param_dtype == np.dtype(jnp.float16):
+        raise ValueError(
+            "param_dtype=float16 cannot hold the weights being trained: updates smaller than "
+            "2**-11 of a weight round away and training stalls silently; use 'fp16' (float32 "
+            "master weights, float16 compute, 'p=f32,c=f16,o=f32') or 'bf16-pure'")
 
 
 def cast_floating(tree, dtype):
@@ -350,9 +367,17 @@ def select_tree(pred, on_true, on_false):
     if pred.dtype != jnp.bool_:  # 0.5 or nan would be read as True
         raise TypeError(f"pred must be a boolean (e.g. all_finite(grads)), got dtype {pred.dtype}")
     _check_leaves_match(on_true, on_false, "on_true", "on_false", dtypes=True)
-    return jax.tree.map(lambda a, b: jax.lax.select(pred, a, b)
-                        if hasattr(a, "dtype") else (a if a == b else _bad_static(a, b)),
-                        on_true, on_false)
+    return jax.tree.map(lambda a, b: _select_leaf(pred, a, b), on_true, on_false)
+
+
+def _select_leaf(pred, a, b):
+    if hasattr(a, "dtype") or hasattr(b, "dtype"):
+        # A Python number opposite an array (dtypes checked to match above) becomes an
+        # array of the other side's dtype: lax.select takes arrays only.
+        a = a if hasattr(a, "dtype") else jnp.asarray(a, b.dtype)
+        b = b if hasattr(b, "dtype") else jnp.asarray(b, a.dtype)
+        return jax.lax.select(pred, a, b)
+    return a if a == b else _bad_static(a, b)
 
 
 def _bad_static(a, b):

@@ -32,6 +32,7 @@ def test_peak_table(kind, dtype, expected):
 @pytest.mark.parametrize("dtype, precision, name", [
     (jnp.bfloat16, None, "bf16"), (jnp.float16, None, "fp16"), (jnp.float32, None, "tf32"),
     (jnp.float32, "tensorfloat32", "tf32"), (jnp.float32, "highest", "fp32"),
+    (jnp.float32, "bfloat16", "tf32"),  # JAX's DEFAULT precision: TF32 on NVIDIA GPUs
 ])
 def test_matmul_dtype_name(dtype, precision, name):
     assert mfu_lib.matmul_dtype_name(dtype, precision) == name

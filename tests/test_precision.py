@@ -58,6 +58,14 @@ def test_bad_policy_strings(bad, match):
 def test_bad_policy_types():
     with pytest.raises(ValueError, match="must be a floating dtype"):
         prec.Policy(jnp.int32, jnp.float32, jnp.float32)
+    # Floating, but nothing computes in them: float8 params were accepted and float128
+    # (which JAX cannot hold) reached the first cast.
+    for dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2, np.longdouble):
+        if np.dtype(dtype) == np.float64:  # long double is plain double on some platforms
+            continue
+        with pytest.raises(ValueError, match=f"param_dtype={np.dtype(dtype)} must be a floating "
+                                             "dtype this library computes in"):
+            prec.Policy(dtype, jnp.float32, jnp.float32)
     with pytest.raises(TypeError, match="must be a Policy or one of"):
         prec.get_policy(3)
 
@@ -520,6 +528,10 @@ def test_select_tree_keeps_keys_and_python_numbers():
     picked = prec.select_tree(jnp.asarray(False), on_true, on_false)
     np.testing.assert_array_equal(jax.random.key_data(picked["k"]), jax.random.key_data(on_false["k"]))
     assert float(picked["s"]) == 2.0 and picked["tag"] == "x"
+    # The Python number on the taken side: it crashed comparing 1.0 with an array.
+    swapped = prec.select_tree(jnp.asarray(True), on_false, on_true)
+    assert float(swapped["s"]) == 2.0 and swapped["s"].dtype == jnp.float32
+    assert float(jax.jit(prec.select_tree)(jnp.asarray(False), {"s": 3.0}, {"s": jnp.ones(())})["s"]) == 1.0
 
 
 @pytest.mark.parametrize("grads, message", [

@@ -329,6 +329,7 @@ def _config_error(argv, capsys):
     ("p=f32,c=xx", "compute_dtype='xx' is not a known dtype name"),
     ("p=f32,c=bf16,m=fast", "matmul_precision='fast'"),
     ("p=f32,q=bf16", "bad policy item 'q=bf16'"),
+    ("p=f16,c=f16", "param_dtype=float16 cannot hold the weights being trained"),
 ])
 def test_a_bad_precision_spec_exits_2_naming_the_flag_before_anything_is_built(spec, needle, capsys):
     """Before: any spec starting with 'p=' passed the flag's check, and the bad dtype surfaced

@@ -288,3 +288,37 @@ def test_weight_fn_must_be_callable_and_return_a_scalar():
     trainer = Trainer(MLP(nnx.Rngs(0)), _masked_loss, weight_fn=lambda b: b["mask"].sum(-1))
     with pytest.raises(ValueError, match=r"weight_fn\(batch\) must return a real scalar"):
         trainer.step(_masked_batch())
+
+
+@pytest.mark.parametrize("cast_outputs", [True, False])
+def test_nnx_outputs_reach_the_loss_in_the_output_dtype(cast_outputs):
+    """fp16 computes in float16 but hands the loss float32 outputs, as `linen_apply` does: a
+    float16 loss turned the scaled loss's cotangent into inf from a scale of 2**16 on, so the
+    dynamic scale never grew past 2**15. `cast_outputs=False` (the GPT presets, whose loss
+    widens the logits itself) keeps the compute dtype."""
+    from jaxopt_train.precision import get_policy
+    from jaxopt_train.train.model import nnx_model_fns
+
+    model = MLP(nnx.Rngs(0))
+    seen = []
+
+    def regression_loss(model, batch):
+        out = model(batch["x"])
+        seen.append((out.dtype, isinstance(model, MLP)))
+        # Unwidened: the loss runs in whatever dtype the outputs come in.
+        return jnp.mean(((out if cast_outputs else out.astype(jnp.float32)) - batch["y"]) ** 2)
+
+    fns = nnx_model_fns(model, regression_loss, get_policy("fp16"), cast_outputs=cast_outputs)
+    batch = {"x": _batch()["x"] * 0.01, "y": np.zeros((64, 1), np.float32)}  # small gradients
+    grads = jax.grad(lambda p: fns.loss(p, fns.model_state, batch, True)[0] * 2.0**16)(fns.params)
+    assert seen == [(jnp.dtype(jnp.float32 if cast_outputs else jnp.float16), True)]
+    assert type(model) is MLP  # the class swap is undone after the call
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("precision", ["p=f16,c=f16,o=f16", "p=f16,c=f32,o=f32"])
+def test_float16_master_weights_are_refused(precision):
+    """float16 weights round an update below 2**-11 of the weight away: the loss stopped
+    falling with no error. Training refuses them and names the policy to use instead."""
+    with pytest.raises(ValueError, match="param_dtype=float16 cannot hold.*use 'fp16'"):
+        Trainer(MLP(nnx.Rngs(0)), loss_fn, precision=precision, optimizer=optax.sgd(1e-3))

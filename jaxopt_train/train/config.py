@@ -420,11 +420,11 @@ def _check_precision(value: Any) -> None:
     hint = f"expected one of {list(PRECISIONS)} or a spec like 'p=f32,c=bf16,o=f32'"
     if "=" not in value:
         raise ValueError(f"precision={value!r} is not supported; {hint}")
-    from jaxopt_train.precision import Policy  # noqa: PLC0415
+    from jaxopt_train.precision import Policy, check_trainable  # noqa: PLC0415
 
     # Parsed here, as the run will: a prefix test let 'p=f32,c=xx' through to fail only once
     # the run was being built, and refused the same spec written 'c=bf16,p=f32'.
     try:
-        Policy.from_string(value)
+        check_trainable(Policy.from_string(value))
     except (TypeError, ValueError) as err:
         raise ValueError(f"precision={value!r} is not supported ({err}); {hint}") from None

@@ -46,6 +46,8 @@ def matmul_dtype_name(compute_dtype, matmul_precision: str | None = None) -> str
 
     float32 matmuls count as TF32 unless the precision forces full f32 passes,
     because that is what XLA runs on NVIDIA Ampere+ at its default precision.
+    `matmul_precision="bfloat16"` is JAX's name for that same DEFAULT precision (one
+    bf16 pass on TPU, TF32 on NVIDIA GPUs), so it counts as TF32 too: the GPU column.
     float64 has no TF32 mode: its column, absent from the table, omits MFU rather
     than measure f64 matmuls against the TF32 peak.
     """

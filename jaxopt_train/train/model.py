@@ -14,6 +14,7 @@ the compute dtype, its matmul precision applied.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 from typing import Any, Callable, NamedTuple
@@ -106,8 +107,51 @@ def _warn_16_bit_embeds(what: str, paths: list[str], drop_in: str) -> None:
             stacklevel=4)
 
 
-def nnx_model_fns(model, loss_fn: Callable, policy: Policy) -> ModelFns:
+_POLICY_CALLS: dict[tuple, type] = {}
+
+
+def _policy_call_class(cls: type, policy: Policy, cast_outputs: bool) -> type:
+    """A subclass of the module class `cls` whose `__call__` runs under `policy`, as
+    `linen_apply` does for Linen: floating arguments in the compute dtype and, with
+    `cast_outputs`, results in the output dtype. The loss then runs in the output dtype
+    (f32 under fp16): in float16 the scaled loss's cotangent at the outputs overflows from
+    a loss scale of 2**16 on, and every step would be skipped before the scale could grow."""
+    key = (cls, policy, cast_outputs)
+    if key not in _POLICY_CALLS:
+        def __call__(self, *args, **kwargs):
+            out = cls.__call__(self, *policy.cast_to_compute(args),
+                               **policy.cast_to_compute(kwargs))
+            return policy.cast_to_output(out) if cast_outputs else out
+        _POLICY_CALLS[key] = type(cls.__name__, (cls,), {
+            "__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return _POLICY_CALLS[key]
+
+
+@contextlib.contextmanager
+def _called_under(module, policy: Policy, cast_outputs: bool):
+    """`module(...)` runs under `policy` inside the block. The instance's class is swapped
+    for the block only: the loss sees the module itself (isinstance, `nnx.state(model)` and
+    submodules keep working), and the module is merged afresh for every trace, so nothing
+    outside the loss sees the swap."""
+    cls = type(module)
+    module.__class__ = _policy_call_class(cls, policy, cast_outputs)
+    try:
+        yield
+    finally:
+        module.__class__ = cls
+
+
+def nnx_model_fns(model, loss_fn: Callable, policy: Policy, *,
+                  cast_outputs: bool = True) -> ModelFns:
     """Wraps an `nnx.Module` and `loss_fn(model, batch[, train=...]) -> scalar`.
+
+    The loss gets the batch as given; `model(...)` casts its floating arguments to the
+    compute dtype and returns the output dtype, so targets keep their precision and the
+    loss runs in the policy's output dtype (as with `linen_apply`). Other methods the loss
+    may call (`model.encode(x)`) are not wrapped: cast their inputs with
+    `policy.cast_to_compute`. `cast_outputs=False` leaves the outputs in the compute dtype,
+    for a loss that widens them itself (the GPT presets' cross-entropy reads 16-bit
+    logits in float32 without an f32 copy of the [batch, seq, vocab] logits).
 
     `model.train()` / `model.eval()` are called before the loss, so Dropout and
     BatchNorm switch modes; a `loss_fn` with a `train` keyword also gets it.
@@ -141,8 +185,8 @@ def nnx_model_fns(model, loss_fn: Callable, policy: Policy) -> ModelFns:
         fresh_state = jax.tree.map(lambda x: x, model_state)
         module = nnx.merge(graphdef, policy.cast_to_compute(params), fresh_state)
         module.train() if train else module.eval()
-        with policy.matmul_scope():
-            value = _call_loss(loss_fn, module, policy.cast_to_compute(batch), train)
+        with policy.matmul_scope(), _called_under(module, policy, cast_outputs):
+            value = _call_loss(loss_fn, module, batch, train)
         # Sown values (nnx.Intermediate) are outputs of this call, not state to carry.
         _, _, _, new_state = nnx.split(module, nnx.Param, nnx.Intermediate, ...)
         return value, _cast_like(new_state, model_state)

@@ -133,7 +133,9 @@ def _gpt_task(cfg: TrainConfig, policy: Policy) -> Task:
     train_ds = TokenDataset(tokens, model_cfg.seq_len, split="train", seed=cfg.seed)
     val_ds = TokenDataset(tokens, model_cfg.seq_len, split="val", seed=cfg.seed)
     model = GPT(model_cfg, rngs=nnx.Rngs(cfg.seed))
-    fns = nnx_model_fns(model, gpt_loss_fn, policy)
+    # gpt_loss reads 16-bit logits in float32 itself: an f32 copy of the [batch, seq, vocab]
+    # logits would cost memory and time for nothing.
+    fns = nnx_model_fns(model, gpt_loss_fn, policy, cast_outputs=False)
     return Task(
         fns=fns,
         train_batch=lambda step: train_ds.batch(step, cfg.batch_size),

@@ -34,7 +34,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxopt_train.accumulation import check_divisible, check_weight_fn
-from jaxopt_train.precision import Policy, get_policy, loss_scale_for
+from jaxopt_train.precision import Policy, check_trainable, get_policy, loss_scale_for
 from jaxopt_train.runtime.memory import fits
 from jaxopt_train.train import config as config_lib
 from jaxopt_train.train.checkpoint import as_abstract
@@ -178,6 +178,7 @@ class Trainer:
         import flax.linen as nn  # noqa: PLC0415
 
         policy = get_policy(precision)
+        check_trainable(policy)
         if isinstance(model, nn.Module):
             if init_args is None:
                 raise ValueError("a linen.Module needs init_args=(example inputs,) for module.init")
