@@ -555,3 +555,38 @@ def test_compression_on_one_device_keeps_float64_exact(codec):
         got = _smap(lambda v: all_reduce_tree(v, "i", compression=codec), mesh1, P("i"), P("i"))(x)
         assert got.dtype == jnp.float64
         np.testing.assert_array_equal(np.asarray(got), np.asarray(x))  # it was rounded to f32's 1.0
+
+
+@pytest.mark.parametrize("per_process, n, want", [
+    ([4, 4], 8, 4),  # one group per process
+    ([4, 2], 6, 6),  # unequal hosts: the flat ring, the same on both (each took its own count)
+    ([2, 4], 6, 6),
+    ([8], 8, 8),     # one process: one group
+    ([4, 4], 6, 6),  # 4 does not split 6
+])
+def test_the_default_hierarchical_group_is_the_same_on_every_process(monkeypatch, per_process, n, want):
+    from types import SimpleNamespace
+
+    from jaxopt_train.collectives import tree as tree_mod
+
+    fake = [SimpleNamespace(process_index=p) for p, count in enumerate(per_process) for _ in range(count)]
+    monkeypatch.setattr(tree_mod.jax, "devices", lambda *a: fake)
+    for local in per_process:  # what each process would see as its own count
+        monkeypatch.setattr(tree_mod.jax, "local_device_count", lambda *a, local=local: local)
+        assert tree_mod._default_group_size(n) == want
+
+
+@pytest.mark.parametrize("codec, finite", [("bf16", False), ("int8", True)])
+def test_a_finite_element_past_bf16_range_is_documented_as_non_finite(mesh, codec, finite):
+    """3.3994e38 is a finite f32 that bf16 rounds to inf: the module docstring says so (its
+    bound does not hold there); int8's f32 scale keeps it."""
+    big = float(np.finfo(np.float32).max) * 0.999  # ~3.3994e38: past bf16's 3.3895e38 + half a step
+    assert np.isinf(np.float32(jnp.asarray(big, jnp.float32).astype(jnp.bfloat16)))
+    g = np.zeros((N, 2 * N * INT8_BLOCK), np.float32)
+    g[0, 0] = big
+    got, _ = _compressed_step(mesh, codec, "ring", feedback=True)(jnp.asarray(g), jnp.zeros_like(g))
+    got = np.asarray(got).reshape(-1)
+    assert bool(np.isfinite(got[0])) is finite
+    np.testing.assert_array_equal(got[1:], 0)  # nothing else is touched
+    if finite:
+        np.testing.assert_allclose(got[0], big, rtol=1e-2)

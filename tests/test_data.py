@@ -485,3 +485,17 @@ def test_corpus_lm_batch_bad_input(tmp_path):
         corpus_lm_batch(0, 8)
     with pytest.raises(ValueError, match="seq_len"):
         corpus_lm_batch(2, -1)
+
+
+def test_process_batch_slice_of_a_mesh_without_this_process_is_a_clear_error(monkeypatch):
+    """A mesh holding none of this process's devices: it was a bare IndexError."""
+    from types import SimpleNamespace
+
+    from jaxopt_train.data import sharding as sharding_mod
+
+    mesh = jax.make_mesh((8,), ("data",))
+    none_here = SimpleNamespace(addressable_devices_indices_map=lambda shape: {})
+    monkeypatch.setattr(sharding_mod, "NamedSharding", lambda mesh, spec: none_here)
+    with pytest.raises(ValueError, match=r"none of this process's devices \(process 0\) are in the "
+                                         r"mesh.*got one of 8 devices of processes \[0\]"):
+        process_batch_slice(16, mesh)

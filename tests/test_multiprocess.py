@@ -71,6 +71,22 @@ train_step.device_pool_limit = lambda device: 1000 + 10 * process_id
 # One write: XLA's own logging shares the pipe and may land between print()'s pieces.
 sys.stdout.write(f"smallest_pool {train_step.smallest_pool(jax.devices())}\n")
 sys.stdout.flush()
+# Typed PRNG keys (nnx.Dropout's stream) replicate across processes (np.asarray of a key
+# failed), and a batch lands on a mesh whose devices alternate between the processes
+# (each process holds rows 0-1, 4-5, ...: not one contiguous range).
+from jax.sharding import PartitionSpec as P
+by_process = {p: sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in (0, 1)}
+interleaved = jax.sharding.Mesh(np.asarray([d for pair in zip(by_process[0], by_process[1]) for d in pair]), ("data",))
+key = train_step.replicate({"k": jax.random.key(7)}, interleaved)["k"]
+assert jax.random.key_impl(key) == jax.random.key_impl(jax.random.key(7))
+np.testing.assert_array_equal(np.asarray(jax.random.key_data(key).addressable_data(0)),
+                              np.asarray(jax.random.key_data(jax.random.key(7))))
+host = np.arange(16 * 2, dtype=np.float32).reshape(16, 2)
+placed = train_step.place_batch({"x": host}, interleaved, P("data"))["x"]
+for shard in placed.addressable_shards:
+    np.testing.assert_array_equal(np.asarray(shard.data), host[shard.index])
+sys.stdout.write("placement ok\n")
+sys.stdout.flush()
 if process_id == 0:
     with open(out_path, "w") as f:
         json.dump(result, f)
@@ -109,6 +125,7 @@ def test_two_processes_match_one_process_with_eight_devices(tmp_path):
     for rc, output in results:
         assert rc == 0, output[-3000:]
         assert "smallest_pool 1000" in output  # step.smallest_pool: one value for all hosts
+        assert "placement ok" in output
     multi = json.loads(out.read_text())
     namespace: dict = {}
     exec(SHARED, namespace)  # noqa: S102 (our own code, shared with the workers)

@@ -134,6 +134,10 @@ def test_memory_env_rejects_fraction_that_rounds_to_zero(kwargs, match):
     with pytest.raises(ValueError, match=match):
         memory_env(**kwargs)
     assert memory_env(fraction=1e-4) == {"XLA_CLIENT_MEM_FRACTION": "0.0001"}  # the smallest
+    # Rounded down, never over the cap asked for (0.33339 was written 0.3334); 0.3 stays 0.3.
+    assert memory_env(fraction=0.33339) == {"XLA_CLIENT_MEM_FRACTION": "0.3333"}
+    assert memory_env(fraction=0.3) == {"XLA_CLIENT_MEM_FRACTION": "0.3000"}
+    assert memory_env(fraction=1) == {"XLA_CLIENT_MEM_FRACTION": "1.0000"}
     assert memory_env(bytes="1KiB", total_bytes="80GiB") == {"XLA_CLIENT_MEM_FRACTION": "0.000000011"}
 
 
@@ -311,6 +315,12 @@ def test_fits_args_must_be_a_tuple_or_list(args, kind):
 
 def test_fits_rejects_args_with_a_lowered_step():
     lowered = jax.jit(lambda x: x * 2).lower(_SPEC)
+    # The budget in the args slot: it said to pass the args as a tuple.
+    for budget in ("1GiB", 2**30):
+        with pytest.raises(TypeError, match=rf"got {budget!r} as its second argument, `args`; the "
+                                            rf"budget is the third, or a keyword: fits\(compiled, "
+                                            rf"budget={budget!r}\)"):
+            fits(lowered.compile(), budget)
     with pytest.raises(ValueError, match="got args/kwargs with a Lowered"):
         fits(lowered, (jax.ShapeDtypeStruct((1024,), jnp.float32),), "1GiB")
 

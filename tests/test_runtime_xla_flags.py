@@ -278,3 +278,24 @@ def test_command_buffer_and_extra_must_agree(monkeypatch):
     report = xla_flags("none", command_buffer=["FUSION"], apply=False,
                        extra={"xla_gpu_enable_command_buffer": "FUSION"})  # agreeing is fine
     assert report.in_force == {"xla_gpu_enable_command_buffer": "FUSION"}
+
+
+def test_flags_after_clear_backends_are_refused():
+    """clear_backends() empties JAX's backend cache, but XLA parsed its flags at the first
+    start and never reads them again: xla_flags then said nothing and did nothing."""
+    script = textwrap.dedent("""
+        import jax
+        from jax.extend.backend import clear_backends
+        from jaxopt_train.runtime import xla_flags
+        jax.devices()
+        clear_backends()
+        try:
+            xla_flags("gpu-throughput")
+        except RuntimeError as err:
+            print("REFUSED", err)
+    """)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "REFUSED" in result.stdout and "already started" in result.stdout

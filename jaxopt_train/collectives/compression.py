@@ -39,6 +39,12 @@ result non-finite (inf or NaN for bf16, NaN for int8), as with `lax.psum`, and
 the block's new error is NaN too. Discard the new error state on such a step
 and keep the previous one (as `train.step` does with `all_finite`), or the
 NaN is re-sent on every later step.
+
+Finite but past bf16's range: an f32 element with |x| of about 3.396e38 or more
+(bf16's largest finite value, 3.3895e38, plus half its last step) rounds to inf
+under the bf16 codec, so the bound above does
+not hold for it and the result reads as non-finite, as an overflow would (the
+train step skips such a step). int8 keeps it finite: its scale is an f32.
 """
 
 from __future__ import annotations

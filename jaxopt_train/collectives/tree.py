@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,9 +22,14 @@ METHODS = ("psum", "ring", "ring_bidir", "hierarchical", "peer")
 
 
 def _default_group_size(n: int) -> int:
-    """Devices per process when that splits the axis into whole groups, else the whole axis."""
-    local = jax.local_device_count()
-    return local if 0 < local <= n and n % local == 0 else n
+    """Devices per process when every process holds the same number and it splits the axis
+    into whole groups, else the whole axis. Counted from the global device list, so every
+    process picks the same size: from its own local count, a process of 4 devices and one
+    of 2 traced different rings and the all-reduce deadlocked."""
+    per_process = collections.Counter(d.process_index for d in jax.devices()).values()
+    local = min(per_process)
+    same = local == max(per_process)
+    return local if same and 0 < local <= n and n % local == 0 else n
 
 
 def _hierarchy(axis_name, group_size, ring_order) -> list[_Ring]:
@@ -153,9 +159,12 @@ def all_reduce_tree(tree: Any, axis_name: AxisName, *, method: str = "psum", buc
       axis_name: mapped axis; for "hierarchical" also a pair (outer_axis, inner_axis).
       method: "psum" (XLA's all-reduce), "ring", "ring_bidir" (two opposite
         rings over halves), "hierarchical" (rings inside groups of
-        `group_size` consecutive devices, default the devices of one process,
-        then across groups; in one process that default is one group, i.e.
-        the flat ring: pass `group_size` to split it), or "peer" (2 Hopper GPUs in one process: one
+        `group_size` consecutive devices, default the devices of one process
+        when every process holds as many, then across groups; in one process
+        that default is one group, i.e. the flat ring: pass `group_size` to
+        split it; the default assumes the axis runs over all devices in
+        process order, so on a 2-D mesh pass the devices per process along
+        this axis), or "peer" (2 Hopper GPUs in one process: one
         Mosaic GPU kernel stores into the peer's memory, see `peer`; with
         compression "bf16" only; buckets of other than f16/bf16/f32 leaves
         are summed by psum).

@@ -29,6 +29,12 @@ def _check_axis(mesh: Mesh, axis: str) -> int:
 def _local_row_range(mesh: Mesh, axis: str, global_rows: int) -> tuple[int, int]:
     """The contiguous rows of a ``global_rows`` batch held by this process's devices."""
     index_map = NamedSharding(mesh, P(axis)).addressable_devices_indices_map((global_rows,))
+    if not index_map:  # it was an IndexError on the empty list below
+        raise ValueError(
+            f"none of this process's devices (process {jax.process_index()}) are in the mesh, "
+            f"so it holds no rows; build the mesh from jax.devices() (every process's devices), "
+            f"got one of {mesh.devices.size} devices of processes "
+            f"{sorted({d.process_index for d in mesh.devices.flat})}")
     bounds = sorted({(idx[0].start or 0, global_rows if idx[0].stop is None else idx[0].stop)
                      for idx in index_map.values()})
     for (_, stop), (start, _) in zip(bounds, bounds[1:]):

@@ -16,6 +16,11 @@ def backend_started() -> bool:
     xla_bridge = sys.modules.get("jax._src.xla_bridge")
     if xla_bridge is None:  # jax not imported yet: nothing can have started
         return False
+    # `jax.extend.backend.clear_backends()` empties the cache below, but XLA has read
+    # its flags by then and does not read them again: the plugin discovery that the first
+    # backend start runs is not undone, so it says "started" for good.
+    if getattr(xla_bridge, "_plugins_registered", False):
+        return True
     checker = getattr(xla_bridge, "backends_are_initialized", None)
     if checker is not None:
         return bool(checker())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import decimal
 import fractions
 import functools
 import inspect
@@ -124,7 +125,11 @@ def memory_env(*, fraction: float | None = None, bytes: int | str | None = None,
     else:
         asked = f"{fraction=}"
     if bytes is None:
-        written, smallest = f"{float(fraction):.4f}", "0.0001"  # the share as the user put it
+        # The share as the user put it, to 4 places rounded down (0.33339 became 0.3334,
+        # over the cap); through the decimal form, so 0.3 stays 0.3000, not 0.2999.
+        share = decimal.Decimal(repr(float(fraction))).quantize(decimal.Decimal("0.0001"),
+                                                               rounding=decimal.ROUND_FLOOR)
+        written, smallest = f"{share:.4f}", "0.0001"
     else:
         # Rounded down, finely: to 4 places, 100 MiB of a 141 GiB GPU became 101.1 MiB, over
         # the cap asked for (jaxlib reads the value with float(), at any precision).
@@ -430,6 +435,11 @@ def fits(fn_or_lowered: Any, args: Sequence[Any] = (), budget: int | str = 0,
     """
     import jax
 
+    if isinstance(args, (str, numbers.Integral)) and not isinstance(args, bool) and budget == 0:
+        # fits(compiled, "1GiB"): the budget in the args slot.
+        raise TypeError(f"fits() got {args!r} as its second argument, `args`; the budget is the "
+                        f"third, or a keyword: fits(compiled, budget={args!r}) or "
+                        f"fits(f, (x,), {args!r})")
     if not isinstance(args, (tuple, list)):
         raise TypeError(f"fits() takes the function's positional arguments as a tuple or list, "
                         f"e.g. fits(f, (x,), '16GiB'); got args of type {type(args).__name__}: {args!r}")

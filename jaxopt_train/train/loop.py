@@ -52,14 +52,16 @@ class TrainResult:
 
 
 def _default_run_dir(cfg: TrainConfig) -> str:
-    """runs/<preset>-<date>-<time>, claimed by creating it: a second run started in the same
-    second gets a `-2` suffix instead of writing into the first one's directory."""
+    """runs/<preset>-<date>-<time> (UTC), claimed by creating it: a second run started in the
+    same second gets a `-2` suffix instead of writing into the first one's directory. UTC,
+    not local time: the processes of one job share the stamp, and hosts in different time
+    zones formatted it into different directories."""
     stamp = int(time.time())
     if jax.process_count() > 1:  # every process must agree on the directory
         from jax.experimental import multihost_utils  # noqa: PLC0415
 
         stamp = int(multihost_utils.broadcast_one_to_all(np.int64(stamp)))
-    base = os.path.join("runs", f"{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(stamp))}")
+    base = os.path.join("runs", f"{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(stamp))}")
     if jax.process_count() > 1:  # the processes of one job share the directory
         return base
     for n in itertools.count(1):
@@ -483,8 +485,12 @@ def _make_profiler(cfg: TrainConfig, run_dir: str):
         return None
     from jaxopt_train.runtime.profiling import StepProfiler  # noqa: PLC0415
 
-    return StepProfiler(cfg.profile_steps, os.path.join(run_dir, "profile"),
-                        steps_per_dispatch=cfg.steps_per_dispatch)
+    # One folder per process: the processes of a job share the run directory, and their
+    # traces would land in the same one.
+    folder = os.path.join(run_dir, "profile")
+    if jax.process_count() > 1:
+        folder = os.path.join(folder, f"process{jax.process_index()}")
+    return StepProfiler(cfg.profile_steps, folder, steps_per_dispatch=cfg.steps_per_dispatch)
 
 
 __all__ = ["NonFiniteError", "RunDirError", "TrainResult", "train"]

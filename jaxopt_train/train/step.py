@@ -314,13 +314,20 @@ def replicate(tree, mesh: jax.sharding.Mesh):
 def _global_array(x, sharding):
     if isinstance(x, jax.Array) and jax.process_count() == 1:
         return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        # A typed key (nnx.Dropout's stream) has no numpy form: its raw uint32 words go
+        # across and are wrapped again with the same implementation.
+        data = jax.make_array_from_process_local_data(sharding, np.asarray(jax.random.key_data(x)))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
     return jax.make_array_from_process_local_data(sharding, np.asarray(x))
 
 
 def place_batch(batch, mesh: jax.sharding.Mesh, spec: P):
     """Shards a host batch (the same global numpy batch on every process) over `mesh`.
 
-    Each process hands over only the rows its own devices hold.
+    Each process hands over only the blocks its own devices hold, whatever rows those
+    are: a mesh whose devices interleave processes gives a process rows that are not
+    one contiguous range.
     """
     sharding = NamedSharding(mesh, spec)
 
@@ -328,12 +335,7 @@ def place_batch(batch, mesh: jax.sharding.Mesh, spec: P):
         x = np.asarray(x)
         if jax.process_count() == 1:
             return jax.device_put(x, sharding)
-        index_map = sharding.addressable_devices_indices_map(x.shape)
-        axis = list(spec).index(AXIS)
-        starts = [idx[axis].start or 0 for idx in index_map.values()]
-        stops = [idx[axis].stop or x.shape[axis] for idx in index_map.values()]
-        local = np.take(x, np.arange(min(starts), max(stops)), axis=axis)
-        return jax.make_array_from_process_local_data(sharding, local, x.shape)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
     return jax.tree.map(one, batch)
 
