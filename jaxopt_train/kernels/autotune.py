@@ -193,7 +193,7 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
 
     Every candidate first runs on random data and must match `matmul_reference`
     (relative max error under 2e-2 for bf16, 5e-3 for fp16); failing or
-    non-compiling candidates are skipped with a log line.
+    non-compiling candidates are skipped with a warning.
 
     Args:
         shapes: (M, N, K) triples.
@@ -206,7 +206,9 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
             after the shape's own default (`configs.default_config`), which is timed first
             so that a spent budget has timed it and a winner never measured slower than it.
         timer: `timer(fn) -> seconds per call`; default `burst_timer`.
-        write_cache: store winners in the cache file.
+        write_cache: store winners in the cache file. Whether it can be written is checked
+            before the sweep; should a store still fail after it, the winners are returned
+            uncached, with a warning saying why.
         budget_s: per shape: stop trying further candidates once this many
             seconds have passed on the shape (the best so far wins).
         input_sets: random operand pairs each candidate's timed calls rotate over
@@ -220,7 +222,10 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
         {(M, N, K): winning config}.
 
     Raises:
-        RuntimeError: when no candidate passes for some shape.
+        RuntimeError: when no candidate passes for some shape, counting the candidates that
+            failed to build or run and those that gave wrong results (chained to the last
+            failure's exception).
+        OSError: with `write_cache`, when the cache cannot be written (before the sweep).
     """
     # The module, not the function `jaxopt_train.kernels.matmul` re-exported over its name.
     matmul_mod = importlib.import_module("jaxopt_train.kernels.matmul")
@@ -289,6 +294,7 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
             a.T if transposed == "a" else a, b.T if transposed == "b" else b, out_dtype=jnp.float32))
         scale = float(np.max(np.abs(reference))) or 1.0
         best: tuple[float, MatmulConfig] | None = None
+        failed, wrong, last_error = 0, 0, None
         for config in candidates:
             if best is not None and deadline is not None and time.perf_counter() > deadline:
                 logger.warning("autotune %s %s: time budget spent, keeping %s", backend,
@@ -302,23 +308,38 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
             try:
                 out = np.asarray(fn(a, b).astype(jnp.float32))
             except Exception as err:  # noqa: BLE001 - a candidate that fails to build is skipped
-                logger.info("autotune %s %s: %s failed: %s", backend, (m, n, k), config, err)
+                logger.warning("autotune %s %s: %s failed: %s: %s", backend, (m, n, k), config,
+                               type(err).__name__, err)
+                failed, last_error = failed + 1, err
                 continue
             error = float(np.max(np.abs(out - reference))) / scale
             if not error <= reference_tolerance(dtype):
                 logger.warning("autotune %s %s: %s rejected, relative error %.3g",
                                backend, (m, n, k), config, error)
+                wrong += 1
                 continue
             seconds = _seconds(timer, rotating(fn, sets), config)
             logger.info("autotune %s %s: %s %.1f us", backend, (m, n, k), config, seconds * 1e6)
             if best is None or seconds < best[0]:
                 best = (seconds, config)
         if best is None:
-            raise RuntimeError(f"autotune: no candidate passed the reference check for "
-                               f"{(m, n, k)=} on {backend=}; tried {len(candidates)}")
+            last = ""
+            if last_error is not None:  # its first line: a lowering error runs to pages
+                first_line = str(last_error).split("\n", 1)[0]
+                last = f"; the last failure: {type(last_error).__name__}: {first_line}"
+            raise RuntimeError(
+                f"autotune: no candidate passed the reference check for {(m, n, k)=} on "
+                f"{backend=}: of {len(candidates)} tried, {failed} failed to build or run and "
+                f"{wrong} gave a relative error over {reference_tolerance(dtype)}{last}"
+            ) from last_error
         winners[(m, n, k)] = best[1]
         if write_cache:
-            store(backend, device_kind, m, n, k, dtype, best[1], best[0], transposed)
+            try:
+                store(backend, device_kind, m, n, k, dtype, best[1], best[0], transposed)
+            except OSError as err:  # checked before the sweep, yet it can still happen
+                logger.warning("autotune %s %s: the winner %s was not cached (%s: %s); it is "
+                               "still returned", backend, (m, n, k), best[1],
+                               type(err).__name__, err)
     return winners
 
 
@@ -403,12 +424,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--transposed {args.transposed}: only {TRANSPOSING_BACKENDS} read a "
                      f"transposed operand as stored; --backend resolved to {backend!r}")
     try:
-        check_cache_writable()
+        check_cache_writable(instead=None)  # the CLI has no write_cache=False
     except OSError as err:
         parser.error(str(err))
     try:
         winners = autotune(shapes, jnp.dtype(args.dtype), backend=backend, candidates=candidates,
                            budget_s=args.budget_s, transposed=args.transposed, quick=args.quick)
+    except ValueError as err:  # input the checks above let through, e.g. no layout-ready candidate
+        parser.error(str(err))
     except RuntimeError as err:  # no candidate passed the reference check: nothing cached
         print(f"autotune: {err}", file=sys.stderr)
         return 1

@@ -3,7 +3,9 @@ by `autotune` (see `jaxopt_train.kernels.autotune` for what the keys mean).
 
 The file is shared by processes (a lock and an atomic replace on write, a re-read before
 each merge) and by versions (an entry that is not a valid config is skipped with a
-warning); a file that cannot be parsed is moved aside, never overwritten.
+warning); a file that cannot be parsed is moved aside, never overwritten. A file that
+cannot be read at all (no permission, a folder in its place) is left as it is: lookups
+ignore it, stores raise.
 """
 
 from __future__ import annotations
@@ -11,13 +13,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import operator
 import os
 import pathlib
-import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxopt_train.kernels.configs import MatmulConfig
 
@@ -74,14 +77,19 @@ def cache_key(backend: str, device_kind: str, m: int, n: int, k: int, dtype,
 
 
 def _parse(path: pathlib.Path) -> tuple[dict, str | None]:
-    """The cache file's entries, and why it could not be used (None when it could).
-    A missing file is an empty cache; anything but a JSON object is unusable."""
+    """The cache file's entries, and why its content is unusable (None when it is usable).
+    A missing file is an empty cache; content that is not a JSON object is unusable.
+
+    Raises:
+        OSError: when the file cannot be read (no permission, a folder): that says nothing
+            about its content, so it is not to be moved aside as corrupt.
+    """
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return {}, None
     # ValueError: bad JSON or bytes that are not UTF-8; RecursionError: JSON nested too deep.
-    except (OSError, ValueError, RecursionError) as err:
+    except (ValueError, RecursionError) as err:
         return {}, f"{type(err).__name__}: {err}"
     if not isinstance(data, dict):
         return {}, f"expected a JSON object of entries, got a JSON {type(data).__name__}"
@@ -91,9 +99,14 @@ def _parse(path: pathlib.Path) -> tuple[dict, str | None]:
 def _read(path: pathlib.Path) -> dict:
     key = str(path)
     if key not in _loaded:
-        data, problem = _parse(path)
+        try:
+            data, problem = _parse(path)
+        except OSError as err:
+            logger.warning("cannot read the autotune cache %s (%s: %s); the shipped defaults "
+                           "apply", path, type(err).__name__, err)
+            data, problem = {}, None
         if problem is not None:
-            logger.warning("ignoring unreadable autotune cache %s (%s); the shipped defaults "
+            logger.warning("ignoring the corrupt autotune cache %s (%s); the shipped defaults "
                            "apply, and the next autotune run moves it aside", path, problem)
         _loaded[key] = data
     return _loaded[key]
@@ -135,29 +148,66 @@ def _locked(path: pathlib.Path):
     except ImportError:  # Windows
         yield
         return
-    with open(path.with_name(path.name + ".lock"), "a") as lock:
+    lock_path = path.with_name(path.name + ".lock")
+    try:
+        # Opened for writing where possible: NFS emulates flock with byte-range locks,
+        # whose exclusive kind needs a writable descriptor.
+        lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    except PermissionError:
+        # A lock file another user left read-only: on a local disk flock takes a read-only
+        # descriptor, and the lock file's content is never used.
+        lock = os.open(lock_path, os.O_RDONLY)
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+    finally:
+        os.close(lock)
 
 
-def check_cache_writable() -> pathlib.Path:
-    """Raises OSError, saying what to do, when winners could not be stored: checked before
-    tuning, so that a sweep's results are not lost after it has run."""
+def _write_replacing(path: pathlib.Path, text: str) -> None:
+    """Writes `text` to a temporary file beside `path`, then renames it over `path`, so a
+    reader sees the old file or the new one; the temporary file is removed if either fails."""
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    finally:
+        with contextlib.suppress(OSError):  # a failed clean-up must not hide the error
+            tmp.unlink(missing_ok=True)
+
+
+def check_cache_writable(*, instead: str | None = "pass write_cache=False") -> pathlib.Path:
+    """The cache file, after checking that `store` could write it: checked before tuning,
+    so that a sweep's results are not lost after it has run. It does what `store` does,
+    on a scratch file: takes the lock, reads the cache, writes a temporary file in the
+    folder and renames it over another, then removes it.
+
+    Args:
+        instead: the other way out the error offers, after setting
+            $JAXOPT_TRAIN_CACHE_DIR (None: no other); the CLI has no `write_cache`.
+
+    Raises:
+        OSError: when a store would fail, saying why and what to do.
+    """
+    alternative = "" if instead is None else f", or {instead}"
     try:
         path = cache_path()
     except RuntimeError as err:
-        raise OSError(f"{err}, or pass write_cache=False") from err
+        raise OSError(f"{err}{alternative}") from err
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".write_check"):
-            pass
+        with _locked(path):
+            _parse(path)  # unusable content is moved aside by store; an unreadable file is not
+            scratch = path.with_name(f".write_check{os.getpid()}")
+            _write_replacing(scratch, "")  # exists only once the rename has worked
+            scratch.unlink()
     except OSError as err:
-        raise OSError(f"the autotune cache folder {str(path.parent)!r} is not writable "
+        raise OSError(f"winners could not be stored in the autotune cache {str(path)!r} "
                       f"({type(err).__name__}: {err}); set $JAXOPT_TRAIN_CACHE_DIR to a writable "
-                      f"folder, or pass write_cache=False") from err
+                      f"folder{alternative}") from err
     return path
 
 
@@ -171,33 +221,56 @@ def _unused_name(path: pathlib.Path) -> pathlib.Path:
     return candidate
 
 
+def _dims(m, n, k) -> tuple[int, int, int]:
+    """(m, n, k) as Python ints (JSON cannot write numpy's), each checked positive."""
+    try:
+        if any(isinstance(d, (bool, np.bool_)) for d in (m, n, k)):
+            raise TypeError
+        dims = tuple(operator.index(d) for d in (m, n, k))
+    except TypeError:
+        dims = None
+    if dims is None or min(dims) < 1:
+        raise ValueError(f"m, n, k must be positive ints (numpy ints are taken); got "
+                         f"{(m, n, k)=}")
+    return dims
+
+
 def store(backend: str, device_kind: str, m: int, n: int, k: int, dtype, config: MatmulConfig,
           seconds: float, transposed: str | None = None) -> None:
     """Adds one winner to the cache file, under its exact shape and its bucket (atomic
     rename; other entries kept, except an earlier winner of the bucket).
 
     The file is re-read under a lock before the merge, so entries another process stored
-    since this one read it are kept. A file that cannot be parsed is not overwritten: it is
-    renamed to `<name>.corrupt-<time>[-<n>]` (with a warning) and a new one is started.
+    since this one read it are kept. A file whose content cannot be parsed is not
+    overwritten: it is renamed to `<name>.corrupt-<time>[-<n>]` (with a warning) and a new
+    one is started. A file that cannot be read is left as it is.
 
     Raises:
+        ValueError: when m, n or k is not a positive int (numpy ints are taken).
         RuntimeError: when the cache folder cannot be resolved (see `cache_path`).
+        OSError: when the cache cannot be read (naming it) or written; the temporary file
+            of a failed write is removed.
     """
+    m, n, k = _dims(m, n, k)
     path = cache_path()
     entry = {"config": config.to_dict(), "seconds": float(seconds), "shape": [m, n, k],
              "transposed": transposed}
     path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(path):
-        data, problem = _parse(path)
+        try:
+            data, problem = _parse(path)
+        except OSError as err:
+            raise OSError(f"cannot read the autotune cache {str(path)!r} to add a winner to it "
+                          f"({type(err).__name__}: {err}); it was left as it is: make it a "
+                          f"readable file, or set $JAXOPT_TRAIN_CACHE_DIR to another "
+                          f"folder") from err
         if problem is not None:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             kept = _unused_name(path.with_name(f"{path.name}.corrupt-{stamp}"))
             path.replace(kept)
-            logger.warning("autotune cache %s was unreadable (%s); moved it to %s and started "
+            logger.warning("autotune cache %s was corrupt (%s); moved it to %s and started "
                            "a new one", path, problem, kept)
         for exact in (True, False):
             data[cache_key(backend, device_kind, m, n, k, dtype, transposed, exact)] = entry
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        tmp.replace(path)
+        _write_replacing(path, json.dumps(data, indent=1, sort_keys=True))
     _loaded[str(path)] = data
