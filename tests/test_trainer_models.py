@@ -292,10 +292,10 @@ def test_weight_fn_must_be_callable_and_return_a_scalar():
 
 @pytest.mark.parametrize("cast_outputs", [True, False])
 def test_nnx_outputs_reach_the_loss_in_the_output_dtype(cast_outputs):
-    """fp16 computes in float16 but hands the loss float32 outputs, as `linen_apply` does: a
-    float16 loss turned the scaled loss's cotangent into inf from a scale of 2**16 on, so the
-    dynamic scale never grew past 2**15. `cast_outputs=False` (the GPT presets, whose loss
-    widens the logits itself) keeps the compute dtype."""
+    """fp16 computes in float16 but hands the loss float32 outputs and targets, as
+    `linen_apply` does: a float16 loss turned the scaled loss's cotangent into inf from a
+    scale of 2**16 on, so the dynamic scale never grew past 2**15. `cast_outputs=False` (the
+    GPT presets, whose loss widens the logits itself) keeps the compute dtype."""
     from jaxopt_train.precision import get_policy
     from jaxopt_train.train.model import nnx_model_fns
 
@@ -304,14 +304,18 @@ def test_nnx_outputs_reach_the_loss_in_the_output_dtype(cast_outputs):
 
     def regression_loss(model, batch):
         out = model(batch["x"])
-        seen.append((out.dtype, isinstance(model, MLP)))
+        seen.append((out.dtype, batch["y"].dtype, isinstance(model, MLP)))
+        if not cast_outputs:  # a loss that widens the outputs itself
+            out, batch = out.astype(jnp.float32), jax.tree.map(lambda y: y.astype(jnp.float32), batch)
         # Unwidened: the loss runs in whatever dtype the outputs come in.
-        return jnp.mean(((out if cast_outputs else out.astype(jnp.float32)) - batch["y"]) ** 2)
+        return jnp.mean((out - batch["y"]) ** 2)
 
     fns = nnx_model_fns(model, regression_loss, get_policy("fp16"), cast_outputs=cast_outputs)
     batch = {"x": _batch()["x"] * 0.01, "y": np.zeros((64, 1), np.float32)}  # small gradients
     grads = jax.grad(lambda p: fns.loss(p, fns.model_state, batch, True)[0] * 2.0**16)(fns.params)
-    assert seen == [(jnp.dtype(jnp.float32 if cast_outputs else jnp.float16), True)]
+    # The targets come in the outputs' dtype: f32 keeps them whole under fp16.
+    want = jnp.dtype(jnp.float32 if cast_outputs else jnp.float16)
+    assert seen == [(want, want, True)]
     assert type(model) is MLP  # the class swap is undone after the call
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
 

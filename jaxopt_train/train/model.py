@@ -145,13 +145,14 @@ def nnx_model_fns(model, loss_fn: Callable, policy: Policy, *,
                   cast_outputs: bool = True) -> ModelFns:
     """Wraps an `nnx.Module` and `loss_fn(model, batch[, train=...]) -> scalar`.
 
-    The loss gets the batch as given; `model(...)` casts its floating arguments to the
-    compute dtype and returns the output dtype, so targets keep their precision and the
-    loss runs in the policy's output dtype (as with `linen_apply`). Other methods the loss
-    may call (`model.encode(x)`) are not wrapped: cast their inputs with
-    `policy.cast_to_compute`. `cast_outputs=False` leaves the outputs in the compute dtype,
-    for a loss that widens them itself (the GPT presets' cross-entropy reads 16-bit
-    logits in float32 without an f32 copy of the [batch, seq, vocab] logits).
+    `model(...)` casts its floating arguments to the compute dtype and returns the output
+    dtype (as `linen_apply` does), and the loss gets the batch's floating entries in that
+    same output dtype: targets meet outputs of their own dtype (f32 under "bf16" and
+    "fp16", so they keep their precision), and the loss runs in the output dtype. Other
+    methods the loss may call (`model.encode(x)`) are not wrapped: cast their inputs with
+    `policy.cast_to_compute`. `cast_outputs=False` leaves the outputs, and the batch, in
+    the compute dtype, for a loss that widens them itself (the GPT presets' cross-entropy
+    reads 16-bit logits in float32 without an f32 copy of the [batch, seq, vocab] logits).
 
     `model.train()` / `model.eval()` are called before the loss, so Dropout and
     BatchNorm switch modes; a `loss_fn` with a `train` keyword also gets it.
@@ -186,7 +187,8 @@ def nnx_model_fns(model, loss_fn: Callable, policy: Policy, *,
         module = nnx.merge(graphdef, policy.cast_to_compute(params), fresh_state)
         module.train() if train else module.eval()
         with policy.matmul_scope(), _called_under(module, policy, cast_outputs):
-            value = _call_loss(loss_fn, module, batch, train)
+            seen = policy.cast_to_output(batch) if cast_outputs else policy.cast_to_compute(batch)
+            value = _call_loss(loss_fn, module, seen, train)
         # Sown values (nnx.Intermediate) are outputs of this call, not state to carry.
         _, _, _, new_state = nnx.split(module, nnx.Param, nnx.Intermediate, ...)
         return value, _cast_like(new_state, model_state)
