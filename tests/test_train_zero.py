@@ -104,8 +104,33 @@ def test_zero_resume_matches_uninterrupted_run(tmp_path, zero):
     assert sharded and all(not x.sharding.is_fully_replicated for x in sharded)
     _assert_trees_close(full.trainer.state.opt_state, second.trainer.state.opt_state,
                         rtol=1e-5, atol=1e-7)
-    with pytest.raises(Exception, match="zero"):  # another stage is refused by name
+    # zero=0 chains the clip into the optimizer (zero=1|3 clip in the step): another tree of
+    # optimizer state, which the checkpoint's tree check refuses (no longer the model shape).
+    with pytest.raises(RunDirError, match="another tree of arrays than this run's state"):
         train(dataclasses.replace(split, resume=True, zero=0))
+
+
+def test_model_shape_does_not_record_the_zero_stage():
+    """Before: zero=1 and zero=3 were recorded, so a resume at another stage was refused as
+    "a model of another shape", though per-leaf checkpoints restore into any stage's layout."""
+    shapes = [TrainConfig(zero=zero).model_shape() for zero in (0, 1, 3)]
+    assert shapes[0] == shapes[1] == shapes[2] and "zero" not in shapes[0]
+
+
+@pytest.mark.parametrize("first, then", [(1, 3), (3, 1)])
+def test_zero_resume_at_another_stage_matches_uninterrupted_run(tmp_path, first, then):
+    """Before: refused ("zero: saved 1, now 3")."""
+    run = dict(TINY_RUN, steps=4, eval_every=2)
+    full = train(TrainConfig(run_dir=str(tmp_path / "full"), zero=first, **run))
+    split = TrainConfig(run_dir=str(tmp_path / "split"), zero=first, **run)
+    train(split, until_step=2)
+    second = train(dataclasses.replace(split, resume=True, zero=then))
+    assert second.step == 4
+    _assert_trees_close(full.trainer.params, second.trainer.params, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(second.eval_loss, full.eval_loss, rtol=1e-5)
+    params = [x for x in jax.tree.leaves(second.trainer.state.params) if x.ndim >= 1]
+    # Restored into the resumed stage's layout: zero=3 keeps the params sharded.
+    assert any(not x.sharding.is_fully_replicated for x in params) == (then == 3)
 
 
 def test_cli_rejects_zero_2(capsys):
@@ -443,3 +468,30 @@ def test_bf16_pure_clip_matches_replicated(zero):
     for got, want in zip(jax.tree.leaves(trainer.params), jax.tree.leaves(reference.params)):
         assert got.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@functools.cache
+def _masked_optimizer_run(zero):
+    """Adam on the kernels only (`optax.masked`: its moments hold MaskedNode() at the biases),
+    3 steps on 4 devices (cached: the reference serves both stages)."""
+    tx = optax.masked(optax.adam(0.05), lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
+    trainer = Trainer(_MLP(nnx.Rngs(0), hidden=32), _mse, zero=zero, optimizer=tx, clip_norm=0.0,
+                      devices=jax.devices()[:4])
+    first = jax.tree.map(np.asarray, trainer.params)
+    for b in _batches():
+        jax.block_until_ready(trainer.step(b))
+    return trainer, first
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_trains_a_masked_user_optimizer_like_replicated(zero):
+    """Before: refused ('per-leaf ZeRO could not match the optimizer state to the parameters':
+    the MaskedNode in place of each bias is an empty pytree where the params have an array)."""
+    reference, first = _masked_optimizer_run(0)
+    trainer, _ = _masked_optimizer_run(zero)
+    _assert_trees_close(trainer.params, reference.params, rtol=1e-5, atol=1e-6)
+    assert np.abs(_param(trainer.params, "l1/kernel") - _param(first, "l1/kernel")).max() > 1e-3
+    # Its moment is sharded per leaf (1/4 per device), as an unmasked Adam's is.
+    kernel_mu = trainer.state.opt_state.inner_state[0].mu["l1"]["kernel"][...]
+    assert not kernel_mu.sharding.is_fully_replicated
+    assert {s.data.size for s in kernel_mu.addressable_shards} == {kernel_mu.size // 4}

@@ -217,7 +217,9 @@ _TREE_HINTS = (
                "array; a --model override or another model changes it too)"),
     ("opt_state", "the optimizer's state (--clip-norm 0 builds AdamW without the clip that any "
                   "--clip-norm > 0 chains before it, so only the threshold may change on a "
-                  "resume, not clipping on or off)"),
+                  "resume, not clipping on or off; and with clipping on, --zero 0 chains it into "
+                  "the optimizer while --zero 1 and 3 clip in the step, so a resume may move "
+                  "between --zero 1 and 3 but not to or from 0)"),
 )
 
 

@@ -298,8 +298,9 @@ class TrainConfig:
         # own --seq-len was refused as a change of shape.
         shape["seq_len"] = self.seq_len if self.is_vision else resolved_seq_len(self.preset,
                                                                                self.seq_len)
-        if self.zero:  # the optimizer state's layout differs (absent at 0: older runs match)
-            shape["zero"] = self.zero
+        # Not `zero`: the checkpoints of every stage hold whole (per-leaf) arrays, sharded or
+        # not, and restore into any stage's layout; where the state's tree does differ (zero=0
+        # chains the clip into the optimizer), the checkpoint's own tree check refuses it.
         if self.opt_state_dtype != "f32":  # so do its dtypes
             shape["opt_state_dtype"] = self.opt_state_dtype
         # A resume must not narrow (or widen) the saved weights: --precision bf16-pure on an

@@ -118,6 +118,9 @@ def check_resume_shape(run_dir: str, cfg: TrainConfig, ckpt: Checkpointer,
     if saved is None:
         return
     saved = dict(saved)
+    # Runs saved before the ZeRO stage was left out of the shape: every stage's checkpoint
+    # restores into any other's layout (the checkpoint's own tree check refuses real changes).
+    saved.pop("zero", None)
     if isinstance(saved.get("model_overrides"), dict):  # runs saved before remat was left out
         saved["model_overrides"] = shape_overrides(saved["model_overrides"])
     if saved.get("preset") in GPT_PRESETS and saved.get("seq_len", 0) is None:

@@ -15,9 +15,10 @@ of the parameters, of their gradient and of the optimizer state.
   slice. Parameter and optimizer memory / n, plus a transient full copy.
 
 At stages 1 and 3 each device runs the optimizer on its slice alone, so it
-must be elementwise (Adam, SGD): per-leaf masks, global-norm clipping and
-trust ratios would see a slice, and `make_zero_step` refuses such optimizers
-(`elementwise_mismatch`) rather than silently train differently.
+must be elementwise (Adam, SGD): per-leaf masks, global-norm clipping, trust
+ratios and a skip of non-finite updates (`optax.apply_if_finite`) would see a
+slice, and `make_zero_step` refuses such optimizers (`elementwise_mismatch`)
+rather than silently train differently.
 
 Reduce-scatter and all-gather are the ring collectives of
 `jaxopt_train.collectives` (`method="ring"`) or XLA's own

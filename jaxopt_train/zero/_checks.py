@@ -14,6 +14,13 @@ def _check_num_shards(num_shards: int) -> None:
         raise ValueError(f"{num_shards=} must be a positive int (the size of the data axis)")
 
 
+def _check_has_leaves(leaves: list, what: str) -> None:
+    """Raises ValueError for a tree without leaves (a model that built no parameters)."""
+    if not leaves:
+        raise ValueError(f"{what}: expected at least one array leaf, got an empty tree; pass the "
+                         "model's parameters (e.g. nnx.state(model, nnx.Param))")
+
+
 def _check_axis_name(axis_name: str) -> None:
     if not isinstance(axis_name, str) or not axis_name:
         raise ValueError(f"{axis_name=} must be a non-empty str naming the mesh axis (e.g. 'data')")

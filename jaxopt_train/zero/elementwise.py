@@ -14,6 +14,12 @@ enough of them, for learning-rate-free optimizers to move their step size:
 Prodigy's and D-Adaptation's sum over the whole tree, but on two independent
 gradients their estimate stays at its initial value (updates 1-4 match
 exactly; Prodigy's first moves in update 5).
+
+With `nonfinite=True` a third run puts a NaN into one gradient element of one
+shard: an optimizer that decides on the whole update whether to apply it
+(`optax.apply_if_finite`) skips the step everywhere on the whole tree but only
+on that shard when sharded, so the shards part. An elementwise optimizer keeps
+the NaN in that element alone, in both runs.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from jaxopt_train.zero._checks import _check_has_leaves
 from jaxopt_train.zero.layout import make_layout
 from jaxopt_train.zero.leaves import spec_dim
 
@@ -49,10 +56,11 @@ _COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
 def _check_device():
-    """The CPU device (so the check rounds alike on every machine), or None if jax has no CPU
-    backend here (JAX_PLATFORMS without cpu): then the default device."""
+    """This process's CPU device (so the check rounds alike on every machine), or None if jax
+    has no CPU backend here (JAX_PLATFORMS without cpu): then the default device. Local: with
+    several processes, jax.devices("cpu")[0] is process 0's, which the others cannot run on."""
     try:
-        return jax.devices("cpu")[0]
+        return jax.local_devices(backend="cpu")[0]
     except RuntimeError:
         return None
 
@@ -80,7 +88,8 @@ def _updates(optimizer: optax.GradientTransformation, params, grads):
 
 
 def elementwise_mismatch(optimizer: optax.GradientTransformation, params, num_shards: int,
-                         specs=None, axis_name: str = "data") -> str | None:
+                         specs=None, axis_name: str = "data", *,
+                         nonfinite: bool = False) -> str | None:
     """None if updating shards alone equals updating the whole tree, else where it differs.
 
     Args:
@@ -90,15 +99,36 @@ def elementwise_mismatch(optimizer: optax.GradientTransformation, params, num_sh
       specs: `leaf_specs(params, ...)` for the per-leaf layout (shards keep each
         leaf's rank and the tree's structure); None for the flat layout (each
         shard is one 1-D slice of the flattened tree).
+      nonfinite: also compare the updates of gradients with a NaN in one
+        shard (see the module docstring), for a step that applies whatever the
+        optimizer returns. A step that skips a non-finite gradient on every
+        device alike itself (the trainer's) does not need it.
 
     Shape-specific behaviour beyond rank (a mask on one leaf's exact size) is
     not reproduced by the small surrogate and so not detected.
+
+    Raises:
+      ValueError: if `params` has no leaves.
     """
+    _check_has_leaves(jax.tree.leaves(params), "params")
     with jax.default_device(_check_device()):
-        return _mismatch(optimizer, params, num_shards, specs, axis_name)
+        return _mismatch(optimizer, params, num_shards, specs, axis_name, nonfinite)
 
 
-def _mismatch(optimizer, params, num_shards: int, specs, axis_name: str) -> str | None:
+def _with_nan(grads, dims):
+    """`grads` with a NaN in the first element of update 1 of the first leaf that is split (in
+    shard 0), or None if every leaf is replicated (each shard then sees the whole NaN)."""
+    split = [i for i, (g, d) in enumerate(zip(grads, dims)) if d is not None and g[0].size]
+    if not split:
+        return None
+    out = list(grads)
+    out[split[0]] = out[split[0]].copy()
+    out[split[0]][(0,) * out[split[0]].ndim] = np.nan
+    return out
+
+
+def _mismatch(optimizer, params, num_shards: int, specs, axis_name: str,
+              nonfinite: bool) -> str | None:
     leaves, treedef = jax.tree.flatten(params)
     dims = ([None] * len(leaves) if specs is None
             else [spec_dim(s, axis_name) for s in treedef.flatten_up_to(specs)])
@@ -134,15 +164,20 @@ def _mismatch(optimizer, params, num_shards: int, specs, axis_name: str) -> str 
 
     # Params near 1 show a global norm or trust ratio; params of ~1e3 make a weight decay of
     # any usual factor (optax's default 1e-4 too) outweigh rounding, so a per-leaf mask that a
-    # shard sees wrongly shows. The second run reuses the first's compilation.
-    for param_scale in (1.0, 1e3):
+    # shard sees wrongly shows. Later runs reuse the first's compilation.
+    runs = [(1.0, grads, ""), (1e3, grads, "")]
+    # The flat layout's first leaf starts shard 0; per leaf, shard 0 holds index 0 of the split dim.
+    nan_grads = _with_nan(grads, [0] * len(grads) if specs is None else dims) if nonfinite else None
+    if nan_grads is not None:
+        runs.append((1.0, nan_grads, " with a NaN in one gradient element of one shard"))
+    for param_scale, run_grads, note in runs:
         p = [x.astype(dtype) for x, dtype in zip(draw(param_scale), dtypes)]
         with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and int32 counts
             try:
-                whole, sharded = both(p, grads, split(p), split(grads, 1))
+                whole, sharded = both(p, run_grads, split(p), split(run_grads, 1))
             except Exception as err:  # noqa: BLE001  (e.g. a mask tree that a 1-D slice cannot match)
                 jax.jit(lambda p, g: _updates(optimizer, treedef.unflatten(p), treedef.unflatten(g)),
-                        compiler_options=_COMPILER_OPTIONS)(p, grads)  # its own errors raise
+                        compiler_options=_COMPILER_OPTIONS)(p, run_grads)  # its own errors raise
                 cause = " ".join(str(err).split())
                 return (f"running it on one shard's parameters fails: {type(err).__name__}: "
                         f"{cause[:300]}{'...' if len(cause) > 300 else ''}")
@@ -150,7 +185,7 @@ def _mismatch(optimizer, params, num_shards: int, specs, axis_name: str) -> str 
         mismatch = _first_difference(
             [treedef.unflatten([u[i] for u in whole]) for i in range(STEPS)],
             [treedef.unflatten(join([u[:, i] for u in sharded])) for i in range(STEPS)],
-            num_shards, param_scale)
+            num_shards, f"params of size ~{param_scale:g}{note}")
         if mismatch:
             return mismatch
     return None
@@ -188,7 +223,7 @@ def _leaf_split_join(dims, num_shards: int):
     return split, join
 
 
-def _first_difference(whole, sharded, num_shards: int, param_scale: float) -> str | None:
+def _first_difference(whole, sharded, num_shards: int, setting: str) -> str | None:
     for step, (w, s) in enumerate(zip(whole, sharded)):
         for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(w)[0], jax.tree.leaves(s)):
             # f32: 1e-3, not less: a schedule-free optimizer's updates are differences of
@@ -197,6 +232,14 @@ def _first_difference(whole, sharded, num_shards: int, param_scale: float) -> st
             # a mask a 1-D slice gets wrong: a weight decay ~10% of the update at ~1e3).
             rtol = 1e-3 if np.dtype(a.dtype).itemsize >= 4 else 1e-2
             a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            # A NaN gradient leaves NaNs (or infs) in the updates: they must be where the whole
+            # tree's are; the finite rest is compared below.
+            finite_a, finite_b = np.isfinite(a), np.isfinite(b)
+            if np.any(finite_a != finite_b):
+                return (f"on correlated random gradients and {setting}, update {step + 1} of leaf "
+                        f"{jax.tree_util.keystr(path)} has non-finite values in other elements "
+                        f"when each of {num_shards} shards is updated on its own")
+            a, b = np.where(finite_a, a, 0.0), np.where(finite_b, b, 0.0)
             scale = float(np.max(np.abs(a), initial=0.0))
             diff = float(np.max(np.abs(b - a), initial=0.0))  # b broadcasts for replicated leaves
             # Relative to the updates with no absolute floor: a warmup from lr 0 makes them
@@ -204,7 +247,7 @@ def _first_difference(whole, sharded, num_shards: int, param_scale: float) -> st
             # and a floor would pass the differences below it. Updates of exactly 0 (lr 0) must
             # match exactly.
             if not diff <= rtol * scale:
-                return (f"on correlated random gradients and params of size ~{param_scale:g}, update "
+                return (f"on correlated random gradients and {setting}, update "
                         f"{step + 1} of leaf {jax.tree_util.keystr(path)} differs by up to "
                         f"{diff:.3g} (updates up to {scale:.3g}) when each of {num_shards} shards "
                         "is updated on its own")

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from jaxopt_train._trees import leaf_path_diff
 from jaxopt_train._typed_sharding import explicit_sharding
 from jaxopt_train.collectives import ring_all_gather, ring_reduce_scatter
-from jaxopt_train.zero._checks import _check_num_shards
+from jaxopt_train.zero._checks import _check_has_leaves, _check_num_shards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +102,14 @@ class FlatLayout:
 
 
 def make_layout(params, num_shards: int) -> FlatLayout:
-    """The flat layout of `params` (all leaves one floating dtype) over `num_shards` devices."""
+    """The flat layout of `params` (all leaves one floating dtype) over `num_shards` devices.
+
+    Raises:
+      ValueError: for a tree with no leaves, leaves of several or non-floating
+        dtypes, or a `num_shards` that is not a positive int.
+    """
     leaves, treedef = jax.tree.flatten(params)
+    _check_has_leaves(leaves, "params")
     dtypes = {np.dtype(x.dtype) for x in leaves}
     if len(dtypes) != 1 or not jnp.issubdtype(next(iter(dtypes)), jnp.floating):
         raise ValueError(f"ZeRO sharding needs parameters of one floating dtype; got {sorted(map(str, dtypes))} "

@@ -21,6 +21,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxopt_train.collectives import METHODS as ALL_REDUCE_METHODS
 from jaxopt_train.collectives import all_reduce_tree
 from jaxopt_train.collectives._axis import axis_size
 from jaxopt_train.zero._checks import _check, _check_axis_name, _check_num_shards, _mesh_axis_size
@@ -100,10 +101,13 @@ def opt_state_leaf_specs(optimizer: optax.GradientTransformation, opt_state, par
     Every copy of the parameter tree inside the state (Adam's mu and nu) gets
     the parameters' specs; everything else (step counts) stays replicated.
     Copies are found with `optax.tree_utils.tree_map_params` (the optimizer's
-    init run on a placeholder). Only elementwise optimizers (Adam, AdamW, SGD)
-    give the replicated result when each device updates its shard; ones that
-    mix elements across a leaf or the tree (global-norm clipping, factored
-    moments) do not, and the latter are refused here.
+    init run on a placeholder). A copy of `optax.masked` or
+    `optax.multi_transform` holds an `optax.MaskedNode` (no arrays) in place of
+    each parameter its inner optimizer skips; those are kept as they are.
+    Only elementwise optimizers (Adam, AdamW, SGD) give the replicated result
+    when each device updates its shard; ones that mix elements across a leaf or
+    the tree (global-norm clipping, factored moments) do not, and the latter
+    are refused here.
 
     Args:
       optimizer: the optax transformation that built `opt_state`.
@@ -118,13 +122,17 @@ def opt_state_leaf_specs(optimizer: optax.GradientTransformation, opt_state, par
     mismatched = []
 
     def match(leaf, spec, param):
+        if isinstance(leaf, optax.MaskedNode):  # a parameter the inner optimizer skips
+            return leaf
         if tuple(leaf.shape) != tuple(param.shape):
             mismatched.append(f"{tuple(leaf.shape)} vs param {tuple(param.shape)}")
         return spec
 
     try:
+        # MaskedNode is an empty pytree: as a leaf it stands where the params have an array.
         specs = optax.tree_utils.tree_map_params(optimizer, match, opt_state, param_specs, params,
-                                                 transform_non_params=lambda _: P())
+                                                 transform_non_params=lambda _: P(),
+                                                 is_leaf=lambda x: isinstance(x, optax.MaskedNode))
     except (TypeError, AttributeError, ValueError) as err:
         raise ValueError("per-leaf ZeRO could not match the optimizer state to the parameters "
                          f"({type(err).__name__}: {err}); it needs an elementwise optax optimizer "
@@ -166,8 +174,15 @@ def reduce_scatter_leaves(grads, specs, axis_name: str = "data", method: str = "
     Sharded leaves: one `lax.psum_scatter` each, along their spec's dimension.
     Replicated leaves are summed whole, together, by
     `all_reduce_tree(method=method)` (every device then holds the full sum).
-    Raises ValueError like `gather_leaves`.
+
+    Raises:
+      ValueError: like `gather_leaves`, and for a `method` that `all_reduce_tree`
+        does not take (checked even when no leaf is replicated, so that a
+        misspelt method fails on every tree, not only on some).
     """
+    if method not in ALL_REDUCE_METHODS:
+        raise ValueError(f"{method=} must be one of {ALL_REDUCE_METHODS} (the all-reduce of the "
+                         "replicated leaves, see jaxopt_train.collectives.all_reduce_tree)")
     axis_size(axis_name)  # a clear error when the axis is not bound here
     leaves, treedef = jax.tree.flatten(grads)
     dims = [spec_dim(spec, axis_name) for spec in treedef.flatten_up_to(specs)]

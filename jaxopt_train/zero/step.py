@@ -68,8 +68,11 @@ def make_zero_step(loss_fn: Callable, optimizer: optax.GradientTransformation, p
     Raises:
       ValueError: at stages 1 and 3, for an optimizer whose update of slices
         differs from its update of the whole tree (per-leaf masks, global-norm
-        clipping, trust ratios; `elementwise_mismatch` runs it on a small
-        random surrogate of `params` to tell).
+        clipping, trust ratios, a skip of non-finite updates such as
+        `optax.apply_if_finite`, which each slice would decide alone;
+        `elementwise_mismatch(..., nonfinite=True)` runs it on a small random
+        surrogate of `params` to tell). The step applies whatever the
+        optimizer returns: it skips no non-finite step itself.
     """
     _check(stage, method)
     if any(getattr(leaf, "dtype", None) == jnp.bfloat16 for leaf in jax.tree.leaves(params)):
@@ -78,16 +81,18 @@ def make_zero_step(loss_fn: Callable, optimizer: optax.GradientTransformation, p
         optimizer = with_step_count(optimizer)
     n = _mesh_axis_size(mesh, axis_name)
     layout = make_layout(params, n)
-    mismatch = elementwise_mismatch(optimizer, params, n) if stage else None
+    mismatch = elementwise_mismatch(optimizer, params, n, nonfinite=True) if stage else None
     if mismatch:
         raise ValueError(
             f"{stage=} runs the optimizer on each device's 1-D slice of the flattened parameters, "
             "so it must be elementwise with nothing tree-structured: no per-leaf masks or labels "
             "(e.g. AdamW's weight-decay mask, optax.multi_transform), no global-norm clipping, no "
             "per-leaf trust ratios (optax.lamb, optax.lars), no step size summed over the tree "
-            f"(optax.contrib.prodigy); this optimizer is not ({mismatch}). "
+            "(optax.contrib.prodigy), no skip of a non-finite update (optax.apply_if_finite: each "
+            f"slice would skip or apply alone); this optimizer is not ({mismatch}). "
             "Use stage=0, an optimizer without those parts, or the per-leaf layout (the trainer's "
-            "zero=1|3), whose shards keep each leaf's rank and the tree's structure")
+            "zero=1|3), whose shards keep each leaf's rank and the tree's structure and whose step "
+            "skips a non-finite step on every device alike")
     slice_specs = opt_state_specs(optimizer, layout, axis_name)
     param_spec = P(axis_name) if stage == 3 else jax.tree.map(lambda _: P(), params)
     opt_spec = jax.tree.map(lambda _: P(), jax.eval_shape(optimizer.init, params)) if stage == 0 else slice_specs
