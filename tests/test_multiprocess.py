@@ -85,6 +85,10 @@ host = np.arange(16 * 2, dtype=np.float32).reshape(16, 2)
 placed = train_step.place_batch({"x": host}, interleaved, P("data"))["x"]
 for shard in placed.addressable_shards:
     np.testing.assert_array_equal(np.asarray(shard.data), host[shard.index])
+# ZeRO's elementwise check runs on this process's CPU device (it took process 0's everywhere).
+from jaxopt_train.zero import elementwise_mismatch
+import optax
+assert elementwise_mismatch(optax.adam(1e-3), {"w": np.ones((8, 4), np.float32)}, 2) is None
 sys.stdout.write("placement ok\n")
 sys.stdout.flush()
 if process_id == 0:
