@@ -12,8 +12,9 @@ export CUDA_VISIBLE_DEVICES=0 JAX_COMPILATION_CACHE_DIR=/tmp/jcache
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm,temperature.gpu --format=csv > "$R/gpu.txt" 2>&1
 STEP_TAIL=0 step p_steady 170 $PY $GPT1B_TRAIN --matmul pallas --log-every 1 --profile-steps 22:25 --run-dir /tmp/p_steady
 STEP_TAIL=0 step p_slow 120 $PY $GPT1B_TRAIN --matmul pallas --log-every 1 --profile-steps 33:36 --run-dir /tmp/p_slow
-grep -h "s/step" "$R/p_steady.log" | awk '{print $2, $(NF-7), $(NF-6)}' | tr '\n' ';' > "$R/per_step.txt"; echo >> "$R/per_step.txt"
-grep -h "s/step" "$R/p_slow.log" | awk '{print $2, $(NF-7), $(NF-6)}' | tr '\n' ';' >> "$R/per_step.txt"
+for f in p_steady p_slow; do
+  echo "$f: $(grep -o "^step [0-9]*\|[0-9.]* s/step" "$R/$f.log" | paste -sd' ' | sed 's/ s\/step//g')" >> "$R/per_step.txt"
+done
 cat "$R/per_step.txt"
 STEP_TAIL=40 step kt 90 $PY -m jaxopt_train.runtime.kernel_time /tmp/p_steady/profile --steps 3 \
   --against /tmp/p_slow/profile --top 25 --json "$R/kt.json"
