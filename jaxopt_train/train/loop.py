@@ -490,11 +490,10 @@ def _collector_frozen():
     generation-2 pass walked all of it: one step in 40 of gpt-1b took 0.28-0.40 s instead
     of 0.09 s under --matmul pallas, and 0.15 s under xla (H200; BENCHMARKS.md, thirty-third
     session). Frozen, those passes take ~20 ms. Unfrozen at the end, so a process that
-    trains again collects what this run left behind; a process that froze objects itself
-    is left as it is."""
-    if gc.get_freeze_count():
-        yield
-        return
+    trains again collects what this run left behind. Freezing is only a hint to the
+    collector, so it is done whatever was frozen before (Python 3.12 on the GPU machine
+    starts with 375 objects frozen), and the end unfreezes all of it (gc has no partial
+    unfreeze; objects still in use stay alive either way)."""
     gc.collect()  # garbage made so far is freed first, not kept frozen for the run
     gc.freeze()
     try:
