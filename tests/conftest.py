@@ -71,3 +71,14 @@ def cpu_devices():
     devices = jax.devices("cpu")
     assert len(devices) == 8, f"expected 8 emulated CPU devices, got {len(devices)}"
     return devices
+
+
+@pytest.fixture
+def private_autotune_cache(tmp_path, monkeypatch):
+    """An empty autotune cache in the test's own directory (and no entries read before)."""
+    from jaxopt_train.kernels import autotune_cache  # noqa: PLC0415
+
+    monkeypatch.setenv("JAXOPT_TRAIN_CACHE_DIR", str(tmp_path))
+    autotune_cache._loaded.clear()
+    yield tmp_path
+    autotune_cache._loaded.clear()

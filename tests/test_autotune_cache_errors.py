@@ -29,11 +29,8 @@ CANDIDATES = '[{"block_m": 16, "block_n": 16, "block_k": 16, "num_stages": 1}]'
 
 
 @pytest.fixture(autouse=True)
-def _private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("JAXOPT_TRAIN_CACHE_DIR", str(tmp_path))
-    autotune_mod._loaded.clear()
-    yield
-    autotune_mod._loaded.clear()
+def _private_cache(private_autotune_cache):
+    """Every test sees an empty autotune cache in its own directory (conftest)."""
 
 
 def _store(m=64, n=64, k=64, config=SMALL):

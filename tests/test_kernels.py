@@ -31,10 +31,8 @@ TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3, jnp.float32: 1e-2}
 
 
 @pytest.fixture(autouse=True)
-def _private_cache(tmp_path, monkeypatch):
-    """Every test sees an empty autotune cache in its own directory."""
-    monkeypatch.setenv("JAXOPT_TRAIN_CACHE_DIR", str(tmp_path))
-    autotune_mod._loaded.clear()
+def _private_cache(private_autotune_cache):
+    """Every test sees an empty autotune cache in its own directory (conftest)."""
 
 
 def _operands(shape_a, k, n, dtype, seed=0):

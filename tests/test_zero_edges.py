@@ -8,6 +8,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_zero import _flat_mask_loss, _flat_mask_problem
 
 from jaxopt_train.collectives import METHODS as ALL_REDUCE_METHODS
 from jaxopt_train.zero import (elementwise_mismatch, gather_leaves, leaf_specs, make_layout,
@@ -102,39 +103,25 @@ def test_opt_state_leaf_specs_keeps_masked_nodes_and_still_checks_shapes():
 
 # A skip of non-finite updates, decided per shard, on the flat layout -----------------------
 
-def _flat_problem():
-    rng = np.random.default_rng(0)
-    params = {"w": jnp.asarray(rng.normal(size=(8, 4)), jnp.float32),
-              "b": jnp.asarray(rng.normal(size=(4,)), jnp.float32)}
-    batch = (jnp.asarray(rng.normal(size=(16, 8)), jnp.float32),
-             jnp.asarray(rng.normal(size=(16, 4)), jnp.float32))
-    return params, batch
-
-
-def _flat_loss(params, batch):
-    x, y = batch
-    return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
-
-
 @pytest.mark.parametrize("stage", [1, 3])
 def test_flat_stages_refuse_apply_if_finite_with_the_fix(stage):
     """Before: accepted. Each device decided finiteness on its own slice: with a NaN gradient
     in one slice that device skipped the step and the others applied it, so the params parted
     from the replicated run's (which skips the whole step)."""
-    params, _ = _flat_problem()
+    params, _ = _flat_mask_problem()
     tx = optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=3)
     with pytest.raises(ValueError, match=rf"stage={stage} runs the optimizer on each device's 1-D "
                                          r"slice.*optax.apply_if_finite.*NaN in one gradient element "
                                          r"of one shard.*Use stage=0.*per-leaf layout.*skips a "
                                          r"non-finite step on every device alike"):
-        make_zero_step(_flat_loss, tx, params, _mesh(N), stage=stage, method="psum")
+        make_zero_step(_flat_mask_loss, tx, params, _mesh(N), stage=stage, method="psum")
 
 
 def test_flat_stage_0_skips_a_nan_step_with_apply_if_finite():
-    params, batch = _flat_problem()
+    params, batch = _flat_mask_problem()
     tx = optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=3)
     mesh = _mesh(N)
-    zero = make_zero_step(_flat_loss, tx, params, mesh, stage=0, method="psum")
+    zero = make_zero_step(_flat_mask_loss, tx, params, mesh, stage=0, method="psum")
     x, y = np.array(batch[0]), batch[1]
     x[0, 0] = np.nan  # only the first device's rows
     state = zero.init(params)
