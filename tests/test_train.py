@@ -676,3 +676,27 @@ def test_the_step_loop_runs_with_the_collector_frozen_and_unfreezes_after(tmp_pa
         gc.unfreeze()
     assert len(seen) == TINY_RUN["steps"] and min(seen) > before + 1000  # the compiled step's
     assert after == 0
+
+
+def test_frozen_collector_frees_garbage_first_and_unfreezes_on_exit():
+    import gc
+    import weakref
+
+    from jaxopt_train.runtime import frozen_collector
+
+    class Node:
+        pass
+
+    cycle = Node()
+    cycle.self = cycle  # garbage only the cyclic collector frees
+    dead = weakref.ref(cycle)
+    del cycle
+    with frozen_collector():
+        assert dead() is None  # collected on entry, not frozen for the run
+        assert gc.get_freeze_count() > 0
+        frozen = gc.get_freeze_count()
+        with pytest.raises(ZeroDivisionError):
+            with frozen_collector():
+                1 / 0  # noqa: B018
+        assert gc.get_freeze_count() >= frozen  # a nested exit leaves the outer block frozen
+    assert gc.get_freeze_count() == 0

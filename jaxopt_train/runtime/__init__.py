@@ -1,5 +1,7 @@
-"""Runtime tooling: memory limits and checks, XLA flag presets, doctor, GPU monitor, sinks."""
+"""Runtime tooling: memory limits and checks, XLA flag presets, doctor, GPU monitor, sinks,
+the garbage collector frozen for a training loop."""
 
+from jaxopt_train.runtime.collector import frozen_collector as frozen_collector
 from jaxopt_train.runtime.kernel_time import KernelTime as KernelTime
 from jaxopt_train.runtime.kernel_time import kernel_times as kernel_times
 from jaxopt_train.runtime.memory import FitReport as FitReport

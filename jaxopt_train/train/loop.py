@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import itertools
 import json
 import math
@@ -29,6 +28,7 @@ import jaxopt_train.train.mfu as mfu_lib
 from jaxopt_train.train.checkpoint import (Checkpointer, RunDirError, clear_run_dir,
                                            prepare_run_dir)
 from jaxopt_train.train import resume
+from jaxopt_train.runtime.collector import frozen_collector
 from jaxopt_train.train.config import TrainConfig
 from jaxopt_train.train.metrics import MetricsLogger, open_prometheus_sink, peak_memory_bytes
 from jaxopt_train.train.remat_search import build_fitting_run
@@ -337,7 +337,8 @@ def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run
             config_written = True
 
     try:
-        with StopSignal() as stop, _collector_frozen():
+        # After compiling: the collector skips the compiled step's objects (runtime/collector.py).
+        with StopSignal() as stop, frozen_collector():
             agreement = StopAgreement(list(trainer.mesh.devices.flat))
             interval = _Interval()
             while step < target:
@@ -479,27 +480,6 @@ def _start_monitor():
     monitor = GPUMonitor(interval_s=1.0)
     monitor.start()
     return monitor if monitor.enabled else None
-
-
-@contextlib.contextmanager
-def _collector_frozen():
-    """Python's cyclic garbage collector skips what is alive when the step loop starts.
-
-    That is the compiled step's whole Python side (jaxprs, lowering objects: ~600,000
-    tracked objects for gpt-1b with --matmul pallas), alive for the run anyway. Each
-    generation-2 pass walked all of it: one step in 40 of gpt-1b took 0.28-0.40 s instead
-    of 0.09 s under --matmul pallas, and 0.15 s under xla (H200; BENCHMARKS.md, thirty-third
-    session). Frozen, those passes take ~20 ms. Unfrozen at the end, so a process that
-    trains again collects what this run left behind. Freezing is only a hint to the
-    collector, so it is done whatever was frozen before (Python 3.12 on the GPU machine
-    starts with 375 objects frozen), and the end unfreezes all of it (gc has no partial
-    unfreeze; objects still in use stay alive either way)."""
-    gc.collect()  # garbage made so far is freed first, not kept frozen for the run
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def _make_profiler(cfg: TrainConfig, run_dir: str):
