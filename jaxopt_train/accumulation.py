@@ -365,7 +365,9 @@ def multi_steps(optimizer, every_k: int, *, skip_non_finite: bool = True):
     micro-batch); the inner optimizer steps on the mean gradient every
     `every_k` calls and the returned updates are zero in between. Follow the
     loss-scale convention: pass `loss_scale.unscale(grads)` and call
-    `loss_scale.adjust(all_finite(grads))` per micro-step. With
+    `loss_scale.adjust(all_finite(grads))` per micro-step (so a
+    `DynamicLossScale`'s `growth_interval` counts micro-steps: 2000 is
+    2000 / every_k optimizer steps). With
     `skip_non_finite` a micro-step with inf/nan gradients is dropped (not
     accumulated, not counted toward `every_k`; params and the state's
     accumulators stay unchanged). The state's `mini_step` is 0 right after

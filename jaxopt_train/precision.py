@@ -339,7 +339,8 @@ def _cast_like(tree, reference, passed: dict | None = None):
 
 
 def loss_scale_for(policy: str | Policy) -> LossScale:
-    """DynamicLossScale() when the policy computes in float16, else NoOpLossScale()."""
+    """DynamicLossScale() when any of the policy's dtypes is float16 (its gradients then pass
+    through float16: `Policy.needs_loss_scale`), else NoOpLossScale()."""
     return DynamicLossScale() if get_policy(policy).needs_loss_scale else NoOpLossScale()
 
 
