@@ -8,6 +8,7 @@ against a second compile of the trainer itself.
 """
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -25,6 +26,7 @@ from flax import nnx
 from jaxopt_train.data.text import load_text_corpus
 from jaxopt_train.models import GPT, get_gpt_config
 from jaxopt_train.train import NonFiniteError, RunDirError, TrainConfig, Trainer, train
+from jaxopt_train.train import train as train_run
 from jaxopt_train.train import loop as loop_lib
 from jaxopt_train.train.checkpoint import existing_checkpoint_steps
 from jaxopt_train.runtime import read_jsonl
@@ -83,7 +85,9 @@ def test_gpt_learns_well_below_unigram_entropy(tmp_path, capsys):
     assert sorted(os.listdir(os.path.join(result.run_dir, "checkpoints"))) == ["100", "200"]
 
 
-def test_resume_matches_uninterrupted_run(tmp_path):
+def test_resume_matches_uninterrupted_run(tmp_path, cpu_devices):
+    # The 8 CPU devices also on a GPU machine: the resume is checked sharded.
+    train = functools.partial(train_run, devices=cpu_devices)
     full = train(_tiny(tmp_path, "full"))
     assert full.step == 8 and full.trainer.num_devices == 8
     full_records = read_jsonl(os.path.join(full.run_dir, "metrics.jsonl"))
@@ -362,7 +366,13 @@ def _token_batches(steps, batch):
 
 @pytest.fixture(scope="module")
 def gpt_sgd_reference():
-    """Batches and the params after each of 3 full-batch SGD steps, by plain jax.jit(jax.grad)."""
+    """Batches and the params after each of 3 full-batch SGD steps, by plain jax.jit(jax.grad),
+    on the CPU as the trainers below (a GPU's default TF32 dots would miss their tolerance)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        return _gpt_sgd_reference()
+
+
+def _gpt_sgd_reference():
     graphdef, params = nnx.split(_tiny_gpt())
 
     @jax.jit
@@ -381,7 +391,8 @@ def gpt_sgd_reference():
 
 def test_data_parallel_8_devices_matches_full_batch_reference(gpt_sgd_reference):
     batches, trajectory, losses = gpt_sgd_reference
-    trainer = Trainer(_tiny_gpt(), gpt_loss_fn, optimizer=optax.sgd(0.5), microbatches=2)
+    trainer = Trainer(_tiny_gpt(), gpt_loss_fn, optimizer=optax.sgd(0.5), microbatches=2,
+                      devices=jax.devices("cpu"))
     assert trainer.num_devices == 8 and trainer.state.grad_error is None
     for batch, expected_loss in zip(batches, losses):
         np.testing.assert_allclose(trainer.step(batch)["loss"], [expected_loss], rtol=1e-5)
@@ -394,7 +405,7 @@ def test_data_parallel_8_devices_matches_full_batch_reference(gpt_sgd_reference)
 def test_int8_compression_with_error_feedback_stays_close(gpt_sgd_reference):
     batches, trajectory, _ = gpt_sgd_reference
     trainer = Trainer(_tiny_gpt(), gpt_loss_fn, optimizer=optax.sgd(0.5), microbatches=2,
-                      grad_compression="int8")
+                      grad_compression="int8", devices=jax.devices("cpu"))
     errors = []
     for batch in batches:
         assert bool(trainer.step(batch)["finite"][0])
@@ -564,8 +575,9 @@ def test_linen_module_trains():
     assert trainer.evaluate(batch) < first
 
 
-def test_bf16_gradients_and_optimizer_state_follow_the_reference_sgd_step():
-    """grad_dtype='compute': gradients w.r.t. the bf16 copy, all-reduced in bf16, then widened."""
+def test_bf16_gradients_and_optimizer_state_follow_the_reference_sgd_step(cpu_devices):
+    """grad_dtype='compute': gradients w.r.t. the bf16 copy, all-reduced in bf16, then widened.
+    On the 8 CPU devices also on a GPU machine (one GPU has no all-reduce to check)."""
     x = np.random.default_rng(2).normal(size=(16, 4)).astype(np.float32)
     batch = {"x": x, "y": x.sum(1, keepdims=True)}
     model = _MLP(nnx.Rngs(0))
@@ -574,10 +586,11 @@ def test_bf16_gradients_and_optimizer_state_follow_the_reference_sgd_step():
     def reference_loss(p):  # full batch, f32: what the bf16 step approximates
         return _mse(nnx.merge(graphdef, p), batch)
 
-    grads = jax.jit(jax.grad(reference_loss))(params)
-    expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    with jax.default_device(cpu_devices[0]):
+        grads = jax.jit(jax.grad(reference_loss))(params)
+        expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
     trainer = Trainer(model, _mse, precision="bf16", optimizer=optax.sgd(0.1), grad_dtype="compute",
-                      opt_state_dtype="bf16")
+                      opt_state_dtype="bf16", devices=cpu_devices)
     assert trainer.num_devices == 8
     trainer.step(batch)
     # bf16 forward/backward: ~3 significant digits per gradient entry.
@@ -602,7 +615,7 @@ def test_grad_and_state_dtype_bad_values(kwargs, match):
 
 
 @pytest.mark.parametrize("zero", [0, 1])
-def test_fp16_gradients_are_divided_by_the_devices_before_their_sum(zero):
+def test_fp16_gradients_are_divided_by_the_devices_before_their_sum(zero, cpu_devices):
     """fp16 gradients w.r.t. the fp16 compute copy (grad_dtype="compute") meet in one
     cross-device sum. Each device's loss-scaled bias gradient here is 20,000 (finite in
     fp16); the sum of 8 passed 65,504, so every step was skipped as non-finite (and the
@@ -614,7 +627,8 @@ def test_fp16_gradients_are_divided_by_the_devices_before_their_sum(zero):
     c = 20_000 / scale
     model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
     trainer = Trainer(model, lambda m, b: jnp.mean(m(b["x"]).astype(jnp.float32)) * c,
-                      precision="fp16", grad_dtype="compute", optimizer=optax.sgd(1e-3), zero=zero)
+                      precision="fp16", grad_dtype="compute", optimizer=optax.sgd(1e-3), zero=zero,
+                      devices=cpu_devices)  # 8 devices also on a GPU machine
     assert trainer.mesh.shape["data"] == 8
     bias = float(np.asarray(trainer.params["bias"])[0])
     metrics = trainer.step({"x": np.full((16, 4), 0.5, np.float32)})
