@@ -205,3 +205,35 @@ def test_a_signal_on_one_process_stops_every_process_at_one_step(tmp_path):
     # process 1 would have stopped on its own.
     assert lines == [["stopped step=5 interrupted=True"]] * 2, outputs
     assert existing_checkpoint_steps(run_dir) == [5]
+
+
+def test_the_train_cli_joins_a_two_process_job_from_its_flags(tmp_path):
+    """`jaxopt-train train` had no way to call jax.distributed.initialize(): a multi-host run
+    needed a Python script of one's own. --coordinator/--num-processes/--process-id join."""
+    from jaxopt_train.runtime import read_jsonl
+
+    run_dir, port = str(tmp_path / "run"), str(_free_port())
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONUNBUFFERED": "1",
+           "JAX_NUM_CPU_DEVICES": "1"}
+    argv = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--distributed-timeout", "30",
+            "--steps", "4", "--batch-size", "4", "--seq-len", "16", "--model", "d_model=16",
+            "--model", "n_layers=1", "--model", "n_heads=2", "--log-every", "2", "--eval-every", "0",
+            "--eval-batches", "1", "--checkpoint-every", "0", "--progress", "lines", "--run-dir", run_dir]
+    procs = [subprocess.Popen([sys.executable, "-m", "jaxopt_train.train.cli", *argv, "--process-id", str(i)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append((proc.communicate(timeout=150)[0], proc.returncode))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail("the two-process CLI run hung")
+    done = []
+    for i, (output, rc) in enumerate(outputs):
+        assert rc == 0, output[-3000:]
+        assert f"process {i} of 2 (jax.distributed)" in output
+        done += [line for line in output.splitlines() if line.startswith("done: 4 steps")]
+    assert len(done) == 2 and done[0] == done[1]  # the same eval loss on both processes
+    assert [r["step"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))] == [2, 4]

@@ -411,3 +411,40 @@ def test_a_run_saved_with_seq_len_none_resumes_under_the_presets_length(tmp_path
     resume.check_resume_shape(str(tmp_path), dataclasses.replace(cfg, seq_len=None), OldCheckpoint())
     with pytest.raises(resume.RunDirError, match="seq_len: saved 128, now 64"):
         resume.check_resume_shape(str(tmp_path), dataclasses.replace(cfg, seq_len=64), OldCheckpoint())
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--coordinator", "10.0.0.1:1234"],
+     "--coordinator given without --num-processes, --process-id: give all three"),
+    (["--num-processes", "2", "--process-id", "0"], "given without --coordinator"),
+    (["--coordinator", "10.0.0.1", "--num-processes", "2", "--process-id", "0"],
+     "--coordinator 10.0.0.1: expected HOST:PORT"),
+    (["--coordinator", "h:70000", "--num-processes", "2", "--process-id", "0"], "expected HOST:PORT"),
+    (["--coordinator", "h:1234", "--num-processes", "0", "--process-id", "0"],
+     "--num-processes 0: expected a count >= 1"),
+    (["--coordinator", "h:1234", "--num-processes", "2", "--process-id", "2"],
+     "--process-id 2: expected 0 .. 1 (--num-processes 2)"),
+    (["--distributed", "--distributed-timeout", "0"], "--distributed-timeout 0: expected seconds >= 1"),
+    # Here the backend runs already (and no job is detected): refused, not ignored.
+    (["--distributed"], "--distributed: jax.distributed.initialize() failed"),
+])
+def test_bad_multi_host_flags_exit_2_naming_them(argv, needle, capsys):
+    """The CLI had no way to join a multi-host job: the README told users to call
+    jax.distributed.initialize(), which `jaxopt-train train` gave them no place to do."""
+    jax.devices()  # as in any test here: a started backend must make --distributed fail loudly
+    with pytest.raises(SystemExit) as exc:
+        cli.apply_distributed(argv)
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_no_multi_host_flag_leaves_jax_distributed_alone(monkeypatch):
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    cli.apply_distributed(["--steps", "2"])
+    assert calls == []
+    cli.apply_distributed(["--coordinator", "h:1234", "--num-processes", "4", "--process-id", "3",
+                           "--distributed-timeout", "30"])
+    assert calls == [dict(coordinator_address="h:1234", num_processes=4, process_id=3,
+                          initialization_timeout=30)]
+    assert "distributed" not in {f.name for f in dataclasses.fields(TrainConfig)}  # not saved

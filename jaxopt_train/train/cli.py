@@ -131,6 +131,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap each GPU's memory pool at SIZE (e.g. 16GiB, or 0.5 for half the "
                         "GPU), reserved at start-up as one region, as on a GPU of that size "
                         "(runtime.limit_memory)")
+    # Settings of this process too (not saved): which process of a multi-host job it is.
+    h = p.add_argument_group(
+        "multi-host (jax.distributed)",
+        "start one process per host (or per GPU); every process gets the same flags but its "
+        "own --process-id")
+    h.add_argument("--distributed", action="store_true",
+                   help="call jax.distributed.initialize() first; alone, JAX detects the job "
+                        "(SLURM srun, Open MPI mpirun, ...)")
+    h.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="process 0's address; with --num-processes and --process-id (implies "
+                        "--distributed)")
+    h.add_argument("--num-processes", type=int, default=None, metavar="N",
+                   help="how many processes the job has")
+    h.add_argument("--process-id", type=int, default=None, metavar="I", help="0 .. N-1")
+    h.add_argument("--distributed-timeout", type=int, default=300, metavar="SECONDS",
+                   help="how long to wait for every process to join (default %(default)s)")
     return p
 
 
@@ -276,9 +292,52 @@ def _no_gpu_note() -> str:
     return " (no NVIDIA GPU found: the cap has no effect on this machine)"
 
 
+def apply_distributed(argv: list[str] | None = None) -> None:
+    """--distributed (or --coordinator, --num-processes and --process-id) in argv: joins the
+    job with jax.distributed.initialize() before the backend starts, or exits 2 saying why
+    not. Call it before anything that starts the backend, after apply_memory_limit."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    explicit = {"--coordinator": args.coordinator, "--num-processes": args.num_processes,
+                "--process-id": args.process_id}
+    given = [flag for flag, value in explicit.items() if value is not None]
+    if not given and not args.distributed:
+        return
+    if given and len(given) < len(explicit):
+        missing = [flag for flag in explicit if flag not in given]
+        parser.error(f"{', '.join(given)} given without {', '.join(missing)}: give all three, or "
+                     "none with --distributed (JAX then detects the job: SLURM, Open MPI)")
+    kwargs: dict = {"initialization_timeout": args.distributed_timeout}
+    if args.distributed_timeout < 1:
+        parser.error(f"--distributed-timeout {args.distributed_timeout}: expected seconds >= 1")
+    if given:
+        host, sep, port = args.coordinator.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            parser.error(f"--coordinator {args.coordinator}: expected HOST:PORT, e.g. "
+                         "10.0.0.1:1234")
+        if args.num_processes < 1:
+            parser.error(f"--num-processes {args.num_processes}: expected a count >= 1")
+        if not 0 <= args.process_id < args.num_processes:
+            parser.error(f"--process-id {args.process_id}: expected 0 .. {args.num_processes - 1} "
+                         f"(--num-processes {args.num_processes})")
+        kwargs.update(coordinator_address=args.coordinator, num_processes=args.num_processes,
+                      process_id=args.process_id)
+    import jax  # noqa: PLC0415
+
+    try:
+        jax.distributed.initialize(**kwargs)
+    except (RuntimeError, ValueError) as err:  # no job detected, started backend, bad address
+        hint = ("" if given else "; no SLURM or Open MPI job was detected: pass --coordinator, "
+                "--num-processes and --process-id")
+        parser.error(f"--distributed: jax.distributed.initialize() failed: {err}{hint}")
+    print(f"jaxopt-train train: process {jax.process_index()} of {jax.process_count()} "
+          "(jax.distributed)", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `jaxopt-train train`; returns the exit status."""
     apply_memory_limit(argv)
+    apply_distributed(argv)
     cfg = config_from_args(argv)
     from jaxopt_train.train.checkpoint import RunDirError  # noqa: PLC0415
     from jaxopt_train.train.loop import NonFiniteError, train  # noqa: PLC0415
