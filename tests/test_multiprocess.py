@@ -207,11 +207,9 @@ def test_a_signal_on_one_process_stops_every_process_at_one_step(tmp_path):
     assert existing_checkpoint_steps(run_dir) == [5]
 
 
-def test_the_train_cli_joins_a_two_process_job_from_its_flags(tmp_path):
-    """`jaxopt-train train` had no way to call jax.distributed.initialize(): a multi-host run
-    needed a Python script of one's own. --coordinator/--num-processes/--process-id join."""
-    from jaxopt_train.runtime import read_jsonl
-
+def _cli_job(tmp_path, per_process=((), ())):
+    """Runs `jaxopt-train train` as a two-process job (1 CPU device each) on one tiny run;
+    `per_process[i]` are extra flags of process i. Returns [(output, returncode)], run_dir."""
     run_dir, port = str(tmp_path / "run"), str(_free_port())
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONUNBUFFERED": "1",
            "JAX_NUM_CPU_DEVICES": "1"}
@@ -219,7 +217,8 @@ def test_the_train_cli_joins_a_two_process_job_from_its_flags(tmp_path):
             "--steps", "4", "--batch-size", "4", "--seq-len", "16", "--model", "d_model=16",
             "--model", "n_layers=1", "--model", "n_heads=2", "--log-every", "2", "--eval-every", "0",
             "--eval-batches", "1", "--checkpoint-every", "0", "--progress", "lines", "--run-dir", run_dir]
-    procs = [subprocess.Popen([sys.executable, "-m", "jaxopt_train.train.cli", *argv, "--process-id", str(i)],
+    procs = [subprocess.Popen([sys.executable, "-m", "jaxopt_train.train.cli", *argv, "--process-id", str(i),
+                               *per_process[i]],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
     outputs = []
@@ -230,6 +229,15 @@ def test_the_train_cli_joins_a_two_process_job_from_its_flags(tmp_path):
             for p in procs:
                 p.kill()
             pytest.fail("the two-process CLI run hung")
+    return outputs, run_dir
+
+
+def test_the_train_cli_joins_a_two_process_job_from_its_flags(tmp_path):
+    """`jaxopt-train train` had no way to call jax.distributed.initialize(): a multi-host run
+    needed a Python script of one's own. --coordinator/--num-processes/--process-id join."""
+    from jaxopt_train.runtime import read_jsonl
+
+    outputs, run_dir = _cli_job(tmp_path)
     done = []
     for i, (output, rc) in enumerate(outputs):
         assert rc == 0, output[-3000:]
@@ -237,3 +245,13 @@ def test_the_train_cli_joins_a_two_process_job_from_its_flags(tmp_path):
         done += [line for line in output.splitlines() if line.startswith("done: 4 steps")]
     assert len(done) == 2 and done[0] == done[1]  # the same eval loss on both processes
     assert [r["step"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))] == [2, 4]
+
+
+def test_processes_that_build_different_batches_all_stop_before_training(tmp_path):
+    """Each process builds the whole global batch and keeps its own rows: with another --seed
+    (or data file) on one host the job trained, without an error, on rows of two data orders."""
+    outputs, _ = _cli_job(tmp_path, per_process=((), ("--seed", "1")))
+    for output, rc in outputs:
+        assert rc == 2, output[-3000:]  # both: process 0 must not wait in the first all-reduce
+        assert "process(es) [1] built another batch 0 than process 0" in output
+        assert "step 2 |" not in output

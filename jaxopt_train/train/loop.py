@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import itertools
 import json
 import math
@@ -154,6 +155,31 @@ def dispatch_batch(task: Task, step: int, steps_per_dispatch: int) -> dict[str, 
     return {key: np.stack([b[key] for b in batches]) for key in batches[0]}
 
 
+def _check_same_data(task: Task, step: int) -> None:
+    """Raises ValueError on every process when the processes of a job build different
+    global batches at `step` (another --data file, its contents, or --seed on one host).
+
+    Each process builds the whole global batch and puts its own rows on its devices, so
+    such a job trained without an error on rows no single data set holds. A digest of the
+    batch is gathered from every process, so all of them stop, not only the odd one out
+    (which would leave the others waiting in the first all-reduce)."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(task.train_batch(step)):
+        digest.update(np.ascontiguousarray(leaf).tobytes())
+    digests = np.asarray(multihost_utils.process_allgather(
+        np.frombuffer(digest.digest(), np.uint8)))
+    differ = [i for i in range(len(digests)) if not np.array_equal(digests[i], digests[0])]
+    if differ:
+        raise ValueError(
+            f"process(es) {differ} built another batch {step} than process 0: every process "
+            "must read the same data (the same --data file and contents, the same "
+            "--token-dtype) with the same --seed")
+
+
 def _evaluate(trainer: Trainer, task: Task, batches: int) -> float:
     """Mean loss over `batches` eval batches (equal sizes, so the mean of their means).
 
@@ -228,6 +254,7 @@ def train(config: TrainConfig, *, until_step: int | None = None, devices=None,
             resume.check_steps_left(ckpt.latest_step(), target, cfg.steps, ckpt.directory)
         outputs = _open_flag_outputs(cfg, run_dir)  # as fast, and before anything is written
         cfg, task, trainer, _ = build_fitting_run(cfg, devices)  # resolves remat="auto"
+        _check_same_data(task, 0)
         if cfg.resume:  # the classifier's width is known once the data is read
             resume.check_resume_shape(run_dir, cfg, ckpt, classes=task.classes)
         if not cfg.resume and not trainer.compiled:
