@@ -104,6 +104,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _communicate_all(procs, timeout: float, what: str) -> list[tuple[str, int]]:
+    """[(output, returncode)] of each process; all are killed and the test fails if one runs
+    past `timeout` seconds (counted for each in turn, as the processes run together)."""
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append((proc.communicate(timeout=timeout)[0], proc.returncode))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail(f"{what} hung")
+    return outputs
+
+
 def _launch(tmp_path, mode: str, timeout: float):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -188,14 +202,7 @@ def test_a_signal_on_one_process_stops_every_process_at_one_step(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONUNBUFFERED": "1"}
     procs = [subprocess.Popen([sys.executable, str(script), str(i), port, run_dir], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    outputs = []
-    for proc in procs:
-        try:
-            outputs.append((proc.communicate(timeout=150)[0], proc.returncode))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail("two-process training hung after a signal")
+    outputs = _communicate_all(procs, 150, "two-process training after a signal")
     lines = []
     for output, rc in outputs:
         assert rc == 0, output[-3000:]
@@ -221,15 +228,7 @@ def _cli_job(tmp_path, per_process=((), ())):
                                *per_process[i]],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
-    outputs = []
-    for proc in procs:
-        try:
-            outputs.append((proc.communicate(timeout=150)[0], proc.returncode))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail("the two-process CLI run hung")
-    return outputs, run_dir
+    return _communicate_all(procs, 150, "the two-process CLI run"), run_dir
 
 
 def test_the_train_cli_joins_a_two_process_job_from_its_flags(tmp_path):
