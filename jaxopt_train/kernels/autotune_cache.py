@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import operator
 import os
 import pathlib
 import time
@@ -223,16 +222,11 @@ def _unused_name(path: pathlib.Path) -> pathlib.Path:
 
 def _dims(m, n, k) -> tuple[int, int, int]:
     """(m, n, k) as Python ints (JSON cannot write numpy's), each checked positive."""
-    try:
-        if any(isinstance(d, (bool, np.bool_)) for d in (m, n, k)):
-            raise TypeError
-        dims = tuple(operator.index(d) for d in (m, n, k))
-    except TypeError:
-        dims = None
-    if dims is None or min(dims) < 1:
+    # bool is an int, and np.bool_ is not an np.integer: both refused by these two tests.
+    if any(not isinstance(d, (int, np.integer)) or isinstance(d, bool) or d < 1 for d in (m, n, k)):
         raise ValueError(f"m, n, k must be positive ints (numpy ints are taken); got "
                          f"{(m, n, k)=}")
-    return dims
+    return int(m), int(n), int(k)
 
 
 def store(backend: str, device_kind: str, m: int, n: int, k: int, dtype, config: MatmulConfig,
