@@ -460,8 +460,15 @@ def test_pallas_matmul_trains_like_xla_inside_shard_map():
             batch = pallas_task.train_batch(step)
             trainer.step(batch)
             params = reference_step(params, batch)
-    # bf16 operands either way; the kernels accumulate in f32 where XLA:CPU may round differently.
-    _assert_trees_close(trainer.params, params, rtol=2e-2, atol=2e-3)
+    # bf16 operands either way, and both accumulate in f32, but in another order: one bf16 ulp
+    # of a gradient is 2e-3 of a parameter at lr 0.5, too coarse for an elementwise tolerance
+    # (on the H200 one bias moved 0.0488 against XLA's 0.0527). So each leaf's update is
+    # compared as a whole: 3e-3..7e-3 relative on CPU, where a mis-wired dA/dB or a dropped
+    # batch shard is O(1).
+    for got, want, init in zip(*map(jax.tree.leaves, (trainer.params, params, xla_fns.params))):
+        got, want, init = (np.asarray(x, np.float64) for x in (got, want, init))
+        error = np.linalg.norm((got - init) - (want - init)) / np.linalg.norm(want - init)
+        assert error < 3e-2, (got.shape, error)
     moved = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
                 for a, b in zip(jax.tree.leaves(trainer.params), jax.tree.leaves(xla_fns.params)))
     assert moved > 1e-2  # the comparison is not between two untouched inits
