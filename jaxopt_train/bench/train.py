@@ -26,7 +26,8 @@ Timing: warm up (`--warmup` dispatches, then on until `--warmup-s` seconds
 have passed: 15 by default, because a power-capped GPU slows for its first
 seconds under load and bursts timed then run a few percent fast), then bursts
 of back-to-back dispatches with one sync per burst (median burst),
-compilation excluded. A separate trace pass syncs per
+compilation excluded, the garbage collector frozen after compiling
+(`runtime.frozen_collector`). A separate trace pass syncs per
 dispatch for the per-step memory/throughput plot. XLA flags are process-wide:
 every config here runs under them (compare runs with `--xla-preset none`).
 With more than one device the configs run data-parallel and the optimised one
@@ -272,6 +273,7 @@ class Bench:
     def measure(self, run, workload=None, devices=None, runner=None, peak_window=None):
         from jaxopt_train.bench import _timing, train_report, train_steps  # noqa: PLC0415
         from jaxopt_train.bench.plain import PlainRun  # noqa: PLC0415
+        from jaxopt_train.runtime.collector import frozen_collector  # noqa: PLC0415
 
         workload = workload or self.workload
         devices = devices or self.devices
@@ -288,12 +290,16 @@ class Bench:
         # in every memory sample, the swing and the peak.
         state = _timing.Handoff(runner.state)
         runner.state = None
-        state = _timing.warm_up(runner.step, state, self.args.warmup, self.args.warmup_s)
-        with _timing.gpu_clocks(devices) as clocks:
-            state, timing = _timing.time_bursts(runner.step, state, bursts=bursts,
-                                                calls_per_burst=calls, steps_per_call=k)
-        state, trace = _timing.trace_steps(runner.step, state, calls=self.args.trace_steps,
-                                           steps_per_call=k, device=device)
+        # The collector frozen as in the trainer's loop (runtime/collector.py): a generation-2
+        # pass over what the compiled step keeps alive took a gpt-1b step from 0.09 to
+        # 0.28-0.40 s; landing in a burst it skews that burst, in the trace the plot.
+        with frozen_collector():
+            state = _timing.warm_up(runner.step, state, self.args.warmup, self.args.warmup_s)
+            with _timing.gpu_clocks(devices) as clocks:
+                state, timing = _timing.time_bursts(runner.step, state, bursts=bursts,
+                                                    calls_per_burst=calls, steps_per_call=k)
+            state, trace = _timing.trace_steps(runner.step, state, calls=self.args.trace_steps,
+                                               steps_per_call=k, device=device)
         peak = _peak_memory(device, peak_before, in_use_before, runner.compiled)
         del state
         row = train_report.row_figures(
