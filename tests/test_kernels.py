@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from types import SimpleNamespace
 
 import flax.linen as linen
 import jax
@@ -756,6 +757,89 @@ def test_default_configs_by_device_kind():
         configs.default_config("auto", "cpu", 1, 1, 1)
 
 
+_HOPPER_TRITON = configs.SHIPPED_DEFAULTS[("triton", "NVIDIA H200")]
+_KINDS = ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA L4", "Tesla T4",
+          "NVIDIA GeForce RTX 4090")
+_SHAPES = ((64, 64, 64), (512, 512, 4096), (1000, 777, 513), (4096, 1024, 4096),
+           (8192, 8192, 8192), (50304, 2048, 2048))
+
+
+def _fake_gpu(monkeypatch, capability: str, device_kind: str = "NVIDIA A100-SXM4-80GB"):
+    """jax.devices() answers one GPU of `capability` ("8.0"); only platform, device_kind and
+    compute_capability are read by the code under test."""
+    gpu = SimpleNamespace(platform="gpu", device_kind=device_kind, compute_capability=capability)
+    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [gpu])
+
+
+def test_triton_shared_memory_estimate_counts_every_pipeline_stage():
+    hand_computed = 4 * (128 * 64 + 64 * 256) * 2
+    assert configs.triton_shared_memory_bytes(_HOPPER_TRITON) == hand_computed == 196_608
+    three = dataclasses.replace(_HOPPER_TRITON, num_stages=3)
+    assert configs.triton_shared_memory_bytes(three) == 147_456
+    assert configs.triton_shared_memory_bytes(three, itemsize=4) == 2 * 147_456
+
+
+@pytest.mark.parametrize("kind, capability, limit", [
+    ("NVIDIA A100-SXM4-80GB", (8, 0), 166_912),
+    ("NVIDIA L4", (8, 9), 101_376),
+    ("Tesla T4", (7, 5), 65_536),
+])
+def test_triton_default_fits_the_shared_memory_of_a_non_hopper_gpu(kind, capability, limit):
+    """The Hopper tile (196,608 bytes) fell back on every device kind without a shipped tile
+    and failed to compile on an A100 or L4 ("out of resource: shared memory")."""
+    config = configs.default_config("triton", kind, 8192, 8192, 8192,
+                                    compute_capability=capability)
+    assert configs.SHARED_MEMORY_PER_BLOCK[capability] == limit
+    assert configs.triton_shared_memory_bytes(config) <= limit
+    if capability == (8, 0):  # one stage less of the same tile fits first
+        assert config == dataclasses.replace(_HOPPER_TRITON, num_stages=3)
+
+
+@pytest.mark.parametrize("m, n, k", _SHAPES)
+def test_triton_default_on_hopper_and_on_unknown_gpus_is_unchanged(m, n, k):
+    today = _HOPPER_TRITON if max(m, n) > 512 else configs._SMALL_TRITON
+    for kind in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"):
+        assert configs.default_config("triton", kind, m, n, k, compute_capability=(9, 0)) == today
+    for capability in (None, (0, 0), (7, 0), (11, 0)):  # unknown: the tile as before
+        assert configs.default_config("triton", "NVIDIA A100-SXM4-80GB", m, n, k,
+                                      compute_capability=capability) == today
+
+
+def test_every_triton_default_fits_every_known_gpu():
+    for capability, limit in configs.SHARED_MEMORY_PER_BLOCK.items():
+        for kind in _KINDS:
+            for m, n, k in _SHAPES:
+                config = configs.default_config("triton", kind, m, n, k,
+                                                compute_capability=capability)
+                assert configs.triton_shared_memory_bytes(config) <= limit, (capability, kind, m, n)
+
+
+@pytest.mark.parametrize("backend", ["mosaic_gpu", "pallas_tpu", "interpret", "xla"])
+def test_compute_capability_changes_no_other_backends_default(backend):
+    for kind in ("NVIDIA H200", "NVIDIA A100-SXM4-80GB", "TPU v5 lite", "cpu"):
+        for m, n, k in _SHAPES:
+            untold = configs.default_config(backend, kind, m, n, k)
+            for capability in configs.SHARED_MEMORY_PER_BLOCK:
+                assert configs.default_config(backend, kind, m, n, k,
+                                              compute_capability=capability) == untold
+
+
+@pytest.mark.parametrize("capability", ["8.0", (8,), (8, 0, 1), (8.0, 0), [8, 0], (True, 0)])
+def test_default_config_refuses_a_compute_capability_that_is_not_two_ints(capability):
+    with pytest.raises(ValueError, match=r"must be None or a \(major, minor\) tuple of ints"):
+        configs.default_config("triton", "NVIDIA A100", 8192, 8192, 8192,
+                               compute_capability=capability)
+
+
+def test_resolve_config_fits_the_triton_tile_to_the_devices_shared_memory(monkeypatch):
+    _fake_gpu(monkeypatch, "8.0")
+    config = matmul_mod.resolve_config("triton", 8192, 8192, 8192, jnp.bfloat16)
+    assert config == dataclasses.replace(_HOPPER_TRITON, num_stages=3)
+    _fake_gpu(monkeypatch, "8.9", "NVIDIA L4")
+    config = matmul_mod.resolve_config("triton", 8192, 8192, 8192, jnp.bfloat16, "b")
+    assert configs.triton_shared_memory_bytes(config) <= 101_376
+
+
 @pytest.mark.parametrize("m, n, split", [
     (50304, 2048, "n"),   # gpt-1b's head weight gradient: 393 x 128 rows, no pad side by side
     (8192, 2048, "m"),    # fits the shipped 256 x 128 CTA tile
@@ -1204,6 +1288,35 @@ def test_autotune_times_the_shapes_own_default_first(monkeypatch):
     halved = MatmulConfig(block_m=64, block_n=128, block_k=64, num_stages=4, group_m=8, chain_tiles=True)
     assert halved in autotune_mod.default_candidates("mosaic_gpu", quick=True)
     assert halved in autotune_mod.default_candidates("mosaic_gpu")
+
+
+def test_autotune_sweeps_only_the_triton_tiles_that_fit_the_device(monkeypatch, caplog):
+    """On an A100 the default sweep dropped no tile, so the two 4-stage 128 x 256 tiles
+    (196,608 bytes of shared memory per block, over its 166,912) were compiled, failed and
+    warned for every shape. Candidates given explicitly are all swept."""
+    _fake_gpu(monkeypatch, "8.0")
+    monkeypatch.setattr(matmul_mod, "resolve_backend", lambda backend: backend)
+    timed = []
+
+    def fake_matmul(a, b, *, backend, config):  # records the config; compiles no kernel
+        timed.append(config)
+        return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+    monkeypatch.setattr(matmul_mod, "matmul", fake_matmul)
+    with caplog.at_level(logging.DEBUG, logger="jaxopt_train.kernels.autotune"):
+        autotune([(640, 576, 64)], backend="triton", timer=lambda fn: 1.0, write_cache=False,
+                 input_sets=1)
+    listed = autotune_mod.default_candidates("triton")
+    fitting = [c for c in listed if configs.triton_shared_memory_bytes(c) <= 166_912]
+    default = dataclasses.replace(_HOPPER_TRITON, num_stages=3)
+    assert len(fitting) == len(listed) - 2
+    assert timed == [default] + [c for c in fitting if c != default]
+    assert "dropped 2 of 16 candidates" in caplog.text
+    too_large = dataclasses.replace(_HOPPER_TRITON, num_stages=4)
+    timed.clear()
+    autotune([(640, 576, 64)], backend="triton", candidates=[too_large, default],
+             timer=lambda fn: 1.0, write_cache=False, input_sets=1)
+    assert timed == [too_large, default]
 
 
 def test_autotune_refuses_bad_shapes_and_budget():

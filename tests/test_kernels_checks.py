@@ -1,4 +1,5 @@
-"""Checks made before lowering: Mosaic GPU and Mosaic TPU tilings, explicitly sharded operands.
+"""Checks made before lowering: Mosaic GPU and Mosaic TPU tilings, explicitly sharded operands,
+the GPU a backend needs.
 
 Each rule was read off lowering the kernels for cuda / tpu on CPU; the tests show the
 refused tilings fail at trace time with a message naming the field, and the accepted
@@ -8,6 +9,9 @@ edge tilings lower.
 from __future__ import annotations
 
 import importlib
+import re
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -200,3 +204,27 @@ def test_xla_backend_differentiates_a_replicated_operand_inside_shard_map():
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
                                    rtol=2e-2, atol=2e-2 * float(np.max(np.abs(np.asarray(w, np.float32)))))
+
+
+# ---------------------------------------------------------------- triton on a pre-Ampere GPU
+def _fake_gpu(monkeypatch, capability: str):
+    """jax.devices() answers one GPU of `capability` ("7.5"), and jax_triton imports (a
+    stand-in module: the CPU test machine has none), so only the capability decides."""
+    gpu = types.SimpleNamespace(platform="gpu", device_kind="fake", compute_capability=capability)
+    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [gpu])
+    monkeypatch.setitem(sys.modules, "jax_triton", types.ModuleType("jax_triton"))
+
+
+def test_triton_needs_an_ampere_or_newer_gpu(monkeypatch):
+    """A T4 (7.5) passed, so backend="auto" picked triton, whose bf16 dot needs sm_80."""
+    _fake_gpu(monkeypatch, "7.5")
+    reason = ("needs an NVIDIA Ampere or newer GPU (compute capability >= 8.0); "
+              "got compute_capability='7.5'")
+    assert matmul_mod._triton_available() == (False, reason)
+    assert matmul_mod.resolve_backend("auto") == "xla"
+    with pytest.raises(RuntimeError, match=re.escape(f"'triton' is unavailable: {reason}")):
+        matmul_mod.resolve_backend("triton")
+    for capability in ("8.0", "8.9", "12.0"):
+        _fake_gpu(monkeypatch, capability)
+        assert matmul_mod._triton_available()[0]
+    assert matmul_mod.resolve_backend("auto") == "triton"

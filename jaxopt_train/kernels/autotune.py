@@ -36,7 +36,9 @@ from jaxopt_train.kernels.autotune_cache import (TRANSPOSED, _check_transposed, 
                                                  cache_key, cache_path, check_cache_writable,
                                                  lookup, shape_bucket, store)
 from jaxopt_train.kernels.configs import (BACKENDS, TRANSPOSING_BACKENDS, MatmulConfig,
-                                          as_config, default_config)
+                                          as_config, default_config, shared_memory_per_block,
+                                          triton_shared_memory_bytes)
+from jaxopt_train.runtime._backend import compute_capability
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +102,21 @@ def default_candidates(backend: str, *, quick: bool = False) -> list[MatmulConfi
         return [MatmulConfig(block_m=b, block_n=b, block_k=b, num_stages=1) for b in (16, 32)]
     raise ValueError(f"{backend=} has no tunable kernel; expected mosaic_gpu, triton, "
                      f"pallas_tpu or interpret")
+
+
+def _fitting_candidates(backend: str, candidates: list[MatmulConfig],
+                        capability: tuple[int, int]) -> list[MatmulConfig]:
+    """`candidates` less the Triton tiles whose pipeline needs more shared memory than a
+    block gets on a GPU of `capability` (each would only fail to compile, once per shape);
+    all of them on other backends and where the limit is unknown."""
+    limit = shared_memory_per_block(capability)
+    if backend != "triton" or limit is None:
+        return candidates
+    kept = [c for c in candidates if triton_shared_memory_bytes(c) <= limit]
+    logger.debug("autotune triton: dropped %d of %d candidates needing more than the %d bytes "
+                 "of shared memory per block of compute capability %d.%d",
+                 len(candidates) - len(kept), len(candidates), limit, *capability)
+    return kept
 
 
 def burst_timer(fn: Callable[[], jax.Array], *, calls: int = 10, repeats: int = 3,
@@ -202,7 +219,8 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
             what `matmul` runs f32 inputs as (and the cache entry it reads).
         backend: a kernel backend, or "auto".
         candidates: configs (or dicts of their fields) to sweep; default
-            `default_candidates(backend, quick=quick)`
+            `default_candidates(backend, quick=quick)`, less the Triton tiles that need more
+            shared memory than the device has (`configs.SHARED_MEMORY_PER_BLOCK`),
             after the shape's own default (`configs.default_config`), which is timed first
             so that a spent budget has timed it and a winner never measured slower than it.
         timer: `timer(fn) -> seconds per call`; default `burst_timer`.
@@ -259,11 +277,14 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
     if given is not None and not given:
         raise ValueError("candidates=[] leaves nothing to time; pass None for the default "
                          "sweep, or a non-empty list of MatmulConfig")
-    listed = given or default_candidates(backend, quick=quick)
+    device = jax.devices()[0]
+    device_kind, capability = device.device_kind, compute_capability(device)
+    # Given candidates are swept as given: Triton's own error names a tile that does not fit.
+    listed = given or _fitting_candidates(backend, default_candidates(backend, quick=quick),
+                                          capability)
     if write_cache:
         check_cache_writable()
     timer = timer or burst_timer
-    device_kind = jax.devices()[0].device_kind
     winners = {}
     for shape in shapes:
         deadline = None if budget_s is None else time.perf_counter() + budget_s
@@ -271,7 +292,8 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
         if given is not None:
             candidates = given
         else:
-            default = default_config(backend, device_kind, m, n, k)
+            default = default_config(backend, device_kind, m, n, k,
+                                     compute_capability=capability)
             candidates = [default] + [c for c in listed if c != default]
         if transposed is not None:
             # A config that cannot read the operand as stored would time the plain kernel on

@@ -180,6 +180,8 @@ SHIPPED_DEFAULTS: dict[tuple[str, str], MatmulConfig] = {
     ("triton", "NVIDIA H100"): _HOPPER_TRITON,
     ("triton", "NVIDIA H200"): _HOPPER_TRITON,
 }
+# Another device kind gets the Hopper tile; default_config then fits a Triton tile to the
+# device's shared memory when its compute capability is known.
 _FALLBACK = {
     "mosaic_gpu": _HOPPER_MOSAIC,
     "triton": _HOPPER_TRITON,
@@ -197,13 +199,89 @@ def _device_family(device_kind: str) -> str:
     return device_kind
 
 
-def default_config(backend: str, device_kind: str, m: int, n: int, k: int) -> MatmulConfig:
-    """The shipped tiling for `backend` on `device_kind` at problem size (m, n, k)."""
+# Opt-in maximum shared memory per thread block, in bytes, by CUDA compute capability: CUDA
+# C++ Programming Guide, "Technical Specifications per Compute Capability" (Triton's "out of
+# resource: shared memory" error reports the same figure as its "Hardware limit").
+SHARED_MEMORY_PER_BLOCK: dict[tuple[int, int], int] = {
+    (7, 5): 65_536,    # 64 KB: T4, RTX 20
+    (8, 0): 166_912,   # 163 KB: A100
+    (8, 6): 101_376,   # 99 KB: A10, A40, RTX 30
+    (8, 7): 166_912,   # 163 KB: Jetson Orin
+    (8, 9): 101_376,   # 99 KB: L4, L40, RTX 40
+    (9, 0): 232_448,   # 227 KB: H100, H200
+    (10, 0): 232_448,  # 227 KB: B200
+    (12, 0): 101_376,  # 99 KB: RTX 50
+}
+# The kernels' operands are 16-bit: bf16 or fp16 as given, f32 rounded to bf16 by `matmul`.
+_OPERAND_BYTES = 2
+# Tried in order when a Triton tile, with its stages cut down to 2, still needs more shared
+# memory than the device gives a block. Chosen only to fit (96 KiB under the 99 KB of sm_86,
+# sm_89 and sm_120; 64 KiB, a T4's whole limit; then the small-problem tile), not timed on
+# those GPUs: `kernels.autotune` measures the device's own winner.
+_SMALLER_TRITON = (
+    MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=4, group_m=8),
+    MatmulConfig(block_m=128, block_n=128, block_k=32, num_stages=4, num_warps=4, group_m=8),
+    _SMALL_TRITON,
+)
+
+
+def triton_shared_memory_bytes(config: MatmulConfig, itemsize: int = _OPERAND_BYTES) -> int:
+    """Shared memory, in bytes, that Triton's software pipeline allocates for `config`:
+    `num_stages` buffers, each one block_m x block_k tile of A and one block_k x block_n
+    tile of B, of `itemsize`-byte elements.
+
+    The Hopper tile, 128 x 256 x 64 at 4 stages: 4 * (128*64 + 64*256) * 2 = 196,608 bytes.
+    """
+    tile_elements = config.block_m * config.block_k + config.block_k * config.block_n
+    return config.num_stages * tile_elements * itemsize
+
+
+def shared_memory_per_block(compute_capability: tuple[int, int] | None) -> int | None:
+    """The opt-in shared memory limit of one thread block, in bytes, on a GPU of
+    `compute_capability` (major, minor); None when unknown: None, (0, 0) (what
+    `runtime._backend.compute_capability` gives a CPU or TPU) or a capability not in
+    `SHARED_MEMORY_PER_BLOCK`."""
+    if compute_capability is None:
+        return None
+    if not (isinstance(compute_capability, tuple) and len(compute_capability) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in compute_capability)):
+        raise ValueError(f"compute_capability={compute_capability!r} must be None or a "
+                         f"(major, minor) tuple of ints such as (8, 0)")
+    return SHARED_MEMORY_PER_BLOCK.get(compute_capability)
+
+
+def _fit_shared_memory(config: MatmulConfig, limit: int) -> MatmulConfig:
+    """`config` if its pipeline fits `limit` bytes, else the same tile with fewer stages
+    (down to 2: fewer loads in flight, the same tile shape), else the first of
+    `_SMALLER_TRITON` that fits."""
+    fewer_stages = [dataclasses.replace(config, num_stages=stages)
+                    for stages in range(config.num_stages - 1, 1, -1)]
+    for candidate in (config, *fewer_stages, *_SMALLER_TRITON):
+        if triton_shared_memory_bytes(candidate) <= limit:
+            return candidate
+    smallest = _SMALLER_TRITON[-1]
+    raise ValueError(f"no Triton tile fits {limit} bytes of shared memory per block; the "
+                     f"smallest, {smallest}, needs {triton_shared_memory_bytes(smallest)}")
+
+
+def default_config(backend: str, device_kind: str, m: int, n: int, k: int, *,
+                   compute_capability: tuple[int, int] | None = None) -> MatmulConfig:
+    """The shipped tiling for `backend` on `device_kind` at problem size (m, n, k).
+
+    `compute_capability` is the device's (major, minor), e.g. (8, 0) for an A100
+    (`runtime._backend.compute_capability(device)`). Where `SHARED_MEMORY_PER_BLOCK` knows
+    it, a Triton tile that would not fit the device's shared memory (the Hopper tile on an
+    A100 or L4 would fail to compile) gives way to one that does; None, (0, 0) or a
+    capability not in the table keeps the tile as chosen. Other backends ignore it.
+    """
     if backend not in _FALLBACK:
         raise ValueError(f"{backend=} has no default config; expected one of {sorted(_FALLBACK)}")
+    limit = shared_memory_per_block(compute_capability)
     config = SHIPPED_DEFAULTS.get((backend, _device_family(device_kind)), _FALLBACK[backend])
     if backend == "triton" and max(m, n) <= 512:
         config = _SMALL_TRITON
+    if backend == "triton" and limit is not None:
+        config = _fit_shared_memory(config, limit)
     if backend == "mosaic_gpu":
         config = _fill_the_sms(_fewest_padded(config, m, n), m, n, k)
     return config

@@ -9,7 +9,7 @@ in float32, the epilogue runs in float32, and the result is cast to `out_dtype`
 (default: the dtype A arrived in).
 
 Backends: "mosaic_gpu" (Pallas on Hopper: TMA, wgmma, warp-specialised
-pipeline), "triton" (jax-triton custom call), "pallas_tpu" (Mosaic TPU BlockSpec
+pipeline), "triton" (jax-triton custom call, Ampere and newer), "pallas_tpu" (Mosaic TPU BlockSpec
 kernel), "interpret" (that same BlockSpec kernel interpreted on any platform),
 "xla" (`jnp.dot`, the fallback) and "auto" (picked by platform, logged at debug
 level). The VJP (`matmul_vjp`) runs dA = dZ @ B^T and dB = A^T @ dZ through the
@@ -110,9 +110,17 @@ def _mosaic_gpu_available() -> tuple[bool, str]:
 
 
 def _triton_available() -> tuple[bool, str]:
+    from jaxopt_train.runtime._backend import compute_capability  # noqa: PLC0415
+
     devices = jax.devices()
     if devices[0].platform != "gpu":
         return False, f"needs a CUDA GPU; jax.devices()[0].platform={devices[0].platform!r}"
+    # The kernel's bf16 dot needs the bf16 tensor-core instructions that came with Ampere
+    # (sm_80): on a T4 (7.5) "auto" must fall to xla rather than pick a kernel that fails.
+    capability = str(getattr(devices[0], "compute_capability", ""))
+    if compute_capability(devices[0]) < (8, 0):
+        return False, (f"needs an NVIDIA Ampere or newer GPU (compute capability >= 8.0); "
+                       f"got compute_capability={capability!r}")
     try:
         import jax_triton  # noqa: F401
     except ImportError as err:  # CPU-only jax raises ImportError, not ModuleNotFoundError
@@ -162,6 +170,13 @@ def _device_kind() -> str:
     return jax.devices()[0].device_kind
 
 
+def _device_capability() -> tuple[int, int]:
+    """The default device's CUDA compute capability; (0, 0) on a CPU or TPU."""
+    from jaxopt_train.runtime._backend import compute_capability  # noqa: PLC0415
+
+    return compute_capability(jax.devices()[0])
+
+
 def resolve_config(backend: str, m: int, n: int, k: int, dtype,
                    transposed: str | None = None) -> MatmulConfig:
     """Autotuned winner from the on-disk cache if present, else the shipped default.
@@ -175,7 +190,9 @@ def resolve_config(backend: str, m: int, n: int, k: int, dtype,
     cached = lookup(backend, _device_kind(), m, n, k, dtype, transposed)
     if cached is not None:
         return cached
-    return configs.default_config(backend, _device_kind(), m, n, k)
+    # The capability fits a Triton tile to the device's shared memory (configs.default_config).
+    return configs.default_config(backend, _device_kind(), m, n, k,
+                                  compute_capability=_device_capability())
 
 
 # ----------------------------------------------------------------------------- kernels
