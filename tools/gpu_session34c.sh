@@ -10,7 +10,9 @@ export DEADLINE=${DEADLINE:-500}
 source "$(dirname "$0")/gpu_common.sh"
 install_whl; export PYTHONPATH=$PYTHONPATH:/tmp/site
 export CUDA_VISIBLE_DEVICES=0
-STEP_TAIL=0 JAX_TRITON_DUMP_DIR=/tmp/jtdump step smem 200 $PY tools/probe_triton_smem.py --json $R/smem.json
+export JAX_TRITON_DUMP_DIR=/tmp/jtdump
+STEP_TAIL=0 step smem 200 $PY tools/probe_triton_smem.py --json $R/smem.json
+unset JAX_TRITON_DUMP_DIR
 cat "$R/smem.log" | grep '^{' | $PY -c "
 import json,sys
 for l in sys.stdin:
