@@ -112,7 +112,7 @@ def _fitting_candidates(backend: str, candidates: list[MatmulConfig],
     limit = shared_memory_per_block(capability)
     if backend != "triton" or limit is None:
         return candidates
-    kept = [c for c in candidates if triton_shared_memory_bytes(c) <= limit]
+    kept = [c for c in candidates if triton_shared_memory_bytes(c, capability) <= limit]
     logger.debug("autotune triton: dropped %d of %d candidates needing more than the %d bytes "
                  "of shared memory per block of compute capability %d.%d",
                  len(candidates) - len(kept), len(candidates), limit, *capability)

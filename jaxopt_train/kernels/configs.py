@@ -215,9 +215,9 @@ SHARED_MEMORY_PER_BLOCK: dict[tuple[int, int], int] = {
 # The kernels' operands are 16-bit: bf16 or fp16 as given, f32 rounded to bf16 by `matmul`.
 _OPERAND_BYTES = 2
 # Tried in order when a Triton tile, with its stages cut down to 2, still needs more shared
-# memory than the device gives a block. Chosen only to fit (96 KiB under the 99 KB of sm_86,
-# sm_89 and sm_120; 64 KiB, a T4's whole limit; then the small-problem tile), not timed on
-# those GPUs: `kernels.autotune` measures the device's own winner.
+# memory than the device gives a block. Chosen only to fit (a T4's 64 KB; then the
+# small-problem tile), not timed on those GPUs: `kernels.autotune` measures the device's own
+# winner.
 _SMALLER_TRITON = (
     MatmulConfig(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=4, group_m=8),
     MatmulConfig(block_m=128, block_n=128, block_k=32, num_stages=4, num_warps=4, group_m=8),
@@ -225,15 +225,33 @@ _SMALLER_TRITON = (
 )
 
 
-def triton_shared_memory_bytes(config: MatmulConfig, itemsize: int = _OPERAND_BYTES) -> int:
-    """Shared memory, in bytes, that Triton's software pipeline allocates for `config`:
-    `num_stages` buffers, each one block_m x block_k tile of A and one block_k x block_n
-    tile of B, of `itemsize`-byte elements.
+def _pipeline_buffers(num_stages: int, compute_capability: tuple[int, int] | None) -> int:
+    """Shared-memory buffers Triton's pipeline keeps per operand for `num_stages`.
 
-    The Hopper tile, 128 x 256 x 64 at 4 stages: 4 * (128*64 + 64*256) * 2 = 196,608 bytes.
+    Triton 3.6 compiled our kernel with num_stages - 1 buffers for sm_80, sm_86 and sm_89
+    (cp.async: the stage being computed on is read from the oldest buffer) and num_stages
+    for sm_90 (TMA), e.g. 128 x 256 x 64 at 4 stages: 147,456 bytes on sm_80/86/89 and
+    196,608 on sm_90 (tools/probe_triton_smem.py; BENCHMARKS.md, thirty-fourth session).
+    Every major-8 GPU is counted as the three measured; other and unknown capabilities get
+    the larger count, so that an unmeasured GPU errs towards a tile that fits.
+    """
+    if compute_capability is not None and compute_capability[0] == 8:
+        return max(1, num_stages - 1)
+    return num_stages
+
+
+def triton_shared_memory_bytes(config: MatmulConfig,
+                               compute_capability: tuple[int, int] | None = None,
+                               itemsize: int = _OPERAND_BYTES) -> int:
+    """Shared memory, in bytes, that Triton's software pipeline allocates for `config` on a
+    GPU of `compute_capability`: `_pipeline_buffers` buffers, each one block_m x block_k tile
+    of A and one block_k x block_n tile of B, of `itemsize`-byte elements.
+
+    The Hopper tile, 128 x 256 x 64 at 4 stages: 4 * (128*64 + 64*256) * 2 = 196,608 bytes
+    on sm_90, 3 * 49,152 = 147,456 on sm_80 (Triton's own figures for our kernel).
     """
     tile_elements = config.block_m * config.block_k + config.block_k * config.block_n
-    return config.num_stages * tile_elements * itemsize
+    return _pipeline_buffers(config.num_stages, compute_capability) * tile_elements * itemsize
 
 
 def shared_memory_per_block(compute_capability: tuple[int, int] | None) -> int | None:
@@ -250,18 +268,20 @@ def shared_memory_per_block(compute_capability: tuple[int, int] | None) -> int |
     return SHARED_MEMORY_PER_BLOCK.get(compute_capability)
 
 
-def _fit_shared_memory(config: MatmulConfig, limit: int) -> MatmulConfig:
+def _fit_shared_memory(config: MatmulConfig, limit: int,
+                       compute_capability: tuple[int, int]) -> MatmulConfig:
     """`config` if its pipeline fits `limit` bytes, else the same tile with fewer stages
     (down to 2: fewer loads in flight, the same tile shape), else the first of
     `_SMALLER_TRITON` that fits."""
     fewer_stages = [dataclasses.replace(config, num_stages=stages)
                     for stages in range(config.num_stages - 1, 1, -1)]
     for candidate in (config, *fewer_stages, *_SMALLER_TRITON):
-        if triton_shared_memory_bytes(candidate) <= limit:
+        if triton_shared_memory_bytes(candidate, compute_capability) <= limit:
             return candidate
     smallest = _SMALLER_TRITON[-1]
     raise ValueError(f"no Triton tile fits {limit} bytes of shared memory per block; the "
-                     f"smallest, {smallest}, needs {triton_shared_memory_bytes(smallest)}")
+                     f"smallest, {smallest}, needs "
+                     f"{triton_shared_memory_bytes(smallest, compute_capability)}")
 
 
 def default_config(backend: str, device_kind: str, m: int, n: int, k: int, *,
@@ -271,7 +291,7 @@ def default_config(backend: str, device_kind: str, m: int, n: int, k: int, *,
     `compute_capability` is the device's (major, minor), e.g. (8, 0) for an A100
     (`runtime._backend.compute_capability(device)`). Where `SHARED_MEMORY_PER_BLOCK` knows
     it, a Triton tile that would not fit the device's shared memory (the Hopper tile on an
-    A100 or L4 would fail to compile) gives way to one that does; None, (0, 0) or a
+    L4 or an RTX 30/40 would fail to compile) gives way to one that does; None, (0, 0) or a
     capability not in the table keeps the tile as chosen. Other backends ignore it.
     """
     if backend not in _FALLBACK:
@@ -281,7 +301,7 @@ def default_config(backend: str, device_kind: str, m: int, n: int, k: int, *,
     if backend == "triton" and max(m, n) <= 512:
         config = _SMALL_TRITON
     if backend == "triton" and limit is not None:
-        config = _fit_shared_memory(config, limit)
+        config = _fit_shared_memory(config, limit, compute_capability)
     if backend == "mosaic_gpu":
         config = _fill_the_sms(_fewest_padded(config, m, n), m, n, k)
     return config
