@@ -353,7 +353,8 @@ def matmul_dot_general(choice: str):
 
     "xla" is `lax.dot_general`; "pallas"/"triton" come from
     `jaxopt_train.kernels.dot_general_for`, whose backend is resolved (and so
-    checked against the platform: Hopper for Mosaic GPU, jax_triton for Triton)
+    checked against the platform: Hopper for Mosaic GPU, an Ampere or newer GPU and
+    jax_triton for Triton)
     right away rather than at the first traced matmul.
     """
     _check_choice("matmul", choice, MATMULS)
