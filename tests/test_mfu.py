@@ -17,6 +17,14 @@ from jaxopt_train.train import mfu as mfu_lib
     ("NVIDIA H100 NVL", "bf16", 835.0),  # not the SXM parts' 989
     ("NVIDIA H200 NVL", "bf16", 835.0),
     ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+    ("NVIDIA GH200 480GB", "bf16", 989.0),  # "h200" is not a word of it
+    ("NVIDIA L4", "bf16", 121.0),
+    ("NVIDIA L40S", "bf16", None),  # not read as an L4
+    ("NVIDIA A10", "bf16", None),  # nor an A10 as an A100
+    ("Tesla T4", "fp16", 65.0),
+    ("Tesla T4", "bf16", None),  # no bf16 tensor cores: no peak to measure against
+    ("Tesla T4", "tf32", 8.1),
+    ("NVIDIA T400", "fp16", None),  # not a T4
     ("TPU v4", "bf16", 275.0),
     ("TPU v4 lite", "bf16", 138.0),  # v4i: half v4's MXUs; it matched v4's 275 (MFU halved)
     ("TPU v5 lite", "bf16", 197.0),

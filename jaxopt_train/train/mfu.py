@@ -12,13 +12,15 @@ A device we have no figure for (CPU included) omits MFU with one warning;
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import numpy as np
 
 # Dense TFLOP/s per device, by the dtype the matmuls run in. Keys of the outer
-# table are lowercase substrings of `jax.Device.device_kind`, checked in order
-# (more specific names first: "h100 pcie" before "h100", "v5 lite" before "v5").
+# table are lowercase names found in `jax.Device.device_kind` as whole words (so "l4" is
+# not read into "l40s", nor "a10" into "a100"), checked in order (more specific names
+# first: "h100 pcie" before "h100", "v5 lite" before "v5").
 PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     ("h100 pcie", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0}),
     # The NVL (PCIe, 350-600 W) parts: half of the datasheets' sparse 1,671 / 835 TFLOP/s.
@@ -26,7 +28,13 @@ PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     ("h200 nvl", {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0}),
     ("h100", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0}),
     ("h200", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0}),
+    ("gh200", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0}),  # H200's GPU
     ("a100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    # Colab's other GPUs. L4: half the datasheet's sparse 242 (bf16/fp16) and 120 (tf32).
+    ("l4", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+    # T4 (Turing): fp16 tensor cores only; no bf16 or TF32 ones, so bf16 has no entry and
+    # JAX's default-precision f32 matmuls run at the plain fp32 rate.
+    ("t4", {"fp16": 65.0, "tf32": 8.1, "fp32": 8.1}),
     # TPU v4i reports "TPU v4 lite": 4 MXUs to v4's 8 at 1.05 GHz (4 x 128^2 x 2 x 1.05e9).
     ("tpu v4 lite", {"bf16": 138.0}),
     ("tpu v4", {"bf16": 275.0}),
@@ -67,7 +75,7 @@ def peak_tflops(device_kind: str, dtype_name: str) -> float | None:
     """Dense peak TFLOP/s of one device, or None when the table has no entry."""
     kind = device_kind.lower()
     for pattern, by_dtype in PEAK_TFLOPS:
-        if pattern in kind:
+        if re.search(rf"(?<![a-z0-9]){re.escape(pattern)}(?![a-z0-9])", kind):
             return by_dtype.get(dtype_name)
     return None
 
