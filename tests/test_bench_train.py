@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import time
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -382,7 +383,10 @@ def test_row_mfu_is_the_tested_mfu_formula(monkeypatch, flops, wall_s, devices, 
 
 
 def test_ablations_switch_one_technique_each(monkeypatch):
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # where cuDNN attention runs
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # where cuDNN attention runs:
+    gpu = SimpleNamespace(platform="gpu", device_kind="NVIDIA H200", compute_capability="9.0")
+    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [gpu])  # Ampere or newer
+    monkeypatch.setattr(jax, "local_devices", lambda *args, **kwargs: [gpu])
     workload = train_steps.Workload("gpt-tiny", 8, 2)
     baseline = train_steps.RunConfig("baseline")
     optimised = train_steps.RunConfig("optimised", policy="bf16", attention="cudnn",
@@ -807,6 +811,26 @@ def test_a_fused_attention_that_falls_back_to_xla_is_not_an_ablation_row():
     assert jax.default_backend() == "cpu"
     assert "+bf16+cudnn attention" not in [r.name for r in runs]
     assert "+bf16+cudnn attention" in [s["name"] for s in skipped]
+
+
+def test_auto_attention_is_xla_before_ampere(monkeypatch):
+    """--attention auto was cudnn on any GPU: on a T4 (7.5), Colab's default GPU, the
+    optimised row then failed inside XLA, as cuDNN's fused attention needs sm_80."""
+    gpu = SimpleNamespace(platform="gpu", device_kind="Tesla T4", compute_capability="7.5")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [gpu])
+    monkeypatch.setattr(jax, "local_devices", lambda *args, **kwargs: [gpu])
+    workload = train_steps.Workload("gpt-tiny", 8, 2)
+    optimised = train_steps.RunConfig("optimised", policy="bf16", attention="cudnn")
+    assert train_steps.resolved_attention(workload, optimised) == "xla"  # the model falls back
+    _, skipped = train_ablation.ablation_runs(train_steps.RunConfig("baseline"), optimised,
+                                              workload, num_devices=1)
+    assert "+bf16+cudnn attention" in [s["name"] for s in skipped]
+    assert train_steps.optimised_attention("auto") == "xla"
+    assert train_steps.optimised_attention("cudnn") == "cudnn"  # asked for: kept, then falls back
+    gpu.compute_capability = "8.0"  # an A100 (and an L4's 8.9, Hopper's 9.0) keeps cuDNN
+    assert train_steps.optimised_attention("auto") == "cudnn"
+    assert train_steps.resolved_attention(workload, optimised) == "cudnn"
 
 
 def test_a_failed_scaling_run_costs_its_table_only(tmp_path, monkeypatch, capsys):

@@ -2,6 +2,8 @@
 dot_general, sequence lengths, numpy scalars in the config, and loss inputs."""
 
 import dataclasses
+import re
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +89,33 @@ def test_cudnn_config_accepts_head_dims_up_to_256(d_model, n_heads):
 def test_cudnn_config_refuses_head_dims_cudnn_cannot_take():
     with pytest.raises(ValueError, match=r"head_dim <= 256 .*got head_dim=264.*attention='xla'"):
         small_cfg(attention="cudnn", dtype="bf16", d_model=528, n_heads=2)
+
+
+def _fake_gpu(monkeypatch, capability: str, kind: str = "Tesla T4"):
+    """jax.default_backend() says "gpu" and jax.devices() one GPU of `capability`."""
+    gpu = SimpleNamespace(platform="gpu", device_kind=kind, compute_capability=capability)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [gpu])
+    monkeypatch.setattr(jax, "local_devices", lambda *args, **kwargs: [gpu])
+
+
+def test_cudnn_attention_before_ampere_raises_naming_the_gpu(monkeypatch):
+    """On a T4 (7.5) attention="cudnn" went on to JAX, which checks the head_dim but not the
+    GPU, and cuDNN's fused attention needs sm_80: the step failed inside XLA instead."""
+    cfg = small_cfg(attention="cudnn", dtype="bf16")
+    model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
+    _fake_gpu(monkeypatch, "7.5")
+    message = ("attention='cudnn' needs an NVIDIA Ampere or newer GPU (compute capability >= 8.0) "
+               "but Tesla T4 has compute_capability='7.5'; use attention='auto' or 'xla'")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        nnx.eval_shape(lambda m, x: m(x), model, jnp.zeros((2, cfg.seq_len), jnp.int32))
+    with pytest.warns(UserWarning, match="Ampere or newer.*falling back to attention='xla'"):
+        assert gpt_module.warn_if_cudnn_unavailable(cfg).attention == "xla"
+    for capability in ("8.0", "8.9", "9.0"):  # A100, L4, H100/H200: unchanged
+        _fake_gpu(monkeypatch, capability, "NVIDIA A100-SXM4-40GB")
+        assert gpt_module.cudnn_attention_unavailable() is None
+        assert gpt_module._attention_implementation("cudnn") == "cudnn"
+        assert gpt_module.warn_if_cudnn_unavailable(cfg) is cfg
 
 
 # ---------------------------------------------------------------- remat

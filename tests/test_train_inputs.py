@@ -259,6 +259,7 @@ def _fake_gpus(monkeypatch, *capabilities):
             for c in capabilities]
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(jax, "devices", lambda *args: gpus)
+    monkeypatch.setattr(jax, "local_devices", lambda *args, **kwargs: gpus)
 
 
 def _resolved_attention(head_dim, precision="bf16", attention="auto"):
@@ -280,12 +281,21 @@ def _resolved_attention(head_dim, precision="bf16", attention="auto"):
     (("8.9",), 256, "auto"),     # Ada: sm89 < sm90
     (("9.0", "8.0"), 192, "auto"),  # the oldest GPU of the run decides
     (("",), 192, "auto"),        # unknown capability: no cuDNN past 128
-    (("",), 64, "cudnn"),
+    (("",), 64, "auto"),         # nor at all: cuDNN's attention needs sm_80, unproven here
 ])
 def test_auto_attention_picks_cudnn_by_compute_capability(monkeypatch, capabilities, head_dim,
                                                           expected):
     _fake_gpus(monkeypatch, *capabilities)
     assert _resolved_attention(head_dim) == expected
+
+
+@pytest.mark.parametrize("capabilities", [("7.5",), ("7.0",), ("8.0", "7.5")])
+def test_auto_attention_keeps_xla_before_ampere(monkeypatch, capabilities):
+    """A T4 (7.5) got attention="cudnn" (head_dim <= 128 was the only check), which cuDNN's
+    fused attention cannot run before Ampere (sm_80): the first step failed inside XLA."""
+    _fake_gpus(monkeypatch, *capabilities)
+    assert _resolved_attention(64) == "auto"
+    assert _resolved_attention(64, precision="fp16") == "auto"
 
 
 def test_auto_attention_stays_xla_on_cpu_in_float32_and_when_chosen(monkeypatch):

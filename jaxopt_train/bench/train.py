@@ -96,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="optimised config's gradient all-reduce; auto: the fastest on gradient-shaped data "
                    "here (psum on one device and under --zero 1)")
     p.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
-                   help="optimised attention; auto = cudnn on GPU, else xla")
+                   help="optimised attention; auto = cudnn on an Ampere or newer GPU, else xla")
     p.add_argument("--opt-state-dtype", choices=STATE_DTYPES, default="bf16",
                    help="optimised config: storage dtype of AdamW's moments")
     p.add_argument("--grad-dtype", choices=GRAD_DTYPES, default="compute",
@@ -423,9 +423,8 @@ def run_bench(args, xla_report) -> dict:
                                     image_size=None if args.model.startswith("gpt") else args.image_size,
                                     text=args.text)
     kind = devices[0].device_kind
-    attention = args.attention if args.attention != "auto" else (
-        "cudnn" if jax.default_backend() == "gpu" else "xla")
-    optimised = train_steps.RunConfig("optimised", policy="bf16", attention=attention,
+    optimised = train_steps.RunConfig("optimised", policy="bf16",
+                                      attention=train_steps.optimised_attention(args.attention),
                                       accumulation="scan", donate=True,
                                       steps_per_dispatch=args.steps_per_dispatch,
                                       opt_state=args.opt_state_dtype, grad_dtype=args.grad_dtype,

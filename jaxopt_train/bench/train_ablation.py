@@ -25,11 +25,11 @@ def ablation_runs(baseline, optimised, workload, num_devices):
             runs.append(dataclasses.replace(baseline, name=name, **changes))
 
     add("+bf16", policy=optimised.policy)
-    # What runs, not what was asked: --attention cudnn off a GPU runs XLA's attention.
+    # What runs, not what was asked: --attention cudnn off an Ampere or newer GPU runs XLA's.
     fused = dataclasses.replace(baseline, policy=optimised.policy, attention=optimised.attention)
     add(f"+bf16+{optimised.attention} attention",
         None if workload.is_gpt and resolved_attention(workload, fused) != "xla" else
-        "same as +bf16: the fused kernel is unavailable (not a GPU, or not a GPT)",
+        "same as +bf16: the fused kernel is unavailable (not an Ampere or newer GPU, or not a GPT)",
         policy=optimised.policy, attention=optimised.attention)
     add("+scan accumulation", None if workload.microbatches > 1 else "no-op with --microbatches 1",
         accumulation="scan")

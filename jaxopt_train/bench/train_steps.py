@@ -59,7 +59,7 @@ from jaxopt_train.models import (GPT, GPT_PRESETS, VISION_PRESETS, classificatio
                                  create_vision_model, get_gpt_config, gpt_loss,
                                  resnet_flops_per_image)
 from jaxopt_train.models.flops import gpt_flops_per_token
-from jaxopt_train.models.gpt import warn_if_cudnn_unavailable
+from jaxopt_train.models.gpt import cudnn_attention_unavailable, warn_if_cudnn_unavailable
 from jaxopt_train.precision import get_policy
 from jaxopt_train.train.config import GRAD_DTYPES, MATMULS, matmul_dot_general
 from jaxopt_train.train.optim import low_precision_state, state_dtype
@@ -229,12 +229,20 @@ def _attention_for(attention: str, policy) -> str:
     return attention
 
 
+def optimised_attention(attention: str) -> str:
+    """--attention for the optimised row: "auto" is cuDNN where it runs (an Ampere or newer
+    GPU), else XLA; an explicit choice is kept."""
+    if attention != "auto":
+        return attention
+    return "xla" if cudnn_attention_unavailable() else "cudnn"
+
+
 def resolved_attention(workload: Workload, run: RunConfig) -> str:
     """The attention implementation the model really runs (after fallbacks)."""
     if not workload.is_gpt:
         return "n/a"
     attention = _attention_for(run.attention, get_policy(run.policy))
-    if attention == "cudnn" and jax.default_backend() != "gpu":
+    if attention == "cudnn" and cudnn_attention_unavailable():
         return "xla"
     return attention
 

@@ -82,14 +82,33 @@ def _remat_policy(name: str):
     return None  # "full": nothing saveable, everything recomputed in the backward pass.
 
 
+# cuDNN's fused attention runs on Ampere (sm_80) and newer only (cuDNN's attention support
+# matrix). JAX checks the head_dim but not the GPU: on a T4 (7.5) it failed inside XLA.
+CUDNN_MIN_CAPABILITY = (8, 0)
+
+
+def cudnn_attention_unavailable() -> str | None:
+    """Why cuDNN attention cannot run on every device of this process, or None when it can."""
+    from jaxopt_train.runtime._backend import compute_capability  # noqa: PLC0415
+
+    if jax.default_backend() != "gpu":
+        return f"needs a CUDA GPU but the default backend is {jax.default_backend()!r}"
+    # This process's GPUs: what another host's report of its devices holds is not ours to
+    # rely on, and the hosts of one job run one kind of GPU. An unreadable one is (0, 0).
+    oldest = min(jax.local_devices(), key=compute_capability)
+    if compute_capability(oldest) < CUDNN_MIN_CAPABILITY:
+        return (f"needs an NVIDIA Ampere or newer GPU (compute capability >= 8.0) but "
+                f"{oldest.device_kind} has compute_capability="
+                f"{getattr(oldest, 'compute_capability', None)!r}")
+    return None
+
+
 def _attention_implementation(name: str) -> str | None:
     if name == "auto":
         return None
-    if name == "cudnn" and jax.default_backend() != "gpu":
-        raise ValueError(
-            f"attention='cudnn' needs a CUDA GPU but the default backend is "
-            f"{jax.default_backend()!r}; use attention='auto' or 'xla'"
-        )
+    why = cudnn_attention_unavailable() if name == "cudnn" else None
+    if why:
+        raise ValueError(f"attention='cudnn' {why}; use attention='auto' or 'xla'")
     return name
 
 
@@ -372,11 +391,8 @@ def _stacked_blocks(cfg: GPTConfig, rngs: nnx.Rngs) -> Block:
 
 def warn_if_cudnn_unavailable(cfg: GPTConfig) -> GPTConfig:
     """Returns ``cfg`` with attention="xla" (and a warning) when cuDNN cannot run here."""
-    if cfg.attention == "cudnn" and jax.default_backend() != "gpu":
-        warnings.warn(
-            f"attention='cudnn' needs a CUDA GPU; backend is {jax.default_backend()!r}, "
-            "falling back to attention='xla'",
-            stacklevel=2,
-        )
+    why = cudnn_attention_unavailable() if cfg.attention == "cudnn" else None
+    if why:
+        warnings.warn(f"attention='cudnn' {why}; falling back to attention='xla'", stacklevel=2)
         return dataclasses.replace(cfg, attention="xla")
     return cfg

@@ -83,8 +83,9 @@ class GPTConfig:
       dtype: Compute dtype of every layer (LayerNorm excepted, see module doc).
       param_dtype: Storage dtype of the parameters.
       attention: "auto" (JAX picks), "xla", or "cudnn" (GPU flash attention;
-        needs a GPU, bf16/f16 compute and head_dim % 8 == 0, head_dim <= 256;
-        past 128 only on Hopper (sm90) or newer, as JAX checks when tracing).
+        needs an Ampere (sm80) or newer GPU, bf16/f16 compute and head_dim % 8 == 0,
+        head_dim <= 256; past 128 only on Hopper (sm90) or newer; the GPU is
+        checked when tracing).
         An odd sequence length is padded by one position for cuDNN, whose
         backward refuses odd lengths; causal masking makes the pad exact.
       remat: Per-block rematerialisation: "none", "dots" (save the output of

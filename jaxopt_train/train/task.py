@@ -70,16 +70,18 @@ def _prefer_cudnn_attention(model_cfg):
     """attention="auto" means cuDNN flash attention wherever it can run.
 
     Left to itself JAX's "auto" picks XLA's attention on GPU, which materialises
-    the [T, T] scores; cuDNN's fused kernel is the fast path on NVIDIA GPUs
-    (bf16/f16 compute, head_dim % 8 == 0, and head_dim <= 128, or up to
-    `CUDNN_MAX_HEAD_DIM` on Hopper (compute capability 9.0) and newer).
+    the [T, T] scores; cuDNN's fused kernel is the fast path on NVIDIA Ampere
+    (compute capability 8.0) and newer GPUs (bf16/f16 compute, head_dim % 8 == 0,
+    and head_dim <= 128, or up to `CUDNN_MAX_HEAD_DIM` on Hopper (9.0) and newer).
     """
-    import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
-    if (model_cfg.attention == "auto" and jax.default_backend() == "gpu"
+    from jaxopt_train.models.gpt import cudnn_attention_unavailable  # noqa: PLC0415
+
+    if (model_cfg.attention == "auto"
             and jnp.dtype(model_cfg.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and model_cfg.head_dim % 8 == 0 and model_cfg.head_dim <= _cudnn_max_head_dim()):
+            and model_cfg.head_dim % 8 == 0 and cudnn_attention_unavailable() is None
+            and model_cfg.head_dim <= _cudnn_max_head_dim()):
         return dataclasses.replace(model_cfg, attention="cudnn")
     return model_cfg
 
