@@ -71,6 +71,25 @@ def test_unknown_device_warns_once_and_override_wins():
         mfu_lib.resolve_peak_tflops("cpu", "bf16", -1.0)
 
 
+def test_bf16_on_a_t4_says_it_has_no_bf16_tensor_cores_and_names_fp16():
+    """A T4 under --precision bf16 runs every matmul in float32, without tensor cores, and
+    was only told the table had no peak for it, as if the table were merely incomplete."""
+    mfu_lib._warned.clear()
+    with pytest.warns(UserWarning) as caught:
+        assert mfu_lib.resolve_peak_tflops("Tesla T4", "bf16") is None
+    message = str(caught[0].message)
+    assert "Tesla T4 has no bf16 tensor cores" in message
+    assert "--precision fp16 runs them on its fp16 tensor cores, 65 TFLOP/s dense" in message
+    assert "--peak-tflops" in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an A100 and an L4 have bf16 peaks: no warning at all
+        assert mfu_lib.resolve_peak_tflops("NVIDIA A100-SXM4-40GB", "bf16") == 312.0
+        assert mfu_lib.resolve_peak_tflops("NVIDIA L4", "bf16") == 121.0
+    with pytest.warns(UserWarning) as caught:  # an unknown device keeps the plain message
+        mfu_lib.resolve_peak_tflops("Imaginary XPU 2", "bf16")
+    assert "tensor cores" not in str(caught[0].message)
+
+
 def test_float64_matmuls_are_not_measured_against_the_tf32_peak():
     """Before: "tf32", so f64 matmuls (no TF32 mode; their own, far lower, peak) were
     measured against the TF32 peak: MFU read ~7x too low on an H100. The table has no

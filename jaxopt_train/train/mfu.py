@@ -92,9 +92,21 @@ def resolve_peak_tflops(device_kind: str, dtype_name: str, override: float | Non
         _warned.add((device_kind, dtype_name))
         warnings.warn(
             f"MFU omitted: no dense peak TFLOP/s known for device kind {device_kind!r} with "
-            f"{dtype_name} matmuls; pass --peak-tflops (TrainConfig.peak_tflops) to set one.",
+            f"{dtype_name} matmuls{_no_tensor_cores_note(device_kind, dtype_name)}; pass "
+            "--peak-tflops (TrainConfig.peak_tflops) to set one.",
             stacklevel=2)
     return peak
+
+
+def _no_tensor_cores_note(device_kind: str, dtype_name: str) -> str:
+    """Where the table knows the GPU's fp16 peak but not a bf16 one (a T4: Turing has fp16
+    tensor cores only), a bf16 policy runs every matmul without them: say so, and the fix."""
+    fp16 = peak_tflops(device_kind, "fp16")
+    if dtype_name != "bf16" or fp16 is None:  # the caller found no bf16 peak
+        return ""
+    return (f" ({device_kind} has no bf16 tensor cores, so XLA runs these matmuls in float32, "
+            f"without them; --precision fp16 runs them on its fp16 tensor cores, "
+            f"{fp16:g} TFLOP/s dense)")
 
 
 def mfu(flops_per_step: float, step_time_s: float, peak_tflops_per_device: float | None,
