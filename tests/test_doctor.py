@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from jaxopt_train.runtime import doctor
@@ -293,3 +294,50 @@ def test_doctor_minimum_versions_are_pyproject_dependencies():
     dependencies = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
     for dist, minimum in doctor.MIN_VERSIONS.items():
         assert f"{dist}>={minimum}" in dependencies
+
+
+def _fake_gpus(monkeypatch, *capabilities, kind="NVIDIA GPU", triton=True):
+    """jax answers GPUs of `capabilities` ("7.5"); jax_triton imports (a stand-in) if `triton`."""
+    import types
+
+    gpus = [types.SimpleNamespace(platform="gpu", device_kind=kind, compute_capability=c)
+            for c in capabilities]
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: gpus)
+    monkeypatch.setattr(jax, "local_devices", lambda *args, **kwargs: gpus)
+    monkeypatch.setitem(sys.modules, "jax_triton", types.ModuleType("jax_triton") if triton else None)
+
+
+@pytest.mark.parametrize("capabilities, kind, status, parts", [
+    (("9.0",), "NVIDIA H200", "pass",
+     ["NVIDIA H200 (sm_90)", "bf16 tensor cores", "cuDNN attention", "matmul kernels: mosaic_gpu, triton"]),
+    (("8.0",), "NVIDIA A100-SXM4-80GB", "pass",
+     ["(sm_80)", "bf16 tensor cores", "cuDNN attention", "matmul kernels: triton"]),
+    (("8.9",), "NVIDIA L4", "pass", ["(sm_89)", "cuDNN attention", "matmul kernels: triton"]),
+    (("7.5",), "Tesla T4", "warn", ["Tesla T4 (sm_75): matmul kernels: none (--matmul xla)",
+                                    "bf16 matmuls run in float32"]),
+    (("9.0", "7.5"), "mixed", "warn", ["(sm_75)"]),  # the oldest GPU of the process decides
+])
+def test_fast_paths_say_what_the_gpu_generation_gives(monkeypatch, capabilities, kind, status,
+                                                      parts):
+    """A T4 user (Colab's default GPU) learned only from a slow run that bf16 has no tensor
+    cores there and that cuDNN attention and our kernels need newer GPUs."""
+    _fake_gpus(monkeypatch, *capabilities, kind=kind)
+    check = doctor.check_fast_paths()
+    assert check.name == "fast paths" and check.status == status, check
+    for part in parts:
+        assert part in check.detail, (part, check.detail)
+    assert ("--precision fp16" in check.fix) == (status == "warn")
+
+
+def test_fast_paths_name_the_missing_jax_triton(monkeypatch):
+    _fake_gpus(monkeypatch, "8.0", kind="NVIDIA A100-SXM4-80GB", triton=False)
+    assert doctor.check_fast_paths().detail.endswith("matmul kernels: none (--matmul xla)")
+
+
+def test_the_backend_checks_hold_the_fast_paths_line_only_on_a_gpu(monkeypatch):
+    names = [c.name for c in doctor.check_backend()[0]]
+    assert "fast paths" not in names  # the CPU machine: no GPU paths to speak of
+    _fake_gpus(monkeypatch, "8.9", kind="NVIDIA L4")
+    checks, _ = doctor.check_backend()
+    assert [c.name for c in checks] == ["backend", "fast paths", "matmul precision"]

@@ -3,7 +3,8 @@
 Each line is pass, warn or fail, with the fix. Versions of the stack; the JAX backend
 and devices; for NVIDIA GPUs (through NVML) the driver against what the installed
 JAX CUDA build needs, MIG, ECC double-bit errors, NVLink/PCIe topology, clocks and
-power; the default matmul precision and the XLA settings in force. Runs on CPU-only
+power; which of the GPU fast paths (bf16 tensor cores, cuDNN attention, our matmul
+kernels) the GPU has; the default matmul precision and the XLA settings in force. Runs on CPU-only
 machines (and says there is no GPU). Exits 1 only when a check fails.
 """
 
@@ -216,6 +217,8 @@ def check_backend() -> tuple[list[Check], list]:
         checks.append(Check("backend", WARN, f"no GPU: JAX runs on {detail}",
                             "on an NVIDIA machine: pip install -U 'jax[cuda13]' (or cuda12 for "
                             "drivers < 580); check JAX_PLATFORMS is not set to cpu"))
+    if jax.default_backend() == "gpu":
+        checks.append(check_fast_paths())
     precision = jax.config.jax_default_matmul_precision
     if precision is None and jax.default_backend() == "gpu":
         checks.append(Check("matmul precision", PASS,
@@ -224,6 +227,35 @@ def check_backend() -> tuple[list[Check], list]:
     else:
         checks.append(Check("matmul precision", PASS, f"jax_default_matmul_precision={precision}"))
     return checks, devices
+
+
+def check_fast_paths() -> Check:
+    """Which of the library's GPU fast paths this process's GPUs have (the oldest decides).
+
+    Colab hands out T4s (sm_75), L4s (sm_89) and A100s (sm_80) as well as Hopper parts, and
+    each path needs its own generation: bf16 tensor cores and cuDNN's fused attention come
+    with Ampere (sm_80), the Triton matmul too (plus jax-triton), the Mosaic GPU kernel with
+    Hopper (sm_90). What is missing falls back slower, so say so before a run does.
+    """
+    import jax
+
+    from jaxopt_train.kernels.matmul import available_backends  # noqa: PLC0415
+    from jaxopt_train.models.gpt import cudnn_attention_unavailable  # noqa: PLC0415
+    from jaxopt_train.runtime._backend import compute_capability  # noqa: PLC0415
+
+    oldest = min(jax.local_devices(), key=compute_capability)
+    major, minor = compute_capability(oldest)
+    kernels = [b for b in available_backends() if b in ("mosaic_gpu", "triton")]
+    have = [name for name, ok in (("bf16 tensor cores", (major, minor) >= (8, 0)),
+                                  ("cuDNN attention", cudnn_attention_unavailable() is None)) if ok]
+    have.append(f"matmul kernels: {', '.join(kernels) or 'none (--matmul xla)'}")
+    detail = f"{oldest.device_kind} (sm_{major}{minor}): {'; '.join(have)}"
+    if (major, minor) >= (8, 0):
+        return Check("fast paths", PASS, detail)
+    return Check("fast paths", WARN, f"{detail}; no bf16 tensor cores or cuDNN attention before "
+                 "Ampere (sm_80): bf16 matmuls run in float32 and attention='auto' uses XLA's",
+                 "train with --precision fp16 (its tensor cores, with loss scaling); or take an "
+                 "Ampere or newer GPU")
 
 
 def _parse_driver(text: str) -> tuple[int, ...]:
