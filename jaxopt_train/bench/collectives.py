@@ -49,7 +49,6 @@ NVLINK_PEAK_GBS = {"H100 PCIe": 300.0, "H100 NVL": 300.0, "H200": 450.0, "H100":
 # nvmlNvlinkVersion_t enum, not the version (1: 1.0, 2: 2.0, 3: 2.2, 4: 3.0, 5: 3.1, 6: 4.0,
 # 7: 5.0). An A100 returns 5 (NVLink 3.x, 25 GB/s), an H100/H200 6 (4.0, 25 GB/s).
 PER_LINK_GBS = {1: 20.0, 2: 25.0, 3: 25.0, 4: 25.0, 5: 25.0, 6: 25.0, 7: 50.0}
-_NO_NVLINK = "NVML reports no active NVLink (PCIe only: pass --peak for its GB/s per direction)"
 
 
 def fmt_size(nbytes: int) -> str:
@@ -69,9 +68,7 @@ def nvlink_peak(device) -> tuple[float | None, str]:
     indices, reason = nvml_indices([device])
     if indices is not None:
         peak, reason = _nvml_nvlink_peak(indices[0])
-        # No active link is an answer: the datasheet's NVLink figure would be a link the GPUs
-        # do not use (two bridgeless PCIe A100s got 300 GB/s, and their share of it).
-        if peak is not None or reason == _NO_NVLINK:
+        if peak is not None:
             return peak, reason
     else:
         reason = f"NVML not asked: {reason}"
@@ -104,7 +101,7 @@ def _nvml_nvlink_peak(index: int) -> tuple[float | None, str]:
     if links and version in PER_LINK_GBS:
         return links * PER_LINK_GBS[version], f"NVML: {links} active NVLink links (version enum {version})"
     return None, (f"NVML reports {links} active NVLink links of unknown version enum {version}" if links
-                  else _NO_NVLINK)
+                  else "NVML reports no active NVLink")
 
 
 def time_burst(fn: Callable, args: tuple, *, warmup: int, iters: int, bursts: int) -> float:
