@@ -22,6 +22,8 @@ from jaxopt_train.train.mfu import mfu
 
 GIB = 2**30
 REPORT_FILES = ("train_bench.md", "train_bench.json", "train_bench.png")  # what --out holds
+# A T4 is a known device without a bf16 peak (no bf16 tensor cores): not an "unknown device".
+_NO_PEAK = "n/a (no dense bf16 peak known for this device; pass --peak-tflops)"
 
 
 def output_dir_problem(folder: str) -> str | None:
@@ -201,7 +203,7 @@ def render(result) -> str:
     lines = [f"device: {result['device_kind']} x {result['num_devices']} ({result['platform']}), "
              f"jax {result['jax']}; model {model_label(result)}, global batch {result['global_batch']}, "
              f"{result['microbatches']} micro-batch(es), {result['items_per_step']:,} {unit}/step",
-             f"MFU denominator: {result['mfu_denominator'] or 'n/a (unknown device; pass --peak-tflops)'}",
+             f"MFU denominator: {result['mfu_denominator'] or _NO_PEAK}",
              f"XLA flags (preset {flags['preset']}{', ' + flags['note'] if flags['note'] else ''}): "
              f"{' '.join(f'{k}={v}' for k, v in flags['in_force'].items()) or '(none)'}",
              f"epoch = {result['dataset_items']:,.0f} {unit}; cost at ${result['gpu_hour_usd']}/device-hour",
