@@ -807,7 +807,11 @@ if SMALL:
     sizes = dict(steps=30, batch_size=16, seq_len=32, log_every=3, eval_every=15,
                  model_overrides={"n_layers": 1}, precision="fp32")
 else:
-    sizes = dict(steps=300, batch_size=8 * n, log_every=10, eval_every=100, precision="bf16")
+    # bf16 needs bf16 tensor cores: a T4 (Colab's default GPU, compute capability 7.5) has
+    # fp16 ones only and would run bf16 matmuls in float32; fp16 trains with loss scaling.
+    pre_ampere = ACCELERATOR == "gpu" and float(jax.devices()[0].compute_capability) < 8.0
+    sizes = dict(steps=300, batch_size=8 * n, log_every=10, eval_every=100,
+                 precision="fp16" if pre_ampere else "bf16")
 config = jt.TrainConfig(preset="gpt-tiny", lr=3e-3, warmup=5, eval_batches=2, checkpoint_every=0,
                         run_dir=os.path.join(work_dir, "run"), progress="lines", **sizes)
 result = jt.train(config)
