@@ -4,8 +4,8 @@ Each line is pass, warn or fail, with the fix. Versions of the stack; the JAX ba
 and devices; for NVIDIA GPUs (through NVML) the driver against what the installed
 JAX CUDA build needs, MIG, ECC double-bit errors, NVLink/PCIe topology, clocks and
 power; which of the GPU fast paths (bf16 tensor cores, cuDNN attention, our matmul
-kernels) the GPU has; the default matmul precision and the XLA settings in force. Runs on CPU-only
-machines (and says there is no GPU). Exits 1 only when a check fails.
+kernels) the GPU has; the default matmul precision and the XLA settings in force. Runs
+on CPU-only machines (and says there is no GPU). Exits 1 only when a check fails.
 """
 
 from __future__ import annotations
