@@ -93,10 +93,11 @@ def _cudnn_max_head_dim() -> int:
     from jaxopt_train.models.gpt import CUDNN_MAX_HEAD_DIM  # noqa: PLC0415
     from jaxopt_train.runtime._backend import compute_capability  # noqa: PLC0415
 
-    # The step runs on all of jax.devices(), so the oldest GPU decides; a device
-    # whose capability cannot be read counts as pre-Hopper, where "auto" falling
-    # back to XLA is slower but a cuDNN head_dim past 128 would fail to compile.
-    capabilities = [compute_capability(device) for device in jax.devices()]
+    # The oldest GPU decides; a device whose capability cannot be read counts as
+    # pre-Hopper, where "auto" falling back to XLA is slower but a cuDNN head_dim past
+    # 128 would fail to compile. This process's GPUs, as `cudnn_attention_unavailable`
+    # reads them: the hosts of one job run one kind of GPU.
+    capabilities = [compute_capability(device) for device in jax.local_devices()]
     return CUDNN_MAX_HEAD_DIM if min(capabilities) >= (9, 0) else 128
 
 
