@@ -340,3 +340,53 @@ def test_resume_of_compressed_reductions_on_another_device_count_says_so(tmp_pat
         ckpt.restore(fewer)
     ckpt.close()
     assert "zero" not in str(info.value)
+
+
+def test_a_save_before_the_latest_checkpoint_is_refused_and_deletes_nothing(tmp_path):
+    """Before: accepted. Orbax keeps the last `keep` checkpoints saved (not the highest
+    steps), so a second run started over from step 0 in the same folder had its save at
+    100 replace step 800, latest_step() became 100, and two more saves deleted the rest of
+    the first run (800-1000) without a word."""
+    state = _state(NoOpLossScale())
+    ckpt = Checkpointer(str(tmp_path), keep=3, async_save=False)
+    for step in (800, 900, 1000):
+        ckpt.save(step, state, {})
+    ckpt.close()
+    again = Checkpointer(str(tmp_path), keep=3, async_save=False)
+    with pytest.raises(RunDirError, match=r"step=100 in .*checkpoints: it already holds a later one "
+                                          r"\(step 1000\).*--resume"):
+        again.save(100, state, {})
+    assert not again.save(900, state, {})  # already saved: skipped, as before
+    assert again.save(1100, state, {})
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match=r"must be an int >= 0"):
+            again.save(bad, state, {})
+    assert again.latest_step() == 1100
+    again.close()
+    assert existing_checkpoint_steps(str(tmp_path)) == [900, 1000, 1100]
+
+
+@pytest.mark.parametrize("name", ["checkpoints", "tb"])
+def test_overwrite_of_a_run_with_a_linked_folder_is_refused_before_anything_is_deleted(
+        tmp_path, name):
+    """Before: prepare_run_dir passed, and clear_run_dir raised a bare "Cannot call rmtree
+    on a symbolic link" after the new run was built; with `tb` linked (a shared log folder)
+    the old run's checkpoints, metrics and config were deleted first, and no run started."""
+    run = tmp_path / "run"
+    os.makedirs(run / "checkpoints" if name == "tb" else run)
+    elsewhere = tmp_path / "bigdisk"
+    (elsewhere / "4").mkdir(parents=True)  # a checkpoint, or another run's events
+    os.symlink(elsewhere, run / name)
+    if name == "tb":
+        (run / "checkpoints" / "4").mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(RunDirError, match=rf"--overwrite: '.*{name}' is a link to '.*bigdisk', "
+                                          r"which is not empty.*Empty that folder"):
+        prepare_run_dir(str(run), resume=False, overwrite=True)
+    assert (run / "metrics.jsonl").exists() and (elsewhere / "4").is_dir()
+    # Emptied, the link stays where the user put it, and the old run's other files go.
+    os.rmdir(elsewhere / "4")
+    prepare_run_dir(str(run), resume=False, overwrite=True)
+    clear_run_dir(str(run))
+    assert os.path.islink(run / name) and not (run / "metrics.jsonl").exists()
+    assert existing_checkpoint_steps(str(run)) == []

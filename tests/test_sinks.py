@@ -234,6 +234,30 @@ def test_open_for_append_adds_a_newline_only_after_a_torn_line(tmp_path, content
     assert (tmp_path / "new" / "m.jsonl").read_bytes() == b""
 
 
+@pytest.mark.parametrize("writer", _jsonl_writers(), ids=lambda w: w.__name__)
+def test_jsonl_writes_into_a_pipe(tmp_path, writer):
+    """Before: "File or stream is not seekable" for /dev/stdout piped on, or a FIFO that a
+    log shipper reads: the torn-line check read the last byte of what is not a file."""
+    import os
+    import threading
+
+    fifo = tmp_path / "metrics.fifo"
+    os.mkfifo(fifo)
+    received = []
+
+    def read():
+        with open(fifo, "rb") as f:  # the writer's open waits for this one
+            received.append(f.read())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    sink = writer(fifo)
+    sink.write(1, {"loss": 2.0})
+    sink.close()
+    reader.join(timeout=10)
+    assert [json.loads(line)["loss"] for line in received[0].splitlines()] == [2.0]
+
+
 @pytest.mark.parametrize("earlier, refused, pair", [
     ({}, {"loss/train": 1.0, "loss_train": 2.0}, "'loss/train' and 'loss_train'"),  # in one write
     ({"loss/train": 1.0}, {"loss_train": 2.0}, "'loss/train' and 'loss_train'"),  # a later write

@@ -23,11 +23,14 @@ def open_for_append(path: str | os.PathLike) -> TextIO:
     The torn line itself stays, on its own line, for `read_jsonl` to skip and report.
     """
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "a+b") as file:  # binary: the torn line may end inside a UTF-8 character
-        if file.seek(0, os.SEEK_END) > 0:
-            file.seek(-1, os.SEEK_END)
-            if file.read(1) != b"\n":
-                file.write(b"\n")  # "a" mode: writes go to the end whatever the read position
+    # Only a file has a last line to read back: a pipe or a terminal (/dev/stdout, a FIFO to
+    # a log shipper) cannot seek, and refused the sink with "File or stream is not seekable".
+    if not os.path.exists(path) or os.path.isfile(path):
+        with open(path, "a+b") as file:  # binary: the torn line may end inside a UTF-8 character
+            if file.seek(0, os.SEEK_END) > 0:
+                file.seek(-1, os.SEEK_END)
+                if file.read(1) != b"\n":
+                    file.write(b"\n")  # "a" mode: writes go to the end whatever the read position
     return open(path, "a", encoding="utf-8")  # noqa: SIM115 - the caller closes it
 
 

@@ -13,6 +13,7 @@ run directory into a model of another shape.
 
 from __future__ import annotations
 
+import numbers
 import os
 import shutil
 import tempfile
@@ -50,6 +51,7 @@ class Checkpointer:
             raise ValueError(f"run_dir={run_dir!r} holds {unreadable}")
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=async_save)
+        self._keep = keep
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
@@ -59,9 +61,28 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> bool:
-        """Saves `state` at `step` (skipped if that step is already saved); True if saved."""
+        """Saves `state` at `step` (skipped if that step is already saved); True if saved.
+
+        Raises:
+          ValueError: `step` is not an int >= 0.
+          RunDirError: `step` is before the latest checkpoint's (another run in this
+            directory, started over from step 0 without --resume).
+        """
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ValueError(f"step={step!r} must be an int >= 0 (the train state's step)")
+        step = int(step)
         if step in self._manager.all_steps():
             return False
+        # Orbax keeps the last `keep` checkpoints *saved*, not those of the highest steps, and
+        # its latest_step() is then the one just saved: saving 100 beside 800-1000 deleted 800,
+        # and two more saves deleted the rest of that run, without a word.
+        latest = max(self._manager.all_steps(), default=None)
+        if latest is not None and step < latest:
+            raise RunDirError(
+                f"cannot save a checkpoint at step={step} in {self.directory}: it already holds "
+                f"a later one (step {latest}), which keep={self._keep} would delete as newer saves "
+                "come in. Continue that run from its latest checkpoint (--resume), or save into "
+                "another run directory.")
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   meta=ocp.args.JsonSave(meta))
         return bool(self._manager.save(step, args=args, force=True))
@@ -340,7 +361,8 @@ def prepare_run_dir(run_dir: str, *, resume: bool, overwrite: bool) -> None:
         `resume` is set and there is no checkpoint to resume, or run_dir or its checkpoints
         folder is a file, cannot be created or written (checked by making and removing a
         folder in it), or its path is one orbax cannot restore checkpoints from
-        (`_unreadable_path`).
+        (`_unreadable_path`), or `overwrite` is set and a folder the run writes is a link
+        to a folder that is not empty (`_check_no_linked_folders`).
     """
     ckpt_dir = os.path.join(run_dir, CHECKPOINT_SUBDIR)
     for path, what in ((run_dir, "run_dir"), (ckpt_dir, "its checkpoints folder")):
@@ -364,11 +386,31 @@ def prepare_run_dir(run_dir: str, *, resume: bool, overwrite: bool) -> None:
             "start over, or another --run-dir")
     if resume and not steps:
         raise RunDirError(f"--resume: run_dir={run_dir!r} has no finished checkpoint to resume from")
+    if overwrite:
+        _check_no_linked_folders(run_dir)
     try:
         os.makedirs(run_dir, exist_ok=True)
     except OSError as err:  # a file in the way, no permission, read-only or missing mount
         raise RunDirError(f"cannot create run_dir={run_dir!r}: {err.strerror or err}") from err
     _check_writable(ckpt_dir if os.path.isdir(ckpt_dir) else run_dir)
+
+
+def _check_no_linked_folders(run_dir: str) -> None:
+    """Refuses --overwrite where a folder the run writes (checkpoints on a larger disk, tb
+    in a shared log folder) is a symbolic link to a folder that is not empty.
+
+    rmtree refuses a link: `clear_run_dir` raised a bare "Cannot call rmtree on a symbolic
+    link" after the whole build, once the names before it in `RUN_FILES` were deleted. Nor
+    may it guess: removing the link loses where the user put the data, and emptying its
+    target may delete other runs' files there. An empty one keeps its link."""
+    for name, folder in RUN_FILES.items():
+        path = os.path.join(run_dir, name)
+        if folder and os.path.islink(path) and os.path.isdir(path) and os.listdir(path):
+            raise RunDirError(
+                f"--overwrite: {path!r} is a link to {os.path.realpath(path)!r}, which is not "
+                "empty; --overwrite does not delete through a link (other files may live "
+                "there): expected a plain folder or an empty one. Empty that folder, or "
+                "replace the link, or pass another --run-dir")
 
 
 def _check_writable(folder: str) -> None:
@@ -392,6 +434,8 @@ def clear_run_dir(run_dir: str) -> None:
         return
     for name, folder in RUN_FILES.items():
         path = os.path.join(run_dir, name)
+        if folder and os.path.islink(path):
+            continue  # prepare_run_dir refused one whose folder is not empty
         if folder and os.path.isdir(path):
             shutil.rmtree(path)
         elif not folder and os.path.isfile(path):
