@@ -5,9 +5,11 @@ Configs run one after the other on the same model and global batch:
 - baseline: f32 params and compute, XLA attention, no remat, micro-batches fed
   from a host loop (one jit call each, optax.MultiSteps), psum every call, no
   donation, one optimizer step per dispatch;
-- optimised: bf16 compute with f32 master weights (gradients kept in bf16 and
-  widened after the all-reduce, AdamW moments stored in bf16: `--grad-dtype`,
-  `--opt-state-dtype`), cuDNN attention on GPU,
+- optimised: bf16 compute with f32 master weights (`--precision`: fp16 with a
+  dynamic loss scale on a GPU without bf16 tensor cores, such as a T4; gradients
+  kept in the compute dtype and widened after the all-reduce, AdamW moments
+  stored in bf16: `--grad-dtype`, `--opt-state-dtype`), cuDNN attention on an
+  Ampere or newer GPU,
   `lax.scan` accumulation with one all-reduce after it, donated state, the
   first remat policy ("none", "dots_attention", "dots", "full") whose compiled step fits
   `--memory-budget`, on only as many blocks as the budget needs, the policy before
@@ -55,7 +57,7 @@ DEFAULTS = dict(model="gpt-124m", global_batch=8, microbatches=1, steps=40, warm
 
 
 def _parser() -> argparse.ArgumentParser:
-    from jaxopt_train.bench.train_steps import ZERO_STAGES  # noqa: PLC0415
+    from jaxopt_train.bench.train_steps import PRECISIONS, ZERO_STAGES  # noqa: PLC0415
     from jaxopt_train.collectives import METHODS  # noqa: PLC0415
     from jaxopt_train.models import GPT_PRESETS, VISION_PRESETS  # noqa: PLC0415
     from jaxopt_train.runtime.xla_flags import PRESETS  # noqa: PLC0415
@@ -95,6 +97,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-sync", choices=("auto",) + METHODS, default="auto",
                    help="optimised config's gradient all-reduce; auto: the fastest on gradient-shaped data "
                    "here (psum on one device and under --zero 1)")
+    p.add_argument("--precision", choices=PRECISIONS, default="auto",
+                   help="optimised config's compute dtype (f32 master weights either way); "
+                   "auto = bf16, except fp16 on a GPU without bf16 tensor cores (compute "
+                   "capability < 8.0, e.g. a T4), where XLA runs bf16 matmuls in float32. "
+                   "fp16 adds a dynamic loss scale and skips non-finite steps")
     p.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
                    help="optimised attention; auto = cudnn on an Ampere or newer GPU, else xla")
     p.add_argument("--opt-state-dtype", choices=STATE_DTYPES, default="bf16",
@@ -301,6 +308,7 @@ class Bench:
             state, trace = _timing.trace_steps(runner.step, state, calls=self.args.trace_steps,
                                                steps_per_call=k, device=device)
         peak = _peak_memory(device, peak_before, in_use_before, runner.compiled)
+        scale = _loss_scale_figures(run, state.state)
         del state
         row = train_report.row_figures(
             name=run.name, timing=timing, trace=trace, compile_s=runner.compile_s,
@@ -313,10 +321,23 @@ class Bench:
         row["attention_resolved"] = (run.attention if isinstance(run, PlainRun)
                                      else train_steps.resolved_attention(workload, run))
         row["global_batch"] = workload.global_batch
+        row.update(scale)
         print(f"[bench train] {run.name}: {row['step_ms']:.2f} ms/step, "
               f"{row['throughput']:,.0f} {workload.unit}/s, compile {runner.compile_s:.1f} s",
               file=sys.stderr, flush=True)
         return row
+
+
+def _loss_scale_figures(run, state) -> dict:
+    """A float16 row's loss scale after its last step and the updates it skipped (warm-up
+    and timed steps together). A row whose every step overflowed would time updates that
+    change nothing: the report says so instead of leaving it to the reader's trust."""
+    from jaxopt_train.bench import train_steps  # noqa: PLC0415
+
+    if not isinstance(run, train_steps.RunConfig) or not run.loss_scaled:
+        return {}
+    scale = train_steps.split_state(state, run)[4]
+    return {"loss_scale": float(scale.loss_scale), "skipped_updates": int(scale.skipped_steps)}
 
 
 def _analysis_bytes(compiled) -> int | None:
@@ -394,6 +415,14 @@ def run_devices(args) -> list:
                      f"{jax.default_backend()} device(s) are visible")
     devices = jax.devices()[: args.devices] if args.devices else jax.devices()
     train_checks.check_backends(parser, args, devices)
+    from jaxopt_train.bench.train_steps import optimised_policy  # noqa: PLC0415
+
+    args.policy = optimised_policy(args.precision, devices)
+    if args.compare_plain and args.policy != "bf16":
+        why = "" if args.precision != "auto" else " (--precision auto chose it for this GPU)"
+        parser.error(f"--compare-plain's plain loops train in bf16, so they compare with a bf16 "
+                     f"optimised row; this one runs in {args.policy}{why}: add --precision bf16 "
+                     "or drop --compare-plain")
     if "global_batch" in args.defaulted:
         # A defaulted batch must still split over every device and micro-batch
         # (e.g. --quick on 8 emulated devices); an explicit one is validated as given.
@@ -414,6 +443,7 @@ def run_bench(args, xla_report) -> dict:
     import jax  # noqa: PLC0415
 
     from jaxopt_train.bench import train_report, train_steps  # noqa: PLC0415
+    from jaxopt_train.precision import get_policy  # noqa: PLC0415
     from jaxopt_train.train.mfu import matmul_dtype_name, resolve_peak_tflops  # noqa: PLC0415
 
     devices = run_devices(args)
@@ -423,7 +453,7 @@ def run_bench(args, xla_report) -> dict:
                                     image_size=None if args.model.startswith("gpt") else args.image_size,
                                     text=args.text)
     kind = devices[0].device_kind
-    optimised = train_steps.RunConfig("optimised", policy="bf16",
+    optimised = train_steps.RunConfig("optimised", policy=args.policy,
                                       attention=train_steps.optimised_attention(args.attention),
                                       accumulation="scan", donate=True,
                                       steps_per_dispatch=args.steps_per_dispatch,
@@ -434,7 +464,9 @@ def run_bench(args, xla_report) -> dict:
     baseline = train_steps.RunConfig("baseline")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "MFU omitted" is said in the table's header instead
-        peak = resolve_peak_tflops(kind, matmul_dtype_name(jax.numpy.bfloat16), args.peak_tflops)
+        # The optimised row's matmul dtype: MFU measures every row against what it could reach.
+        matmul_dtype = matmul_dtype_name(get_policy(optimised.policy).compute_dtype)
+        peak = resolve_peak_tflops(kind, matmul_dtype, args.peak_tflops)
     bench = Bench(args, workload, devices, peak)
     grad_sync, sync_times = choose_grad_sync(args, workload, optimised, devices)
     optimised = dataclasses.replace(optimised, grad_sync=grad_sync)
@@ -460,7 +492,8 @@ def run_bench(args, xla_report) -> dict:
         "peak_tflops_per_device": peak,
         "mfu_denominator": None if peak is None else
         f"{peak:g} TFLOP/s x {len(devices)} device(s) ("
-        + ("--peak-tflops" if args.peak_tflops else f"dense bf16 peak of {kind}") + ")",
+        + ("--peak-tflops" if args.peak_tflops else f"dense {matmul_dtype} peak of {kind}") + ")",
+        "matmul_dtype": matmul_dtype,
         "grad_sync_collective": _grad_sync_collective(optimised, len(devices)),
         "dataset_items": bench.dataset_items, "gpu_hour_usd": args.gpu_hour_usd,
         "xla_flags": xla_report, "memory_budget_bytes": budget, "remat_trials": remat_trials,

@@ -24,12 +24,15 @@ def ablation_runs(baseline, optimised, workload, num_devices):
         else:
             runs.append(dataclasses.replace(baseline, name=name, **changes))
 
-    add("+bf16", policy=optimised.policy)
+    # The optimised row's compute dtype ("bf16", or "fp16" with its loss scale) names the
+    # rows that switch it on; the optimizer state's dtype is its own flag, named below.
+    half = optimised.policy
+    add(f"+{half}", policy=optimised.policy)
     # What runs, not what was asked: --attention cudnn off an Ampere or newer GPU runs XLA's.
     fused = dataclasses.replace(baseline, policy=optimised.policy, attention=optimised.attention)
-    add(f"+bf16+{optimised.attention} attention",
+    add(f"+{half}+{optimised.attention} attention",
         None if workload.is_gpt and resolved_attention(workload, fused) != "xla" else
-        "same as +bf16: the fused kernel is unavailable (not an Ampere or newer GPU, or not a GPT)",
+        f"same as +{half}: the fused kernel is unavailable (not an Ampere or newer GPU, or not a GPT)",
         policy=optimised.policy, attention=optimised.attention)
     add("+scan accumulation", None if workload.microbatches > 1 else "no-op with --microbatches 1",
         accumulation="scan")
@@ -37,16 +40,17 @@ def ablation_runs(baseline, optimised, workload, num_devices):
     add(f"+remat={remat_label(optimised.remat, optimised.remat_layers, optimised.remat_rest)}",
         None if optimised.remat != "none" else "chosen remat is none",
         remat=optimised.remat, remat_layers=optimised.remat_layers, remat_rest=optimised.remat_rest)
-    add("+bf16 optimizer state", None if optimised.opt_state != "f32" else "--opt-state-dtype f32",
+    add(f"+{optimised.opt_state} optimizer state",
+        None if optimised.opt_state != "f32" else "--opt-state-dtype f32",
         opt_state=optimised.opt_state)
-    add("+bf16 gradients (+scan accumulation)",
+    add(f"+{half} gradients (+scan accumulation)",
         None if optimised.grad_dtype == "compute" else "--grad-dtype param",
         policy=optimised.policy, grad_dtype="compute", accumulation="scan")
-    add("+bf16 weight copy in the state (+bf16 gradients, +scan accumulation)",
+    add(f"+{half} weight copy in the state (+{half} gradients, +scan accumulation)",
         None if optimised.compute_copy else "--no-compute-copy (or --grad-dtype param)",
         policy=optimised.policy, grad_dtype="compute", accumulation="scan", compute_copy=True)
     # The copies it saves are the ones the fused attention kernel's operands need.
-    add(f"+q, k, v from three products (+bf16+{optimised.attention} attention)",
+    add(f"+q, k, v from three products (+{half}+{optimised.attention} attention)",
         None if optimised.split_qkv else "--split-qkv not given",
         policy=optimised.policy, attention=optimised.attention, split_qkv=True)
     add(f"+grad_sync={optimised.grad_sync}",

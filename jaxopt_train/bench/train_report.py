@@ -23,7 +23,7 @@ from jaxopt_train.train.mfu import mfu
 GIB = 2**30
 REPORT_FILES = ("train_bench.md", "train_bench.json", "train_bench.png")  # what --out holds
 # A T4 is a known device without a bf16 peak (no bf16 tensor cores): not an "unknown device".
-_NO_PEAK = "n/a (no dense bf16 peak known for this device; pass --peak-tflops)"
+_NO_PEAK = "n/a (no dense {} peak known for this device; pass --peak-tflops)"
 
 
 def output_dir_problem(folder: str) -> str | None:
@@ -203,7 +203,8 @@ def render(result) -> str:
     lines = [f"device: {result['device_kind']} x {result['num_devices']} ({result['platform']}), "
              f"jax {result['jax']}; model {model_label(result)}, global batch {result['global_batch']}, "
              f"{result['microbatches']} micro-batch(es), {result['items_per_step']:,} {unit}/step",
-             f"MFU denominator: {result['mfu_denominator'] or _NO_PEAK}",
+             f"MFU denominator: "
+             f"{result['mfu_denominator'] or _NO_PEAK.format(result.get('matmul_dtype', 'bf16'))}",
              f"XLA flags (preset {flags['preset']}{', ' + flags['note'] if flags['note'] else ''}): "
              f"{' '.join(f'{k}={v}' for k, v in flags['in_force'].items()) or '(none)'}",
              f"epoch = {result['dataset_items']:,.0f} {unit}; cost at ${result['gpu_hour_usd']}/device-hour",
@@ -216,11 +217,15 @@ def render(result) -> str:
     grad_sync = result.get("grad_sync_collective", opt["config"]["grad_sync"])
     remat = remat_label(opt["config"]["remat"], opt["config"].get("remat_layers"),
                         opt["config"].get("remat_rest", "none"))
-    lines.append(f"optimised: remat={remat}, grad_sync={grad_sync}, "
+    from jaxopt_train.precision import get_policy  # noqa: PLC0415 - imports jax
+
+    policy = opt["config"]["policy"]
+    scaled = " with a dynamic loss scale" if get_policy(policy).needs_loss_scale else ""
+    lines.append(f"optimised: precision {policy}{scaled}, remat={remat}, grad_sync={grad_sync}, "
                  f"attention={opt['attention_resolved']}, steps_per_dispatch={opt['steps_per_dispatch']}, "
                  f"optimizer state {opt['config']['opt_state']}, gradients in the "
                  f"{opt['config']['grad_dtype']} dtype, {_zero_note(opt)}"
-                 + (", bf16 weight copy kept in the state" if opt["config"]["compute_copy"] else "")
+                 + (f", {policy} weight copy kept in the state" if opt["config"]["compute_copy"] else "")
                  + (", q/k/v from three products" if opt["config"]["split_qkv"] else "")
                  + (_fuse_note(opt["config"]["fuse_mlp_activation"]) if result.get("matmul") else ""))
     for row in result["rows"]:
@@ -228,6 +233,11 @@ def render(result) -> str:
             lines.append(f"optimised vs {row['name']}: {row['step_ms'] / opt['step_ms']:.3f}x "
                          "the throughput (same model, batch and devices; plain loop: "
                          "jaxopt_train.bench.plain)")
+    for row in result["rows"]:
+        if "loss_scale" in row:  # the host loop checks each micro-batch's update on its own
+            lines.append(f"{row['name']}: loss scale {row['loss_scale']:g} after its last step; "
+                         f"{row['skipped_updates']} update(s) skipped for non-finite gradients "
+                         "(warm-up and timed steps)")
     names = {row["name"] for row in result["rows"]}
     lines += clock_notes(result["rows"] + [r for r in result.get("matmul", []) if r["name"] not in names])
     for skip in result["ablations_skipped"]:

@@ -29,6 +29,14 @@ next step's forward. Without it, each step starts with a separate cast pass over
 the f32 params: about 1.5 ms of gpt-1b's 87 ms step on an H200 (BENCHMARKS.md).
 The copy costs its bytes in memory (2 per param in bf16).
 
+A float16 policy ("fp16": f32 master weights, f16 compute) also carries a
+`DynamicLossScale` at the end of the state: the loss is scaled before
+differentiation, the gradients unscaled after the reduction (in the params'
+f32), and a step whose gradients are not all finite leaves params, optimizer
+and model state unchanged and backs the scale off, as the trainer's step does.
+Those selects are passes over the state that a bf16 step does not pay; they are
+what float16 costs, so the bench keeps them.
+
 The bench writes its own lean step instead of the trainer's
 (`jaxopt_train.train.step`): the trainer also checks finiteness, selects
 between old and new state, clips and reports the gradient norm, which cost
@@ -60,7 +68,7 @@ from jaxopt_train.models import (GPT, GPT_PRESETS, VISION_PRESETS, classificatio
                                  resnet_flops_per_image)
 from jaxopt_train.models.flops import gpt_flops_per_token
 from jaxopt_train.models.gpt import cudnn_attention_unavailable, warn_if_cudnn_unavailable
-from jaxopt_train.precision import get_policy
+from jaxopt_train.precision import all_finite, get_policy, loss_scale_for, select_tree
 from jaxopt_train.train.config import GRAD_DTYPES, MATMULS, matmul_dot_general
 from jaxopt_train.train.optim import low_precision_state, state_dtype
 from jaxopt_train.zero import (gather_leaves, leaf_specs, opt_state_leaf_specs, place_leaves,
@@ -69,6 +77,11 @@ from jaxopt_train.zero import (gather_leaves, leaf_specs, opt_state_leaf_specs, 
 AXIS = "data"
 ACCUMULATIONS = ("host", "scan")
 ZERO_STAGES = (0, 1)
+# The optimised row's policy (`bench train --precision`); "auto" is resolved per GPU.
+HALF_POLICIES = ("bf16", "fp16")
+PRECISIONS = ("auto",) + HALF_POLICIES
+# bf16 tensor cores came with Ampere: below it XLA runs bf16 matmuls in float32.
+BF16_TENSOR_CORE_CAPABILITY = (8, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +164,7 @@ class RunConfig:
     fuse_mlp_activation: bool | None = None
 
     def __post_init__(self):
+        get_policy(self.policy)  # validates: a preset name or a Policy
         if self.accumulation not in ACCUMULATIONS:
             raise ValueError(f"accumulation={self.accumulation!r}; legal values: {ACCUMULATIONS}")
         if self.steps_per_dispatch < 1:
@@ -186,6 +200,27 @@ class RunConfig:
 
     def describe(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def loss_scaled(self) -> bool:
+        """True when gradients pass through float16: the state then ends with a loss scale."""
+        return get_policy(self.policy).needs_loss_scale
+
+
+def optimised_policy(precision: str, devices) -> str:
+    """--precision for the optimised row: "auto" is bf16, except fp16 where a GPU has no
+    bf16 tensor cores (compute capability below 8.0, such as a T4: XLA runs bf16 matmuls
+    there in float32, while its fp16 tensor cores are idle); an explicit choice is kept."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}; legal values: {PRECISIONS}")
+    if precision != "auto":
+        return precision
+    from jaxopt_train.runtime._backend import compute_capability  # noqa: PLC0415
+
+    gpus = [d for d in devices if d.platform == "gpu"]
+    # An unreadable capability is (0, 0): bf16 is the safe default there, as on CPU and TPU.
+    old = [d for d in gpus if (0, 0) < compute_capability(d) < BF16_TENSOR_CORE_CAPABILITY]
+    return "fp16" if old else "bf16"
 
 
 def default_optimizer(opt_state: str = "f32") -> optax.GradientTransformation:
@@ -267,7 +302,8 @@ def make_loss(graphdef, workload: Workload, run: RunConfig) -> Callable:
 
 def init_state(workload: Workload, run: RunConfig, mesh, optimizer, seed: int = 0):
     """(graphdef, state) with state = (params, model_state, opt_state), plus the params'
-    compute-dtype copy with `run.compute_copy`, replicated on `mesh`."""
+    compute-dtype copy with `run.compute_copy`, then the loss scale of a float16 policy,
+    replicated on `mesh` (`split_state` names the parts)."""
     axis = AXIS if not workload.is_gpt else None
     graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: build_model(workload, run, axis, seed)),
                                nnx.Param, ...)
@@ -278,10 +314,31 @@ def init_state(workload: Workload, run: RunConfig, mesh, optimizer, seed: int = 
             state = (params, model_state, optimizer.init(params))
         if run.compute_copy:
             state += (get_policy(run.policy).cast_to_compute(params),)
+        if run.loss_scaled:
+            state += (loss_scale_for(run.policy),)
         return state
 
     state = jax.jit(init, out_shardings=NamedSharding(mesh, P()))()
     return graphdef, state
+
+
+def split_state(state, run: RunConfig):
+    """(params, model_state, opt_state, copy, loss_scale); copy and loss_scale are None
+    where `run` keeps none (see `init_state`)."""
+    params, model_state, opt_state, *rest = state
+    expected = 3 + run.compute_copy + run.loss_scaled
+    if len(state) != expected:  # a state from another RunConfig: never guess which part is which
+        raise ValueError(f"run {run.name!r} expects a state of {expected} parts (compute_copy="
+                         f"{run.compute_copy}, loss scale: {run.loss_scaled}); got {len(state)}")
+    copy = rest.pop(0) if run.compute_copy else None
+    scale = rest.pop(0) if run.loss_scaled else None
+    return params, model_state, opt_state, copy, scale
+
+
+def join_state(params, model_state, opt_state, copy=None, scale=None) -> tuple:
+    """The inverse of `split_state`."""
+    return ((params, model_state, opt_state) + (() if copy is None else (copy,))
+            + (() if scale is None else (scale,)))
 
 
 def lm_batch(cfg, size: int, *, text: bool, seed: int = 0) -> dict:
@@ -305,14 +362,16 @@ def host_batches(workload: Workload, count: int, run: RunConfig, seed: int = 0):
     return {k: v.reshape((count, workload.global_batch) + v.shape[1:]) for k, v in batch.items()}
 
 
-def zero_state_specs(state, optimizer, num_devices: int):
+def zero_state_specs(state, optimizer, num_devices: int, run: RunConfig):
     """PartitionSpecs of the state for per-leaf ZeRO-1 over AXIS: (params, model_state,
-    opt_state), and a compute copy sharded like the params when the state has one."""
-    params, model_state, opt_state, *copy = state
+    opt_state), a compute copy sharded like the params and a replicated loss scale where
+    the state has them."""
+    params, model_state, opt_state, copy, scale = split_state(state, run)
     param_specs = leaf_specs(params, num_devices, AXIS)
-    specs = (param_specs, jax.tree.map(lambda _: P(), model_state),
-             opt_state_leaf_specs(optimizer, opt_state, params, param_specs))
-    return specs + ((param_specs,) if copy else ())
+    return join_state(param_specs, jax.tree.map(lambda _: P(), model_state),
+                      opt_state_leaf_specs(optimizer, opt_state, params, param_specs),
+                      None if copy is None else param_specs,
+                      None if scale is None else jax.tree.map(lambda _: P(), scale))
 
 
 def _sync_grads(grads, params, run: RunConfig, num_devices: int, param_specs=None):
@@ -332,32 +391,67 @@ def _pmean_floating(tree, num_devices: int):
                         else x, tree)
 
 
+def _scaled_loss(loss, scale):
+    """`loss` with its value multiplied by the loss scale (the aux passes through)."""
+    if scale is None:
+        return loss
+
+    def scaled(params, batch, model_state):
+        value, aux = loss(params, batch, model_state)
+        return scale.scale(value), aux
+
+    return scaled
+
+
+def _apply_update(optimizer, grads, opt_state, params, model_state, new_model_state, scale,
+                  sharded: bool):
+    """One optax step on f32 `grads` (already reduced); with a loss scale, `grads` are
+    unscaled first and a step with any non-finite gradient changes nothing but the scale.
+
+    Returns (params, opt_state, model_state, scale)."""
+    if scale is not None:
+        grads = scale.unscale(grads)
+    # optax mixes Python floats with int32 counts, which strict promotion rejects.
+    with jax.numpy_dtype_promotion("standard"):
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+    if scale is None:
+        return new_params, new_opt_state, new_model_state, None
+    finite = all_finite(grads)
+    if sharded:  # ZeRO-1: each device sees its shards only, and all must skip together
+        finite = lax.psum(jnp.logical_not(finite).astype(jnp.int32), AXIS) == 0
+    return (select_tree(finite, new_params, params), select_tree(finite, new_opt_state, opt_state),
+            select_tree(finite, new_model_state, model_state), scale.adjust(finite))
+
+
 def _in_graph_step(loss, optimizer, workload: Workload, run: RunConfig, num_devices: int,
                    param_specs=None):
     """The per-device step; `param_specs` (ZeRO-1) means params and state arrive as shards."""
-    grad_fn = accumulate_gradients(loss, workload.microbatches, has_aux=True)
     policy = get_policy(run.policy)
 
     def one_step(state, batch):
-        params, model_state, opt_state, *copy = state
+        params, model_state, opt_state, copy, scale = split_state(state, run)
         # grad_dtype="compute": gradients w.r.t. the bf16 copy stay bf16 (half the
         # bytes to write, reduce and read); the loss's own cast is then a no-op.
-        if copy:  # compute_copy: the previous update already wrote it
-            grad_params = copy[0]
+        if copy is not None:  # compute_copy: the previous update already wrote it
+            grad_params = copy
         else:
             grad_params = policy.cast_to_compute(params) if run.grad_dtype == "compute" else params
         if param_specs is not None:  # cast first: the all-gathers then move bf16
             grad_params = gather_leaves(grad_params, param_specs, AXIS)
+        grad_fn = accumulate_gradients(_scaled_loss(loss, scale), workload.microbatches,
+                                       has_aux=True)
         (value, new_model_state), grads = grad_fn(grad_params, batch, model_state)
+        if scale is not None:
+            value = scale.unscale(value)
         grads = _sync_grads(grads, params, run, num_devices, param_specs)
-        # optax mixes Python floats with int32 counts, which strict promotion rejects.
-        with jax.numpy_dtype_promotion("standard"):
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
         new_model_state = _pmean_floating(new_model_state, num_devices)
+        params, opt_state, new_model_state, scale = _apply_update(
+            optimizer, grads, opt_state, params, model_state, new_model_state, scale,
+            sharded=param_specs is not None)
         loss_value = value if num_devices == 1 else lax.pmean(value, AXIS)
-        new_copy = (policy.cast_to_compute(params),) if copy else ()
-        return (params, new_model_state, opt_state) + new_copy, loss_value
+        new_copy = None if copy is None else policy.cast_to_compute(params)
+        return join_state(params, new_model_state, opt_state, new_copy, scale), loss_value
 
     def per_device(state, batches):
         if run.steps_per_dispatch == 1:
@@ -368,20 +462,23 @@ def _in_graph_step(loss, optimizer, workload: Workload, run: RunConfig, num_devi
     return per_device
 
 
-def _host_micro_step(loss, optimizer, num_devices: int):
-    value_and_grad = jax.value_and_grad(loss, has_aux=True)
-
+def _host_micro_step(loss, optimizer, run: RunConfig, num_devices: int):
     def per_device(state, micro_batch):
-        params, model_state, opt_state = state
+        params, model_state, opt_state, _, scale = split_state(state, run)
+        value_and_grad = jax.value_and_grad(_scaled_loss(loss, scale), has_aux=True)
         (value, new_model_state), grads = value_and_grad(params, micro_batch, model_state)
+        if scale is not None:
+            value = scale.unscale(value)
         if num_devices > 1:  # the baseline syncs every micro-batch, with psum
             grads = jax.tree.map(lambda g: lax.psum(g, AXIS) / num_devices, grads)
-        with jax.numpy_dtype_promotion("standard"):
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
         new_model_state = _pmean_floating(new_model_state, num_devices)
+        # A skipped micro-batch leaves optax.MultiSteps' count as it was: the optimizer
+        # step then waits for K finite ones, as the trainer's would.
+        params, opt_state, new_model_state, scale = _apply_update(
+            optimizer, grads, opt_state, params, model_state, new_model_state, scale,
+            sharded=False)
         loss_value = value if num_devices == 1 else lax.pmean(value, AXIS)
-        return (params, new_model_state, opt_state), loss_value[None]
+        return join_state(params, new_model_state, opt_state, None, scale), loss_value[None]
 
     return per_device
 
@@ -423,7 +520,7 @@ def build_runner(workload: Workload, run: RunConfig, mesh, *, seed: int = 0) -> 
     # zero=1 on one device has nothing to shard: it runs the zero=0 step.
     state_specs, param_specs = P(), None
     if run.zero and num_devices > 1:
-        state_specs = zero_state_specs(state, optimizer, num_devices)
+        state_specs = zero_state_specs(state, optimizer, num_devices, run)
         param_specs = state_specs[0]
         state = place_leaves(state, state_specs, mesh)
     per_device = _in_graph_step(loss, optimizer, workload, run, num_devices, param_specs)
@@ -445,7 +542,7 @@ def _host_runner(workload, run, mesh, loss, optimizer, state, donate) -> Runner:
     full = host_batches(workload, 1, run)
     micro = [jax.device_put({n: v[0, i::k] for n, v in full.items()}, NamedSharding(mesh, P(AXIS)))
              for i in range(k)]
-    sharded = jax.shard_map(_host_micro_step(loss, optimizer, num_devices), mesh=mesh,
+    sharded = jax.shard_map(_host_micro_step(loss, optimizer, run, num_devices), mesh=mesh,
                             in_specs=(P(), P(AXIS)), out_specs=(P(), P()), check_vma=False)
     start = time.perf_counter()
     compiled = _compile(jax.jit(sharded, donate_argnums=donate), state, micro[0])
