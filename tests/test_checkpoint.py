@@ -1,6 +1,7 @@
 """Checkpoints: round trip into typed targets, keep-last-N, atomicity, run-dir guards."""
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -173,9 +174,10 @@ def test_restore_with_python_scalar_and_prng_key_leaves(tmp_path):
                                       jax.random.key_data(state[name]))
 
 
-def test_bad_keep():
-    with pytest.raises(ValueError, match="keep=0"):
-        Checkpointer("/tmp/unused", keep=0)
+@pytest.mark.parametrize("keep", [0, -1, True, 2.0, "3", None])
+def test_bad_keep(keep):
+    with pytest.raises(ValueError, match=re.escape(f"keep={keep!r} must be an integer >= 1")):
+        Checkpointer("/tmp/unused", keep=keep)
 
 
 def test_prepare_run_dir_guards(tmp_path):

@@ -48,7 +48,11 @@ def test_jsonl_rejects_non_scalars(tmp_path):
         sink.write(0, {"loss": [1.0, 2.0]})
     with pytest.raises(TypeError, match="step must be an int"):
         sink.write(1.5, {"loss": 1.0})
+    for text in ("1.5", b"2"):  # float() would parse them
+        with pytest.raises(TypeError, match="must be numbers, not text; got {'lr': "):
+            sink.write(2, {"loss": 1.0, "lr": text})
     sink.close()
+    assert read_jsonl(tmp_path / "m.jsonl") == []  # nothing half-written
 
 
 @pytest.mark.parametrize("reserved", ["step", "time"])

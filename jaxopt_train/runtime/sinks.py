@@ -45,6 +45,11 @@ def _as_floats(step: int, metrics: Mapping[str, Any], *, reserved: tuple[str, ..
     names = [str(name) for name in metrics]
     if len(set(names)) < len(names):  # 1 and "1" would both be written as "1"
         raise ValueError(f"metric names must stay distinct as strings; got {list(metrics)}")
+    # float("1.5") parses text: a string metric (a label passed by mistake) is refused,
+    # not written as a number the run never computed.
+    text = {str(name): value for name, value in metrics.items() if isinstance(value, (str, bytes))}
+    if text:
+        raise TypeError(f"metric values must be numbers, not text; got {text}")
     try:
         return {str(name): float(value) for name, value in metrics.items()}
     except (TypeError, ValueError) as err:

@@ -43,7 +43,8 @@ class Checkpointer:
     """
 
     def __init__(self, run_dir: str, *, keep: int = 3, async_save: bool = True):
-        if not isinstance(keep, int) or keep < 1:
+        # bool is an int: keep=True would keep one checkpoint where "keep them" was meant.
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r} must be an integer >= 1")
         self.directory = os.path.abspath(os.path.join(run_dir, CHECKPOINT_SUBDIR))
         unreadable = _unreadable_path(self.directory)
