@@ -392,3 +392,18 @@ def test_overwrite_of_a_run_with_a_linked_folder_is_refused_before_anything_is_d
     clear_run_dir(str(run))
     assert os.path.islink(run / name) and not (run / "metrics.jsonl").exists()
     assert existing_checkpoint_steps(str(run)) == []
+
+
+def test_another_optimizer_with_the_same_arrays_is_named_not_called_damaged(tmp_path):
+    """adam's state is a chain of 2, adamw's of 3 (its weight decay holds no array): the
+    same arrays under the same names, which only orbax's container check tells apart."""
+    params = {"w": jnp.ones((4,), jnp.float32)}
+    ckpt = Checkpointer(str(tmp_path), async_save=False)
+    ckpt.save(1, {"params": params, "opt_state": optax.adam(1e-3).init(params)}, {})
+    with pytest.raises(RunDirError, match=r"at step 1 .* not the containers around them "
+                       r"\(.*tree structures do not match.*\). It was written with "
+                       r"another optimizer or chain of optax transforms"):
+        ckpt.restore({"params": params, "opt_state": optax.adamw(1e-3).init(params)})
+    restored, _ = ckpt.restore({"params": params, "opt_state": optax.adam(1e-3).init(params)})
+    np.testing.assert_array_equal(restored["params"]["w"], params["w"])  # the checkpoint is sound
+    assert ckpt.all_steps() == [1]

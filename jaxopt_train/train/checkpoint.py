@@ -105,7 +105,21 @@ class Checkpointer:
         self._check_saved_arrays(step, target, part_settings or {})
         args = ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                   meta=ocp.args.JsonRestore())
-        restored = self._manager.restore(step, args=args)
+        try:
+            restored = self._manager.restore(step, args=args)
+        except ValueError as err:
+            # Same arrays, other containers: adam's chain of 2 states against adamw's 3 (its
+            # weight decay holds no array), or another chain of transforms. `_check_same_tree`
+            # compares arrays only, and orbax's own message read as a damaged checkpoint.
+            if "tree structures do not match" not in str(err):
+                raise
+            detail = " ".join(str(err).split("If this mismatch")[0].split())
+            raise RunDirError(
+                f"cannot restore the checkpoint at step {step} in {self.directory}: its arrays "
+                f"match this run's, but not the containers around them ({detail[:400]}). It was "
+                "written with another optimizer or chain of optax transforms (e.g. adam against "
+                "adamw, whose weight decay keeps an empty state). Resume with the optimizer "
+                "that wrote it, or start a new --run-dir.") from err
         return restored["state"], dict(restored["meta"] or {})
 
     def _check_saved_arrays(self, step: int, target: Any, part_settings: dict[str, str]) -> None:
