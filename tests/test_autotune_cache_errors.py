@@ -206,3 +206,30 @@ def test_store_refuses_dims_that_are_not_positive_ints(tmp_path, dims):
     with pytest.raises(ValueError, match=r"m, n, k must be positive ints .*got \(m, n, k\)="):
         _store(*dims)
     assert not (tmp_path / "matmul_autotune.json").exists()
+
+
+def test_a_store_syncs_the_new_file_before_renaming_it_over_the_cache(tmp_path, monkeypatch):
+    """A rename before the data reached the disk could leave an empty cache after a power
+    loss, which the next load moves aside as corrupt, with every earlier winner."""
+    events = []
+    real_fsync, real_replace = os.fsync, pathlib.Path.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"), os.fstat(fd).st_size))
+        real_fsync(fd)
+
+    def replace(self, target):
+        events.append(("replace", str(self), str(target)))
+        return real_replace(self, target)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(pathlib.Path, "replace", replace)
+    _store()
+    cache = str(tmp_path / "matmul_autotune.json")
+    synced = [e for e in events if e[0] == "fsync"]
+    renamed = [e for e in events if e[0] == "replace" and e[2] == cache]
+    assert renamed, events
+    tmp = renamed[-1][1]
+    # the file renamed over the cache was synced first, whole
+    assert ("fsync", tmp, os.path.getsize(cache)) in synced
+    assert events.index(("fsync", tmp, os.path.getsize(cache))) < events.index(renamed[-1])

@@ -168,10 +168,17 @@ def _locked(path: pathlib.Path):
 
 def _write_replacing(path: pathlib.Path, text: str) -> None:
     """Writes `text` to a temporary file beside `path`, then renames it over `path`, so a
-    reader sees the old file or the new one; the temporary file is removed if either fails."""
+    reader sees the old file or the new one; the temporary file is removed if either fails.
+
+    The data is synced before the rename: without it a power loss soon after could leave
+    the new name on an empty file, and the next load would move the cache aside as corrupt,
+    losing every earlier winner with it."""
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     try:
-        tmp.write_text(text)
+        with open(tmp, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
         tmp.replace(path)
     finally:
         with contextlib.suppress(OSError):  # a failed clean-up must not hide the error
