@@ -590,3 +590,51 @@ def test_a_finite_element_past_bf16_range_is_documented_as_non_finite(mesh, code
     np.testing.assert_array_equal(got[1:], 0)  # nothing else is touched
     if finite:
         np.testing.assert_allclose(got[0], big, rtol=1e-2)
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8"])
+def test_error_state_on_one_device_can_be_carried_by_a_scan(codec):
+    """Under check_vma (shard_map's default) a loop carry keeps its type: on one device the new
+    error used to come back typed invariant (a fresh jnp.zeros) and lax.scan refused the carry."""
+    mesh1 = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+    g = jax.random.normal(jax.random.key(17), (1, INT8_BLOCK + 3), jnp.float32)
+
+    def body(g):
+        def step(error_state, _):
+            summed, error_state = all_reduce_tree([g[0]], "data", compression=codec, error_state=error_state)
+            return error_state, summed[0]
+        start = ErrorFeedbackState([jnp.zeros_like(g[0])])  # typed varying, as a P("data") input is
+        _, summed = lax.scan(step, start, length=2)
+        return summed[None], lax.psum(g[0], "data")[None]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh1, in_specs=P("data"), out_specs=P("data")))
+    summed, ref = (np.asarray(a) for a in fn(g))
+    np.testing.assert_array_equal(summed[0], np.broadcast_to(ref[0], summed[0].shape))
+
+
+@pytest.mark.parametrize("error, got", [
+    (0.0, "float"),
+    (jnp.zeros((), jnp.complex64), "dtype=complex64"),  # the imaginary part was silently dropped
+    (jnp.zeros((), jnp.bfloat16), "dtype=bfloat16"),  # came back f32: a scan or select_tree carry broke
+    (jnp.zeros((), jnp.int32), "dtype=int32"),
+])
+def test_an_error_state_leaf_that_is_not_an_f32_array_is_refused(mesh, error, got):
+    fn = _smap(lambda g: all_reduce_tree([g[0, 0]], "data", compression="int8",
+                                         error_state=ErrorFeedbackState([error]))[0][0],
+               mesh, P("data"), P())
+    with pytest.raises(TypeError, match=f"error_state leaves must be float32 arrays .*; got {got}"):
+        fn.trace(jnp.ones((N, 4), jnp.float32))
+
+
+def test_int8_keeps_blocks_of_tiny_normal_values_within_the_bound(mesh):
+    """A block whose largest |x| is under 127 * 2**-126 (~1.5e-36) had a subnormal scale,
+    which XLA flushes to zero: the whole block decoded to 0 instead of psum's sum."""
+    tiny = float(np.finfo(np.float32).tiny)
+    g = jax.random.uniform(jax.random.key(18), (N, 2 * INT8_BLOCK), jnp.float32, 2.0, 100.0) * tiny
+    got, ref = _smap(lambda x: (all_reduce_tree(x, "data", compression="int8"), lax.psum(x, "data")),
+                     mesh, P("data"), P("data"))(g)
+    got, ref = np.asarray(got, np.float64)[0], np.asarray(ref, np.float64)[0]
+    # The documented sum_j s_j / 2 + s_sum / 2, with s = max|block| / 127 floored at 2**-126.
+    scale = lambda a: max(float(np.abs(a).max()) / 127, tiny)  # noqa: E731
+    bound = (N * scale(np.asarray(g)) + scale(ref)) / 2 * (1 + 1e-5)
+    assert np.abs(got - ref).max() <= bound, np.abs(got - ref).max() / bound

@@ -23,7 +23,8 @@ what this device's encoding lost). Summed over T steps the delivered reductions
 equal the true sums minus the errors still held after the last step.
 
 Error bound, per element of one result (before feedback), with block scale
-`s = max|block| / 127` for int8:
+`s = max(max|block| / 127, 2**-126)` for int8 (floored at the smallest normal
+f32, which a block of values under ~1.5e-36 is quantised in steps of):
 
     |result - sum_j v_j| <= sum_j s_j / 2 + s_sum / 2
 
@@ -108,7 +109,9 @@ def encode(x, codec: str):
         return (wire_cast(x, jnp.bfloat16),)
     blocks = x.reshape(x.shape[:-1] + (-1, INT8_BLOCK))
     amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / 127.0, jnp.float32(1.0)).astype(jnp.float32)
+    # Floored at the smallest normal f32: below 127 * 2**-126 (~1.5e-36) amax / 127 is
+    # subnormal, XLA flushes it to zero, and the whole block decoded to 0 instead of its sum.
+    scale = jnp.maximum(amax / 127.0, jnp.float32(np.finfo(np.float32).tiny)).astype(jnp.float32)
     # An int8 payload cannot hold inf/NaN, and an inf scale decodes finite
     # values to NaN but its zeros to 0 * inf: the second encoding (of the sum)
     # would then lose the NaN again. A NaN scale keeps the whole block NaN
@@ -200,7 +203,9 @@ def compressed_all_reduce(flat, axis_name, n: int, *, codec: str, ring: _Ring | 
     if n == 1 and not peer:  # nothing travels: encoding would only lose precision that lax.psum keeps
         wide = flat.dtype if np.dtype(flat.dtype).itemsize > 4 else np.dtype(np.float32)
         total = flat.astype(wide) if error is None else flat.astype(wide) + error.reshape(-1).astype(wide)
-        return total, None if error is None else jnp.zeros(error.shape, jnp.float32)
+        # zeros_like keeps the error's type varying over the axis, as on n > 1: a fresh
+        # jnp.zeros is typed invariant, and lax.scan (check_vma on) then refused the carry.
+        return total, None if error is None else jnp.zeros_like(error, jnp.float32)
     v = flat.astype(jnp.float32)
     if error is not None:
         v = v + error.reshape(-1)

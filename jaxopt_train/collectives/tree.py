@@ -118,10 +118,22 @@ def _error_leaves(error_state, treedef, leaves) -> list:
         raise ValueError(f"error_state.error must have the gradient tree's structure {treedef}; build it "
                          f"with init_error_feedback(params) ({err})") from None
     for leaf, error in zip(leaves, errors):
+        _check_error_dtype(error)
         if jnp.size(error) != leaf.size:
             raise ValueError(f"error_state leaf of shape {jnp.shape(error)} does not match gradient leaf of "
                              f"shape {leaf.shape}; build it with init_error_feedback(params)")
     return errors
+
+
+def _check_error_dtype(error) -> None:
+    """Refuses an error leaf that is not an f32 array: a Python float failed on `.astype`, a
+    complex one lost its imaginary part unnoticed, and any other dtype came back as f32, so a
+    `lax.scan` or `select_tree` carrying the state no longer matched its input."""
+    dtype = getattr(error, "dtype", None)
+    if dtype is None or jnp.dtype(dtype) != jnp.float32:
+        given = f"dtype={dtype}" if dtype is not None else type(error).__name__
+        raise TypeError(f"error_state leaves must be float32 arrays (the per-device compression error); "
+                        f"got {given}; build the state with init_error_feedback(params)")
 
 
 def _check_leaves(leaves):
