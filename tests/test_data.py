@@ -425,7 +425,10 @@ def test_two_processes_each_load_their_rows(tmp_path):
         assert proc.returncode == 0 and f"OK {pid}" in out, out[-3000:]
 
 
-@pytest.mark.parametrize("fraction, want", [(0.29, 29), (0.57, 57), (0.1, 10), (0.05, 5)])
+@pytest.mark.parametrize("fraction, want", [(0.29, 29), (0.57, 57), (0.1, 10), (0.05, 5),
+                                            # were 28, 56 and 9: widened to float first
+                                            (np.float32(0.29), 29), (np.float32(0.57), 57),
+                                            (np.float16(0.1), 10), (np.float64(0.29), 29)])
 def test_the_held_out_share_is_what_the_fraction_says(fraction, want):
     """100 * 0.29 is 28.999999999999996 in floats: int() of it held out 28 tokens or images
     of 100 where 29 were asked for (0.57: 56)."""

@@ -362,6 +362,17 @@ def test_check_labels_takes_a_numpy_int_num_classes(tmp_path):
         check_labels(labels, True)
 
 
+@pytest.mark.parametrize("labels", [[0.0, 1.7, 2.0], [0.0, np.nan, 1.0], [True, False, True]])
+def test_check_labels_refuses_labels_that_are_not_integers(labels):
+    # Was: NaN and 1.7 passed as class ids of num_classes=3 (both range tests are False for NaN).
+    from jaxopt_train.data import check_labels
+
+    dtype = np.asarray(labels).dtype
+    with pytest.raises(ValueError, match=f"must be integer class ids .*got dtype={dtype}; .*astype"):
+        check_labels(np.asarray(labels), 3)
+    check_labels(np.array([0, 1, 2], np.uint8), 3)  # any integer dtype is fine
+
+
 def test_images_with_nan_or_inf_pixels_are_refused(tmp_path):
     """One NaN pixel made every batch holding it NaN (BatchNorm shares batch statistics): the
     trainer skipped 5 of 12 steps without naming the image."""

@@ -174,6 +174,28 @@ def test_write_failure_while_saving_exits_2(tmp_path, capsys, monkeypatch):
     assert code == 2 and "cannot write a PNG" in err and "Permission denied" in err
 
 
+def test_a_save_that_fails_part_way_keeps_the_earlier_plot(tmp_path, capsys, monkeypatch):
+    # Was: the PNG was saved in place, so a full disk mid-save left the run's earlier
+    # loss.png truncated to the bytes written before the failure.
+    import PIL.Image
+
+    _write_run(tmp_path / "run", 1.0)
+    assert plot.main([str(tmp_path / "run")]) == 0
+    earlier = (tmp_path / "run" / "loss.png").read_bytes()
+
+    def full_disk(image, fp, *args, **kwargs):  # PIL opens (truncates) the file, then encodes
+        with open(fp, "wb") as file:
+            file.write(earlier[:100])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(PIL.Image.Image, "save", full_disk)
+    code, err = _plot_error([str(tmp_path / "run")], capsys)
+    assert code == 2 and "No space left on device" in err
+    assert (tmp_path / "run" / "loss.png").read_bytes() == earlier
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
+        "loss.png", "memory.png", "metrics.jsonl", "mfu.png", "throughput.png"]  # no temporary left
+
+
 def test_existing_pngs_are_kept_unless_overwrite(tmp_path, capsys):
     # Was: a plot into a folder named by --out replaced the PNGs there without a word.
     _write_run(tmp_path / "run", 1.0, with_mfu=False)

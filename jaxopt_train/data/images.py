@@ -100,6 +100,12 @@ def check_labels(labels: np.ndarray, num_classes: int, source: str = "labels") -
     """
     check_positive_int("num_classes", num_classes)  # numpy ints too (labels.max() + 1)
     labels = np.asarray(labels)
+    if not np.issubdtype(labels.dtype, np.integer):
+        # NaN and 1.7 pass both range tests below, yet name no class: one-hot encoded they
+        # match none, and the loss trains towards an all-zero target without a word.
+        raise ValueError(f"{source}: labels must be integer class ids in [0, num_classes), got "
+                         f"dtype={labels.dtype}; if they hold whole numbers (floats read from a "
+                         "CSV), convert them with labels.astype(np.int32)")
     fixes = []
     if np.any(labels < 0):
         fixes.append("there is no ignore index (such as -100): drop or relabel those examples")

@@ -21,7 +21,7 @@ def held_out_count(count: int, val_fraction) -> int:
 
     The float product rounds: 100 * 0.29 is 28.999999999999996, so int() held out 28 of
     100 where the user asked for 29. The fraction is taken as the decimal it prints as
-    (0.29 -> 29/100), so the count is what its digits say, for any count.
+    (0.29 -> 29/100, np.float32(0.29) too), so the count is what its digits say, for any count.
 
     Raises:
       ValueError: if `val_fraction` is not a real number strictly between 0 and 1.
@@ -29,7 +29,9 @@ def held_out_count(count: int, val_fraction) -> int:
     if (isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float, np.integer, np.floating))
             or not 0.0 < val_fraction < 1.0):
         raise ValueError(f"val_fraction={val_fraction!r} must be a number in (0, 1), e.g. 0.1")
-    return math.floor(int(count) * fractions.Fraction(repr(float(val_fraction))))
+    # str() of the value itself, not repr(float(value)): np.float32(0.29) widened to a float is
+    # 0.28999999165534973 (28 of 100 again); str() gives the shortest decimal in its own precision.
+    return math.floor(int(count) * fractions.Fraction(str(val_fraction)))
 
 
 def check_positive_int(name: str, value) -> None:
