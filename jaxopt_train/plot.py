@@ -9,14 +9,12 @@ throughput); panels no run has are skipped, with a line saying so.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import re
-import shutil
 import sys
-import tempfile
 
+from jaxopt_train._replace import replace_file
 from jaxopt_train.runtime.sinks import read_jsonl
 
 # panel -> (y-axis label, metric-name pattern, scale applied to values)
@@ -168,30 +166,30 @@ def plot_runs(run_dirs: list[str], out_dir: str, *, overwrite: bool = False) -> 
     matplotlib.use("Agg")  # files only; set here so importing this module changes nothing
     import matplotlib.pyplot as plt
 
-    # Every PNG is saved whole before it replaces one already there (see `_save_png`).
-    with _staging_dir(out_dir, bool(paths)) as staging:
-        for panel, (ylabel, pattern, _) in PANELS.items():
-            fig, ax = plt.subplots(figsize=(8, 4.5))
-            for run_name, name, steps, values in curves[panel]:
-                label = name if len(runs) == 1 else f"{run_name}: {name}"
-                _report_non_finite(panel, label, runs[run_name], name, drawn=bool(steps))
-                if steps:
-                    scale = _metric_scale(panel, name)
-                    # A one-point series (one eval, one log line) is invisible as a line alone.
-                    ax.plot(steps, [v * scale for v in values], label=label,
-                            marker="o" if len(steps) == 1 else None)
-            if panel in paths:
-                ax.set_xlabel("step")
-                ax.set_ylabel(ylabel)
-                ax.set_title(panel)
-                ax.grid(alpha=0.3)
-                ax.legend(fontsize="small")
-                _save_png(fig, staging, paths[panel])
-            elif curves[panel]:  # each metric's line above said why
-                print(f"plot: no {panel} curve: its metrics hold no finite numbers; skipped")
-            else:
-                print(f"plot: no {panel} metrics (names matching {pattern!r}) in any run; skipped")
-            plt.close(fig)
+    for panel, (ylabel, pattern, _) in PANELS.items():
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for run_name, name, steps, values in curves[panel]:
+            label = name if len(runs) == 1 else f"{run_name}: {name}"
+            _report_non_finite(panel, label, runs[run_name], name, drawn=bool(steps))
+            if steps:
+                scale = _metric_scale(panel, name)
+                # A one-point series (one eval, one log line) is invisible as a line alone.
+                ax.plot(steps, [v * scale for v in values], label=label,
+                        marker="o" if len(steps) == 1 else None)
+        if panel in paths:
+            ax.set_xlabel("step")
+            ax.set_ylabel(ylabel)
+            ax.set_title(panel)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize="small")
+            # Saved beside and renamed over: a save that failed part way (a full disk) had
+            # truncated the earlier plot, and a viewer refreshing a live run's could read half.
+            replace_file(paths[panel], lambda staged: fig.savefig(staged, dpi=100, bbox_inches="tight"))
+        elif curves[panel]:  # each metric's line above said why
+            print(f"plot: no {panel} curve: its metrics hold no finite numbers; skipped")
+        else:
+            print(f"plot: no {panel} metrics (names matching {pattern!r}) in any run; skipped")
+        plt.close(fig)
     return list(paths.values())
 
 
@@ -205,30 +203,6 @@ def _panel_curves(runs: dict[str, list[dict[str, float]]], pattern: str) -> list
         names = sorted({k for r in records for k in r if k not in ("step", "time") and regex.search(k)})
         curves += [(run_name, name, *_series(records, name)) for name in names]
     return curves
-
-
-@contextlib.contextmanager
-def _staging_dir(out_dir: str, needed: bool):
-    """A fresh hidden folder in `out_dir` for PNGs being saved, removed with whatever is left."""
-    if not needed:  # nothing to save: `out_dir` may not even exist
-        yield None
-        return
-    staging = tempfile.mkdtemp(prefix=".plot-", dir=out_dir)
-    try:
-        yield staging
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _save_png(fig, staging: str, path: str) -> None:
-    """Saves `fig` in `staging` and renames it over `path` once it is whole.
-
-    Saved in place, a save that failed part way (a full disk) had already truncated the
-    earlier plot at `path`, and a viewer refreshing a live run's plot could read half a PNG.
-    """
-    staged = os.path.join(staging, os.path.basename(path))
-    fig.savefig(staged, dpi=100, bbox_inches="tight")
-    os.replace(staged, path)  # a folder inside path's: one file system, so atomic
 
 
 def _refuse_overwrite(out_dir: str, paths: list[str], overwrite: bool) -> None:

@@ -212,18 +212,18 @@ def test_a_store_syncs_the_new_file_before_renaming_it_over_the_cache(tmp_path, 
     """A rename before the data reached the disk could leave an empty cache after a power
     loss, which the next load moves aside as corrupt, with every earlier winner."""
     events = []
-    real_fsync, real_replace = os.fsync, pathlib.Path.replace
+    real_fsync, real_replace = os.fsync, os.replace
 
     def fsync(fd):
         events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"), os.fstat(fd).st_size))
         real_fsync(fd)
 
-    def replace(self, target):
-        events.append(("replace", str(self), str(target)))
-        return real_replace(self, target)
+    def replace(src, dst):
+        events.append(("replace", str(src), str(dst)))
+        return real_replace(src, dst)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(pathlib.Path, "replace", replace)
+    monkeypatch.setattr(os, "replace", replace)
     _store()
     cache = str(tmp_path / "matmul_autotune.json")
     synced = [e for e in events if e[0] == "fsync"]

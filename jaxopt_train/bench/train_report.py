@@ -8,14 +8,14 @@ matmuls is measured against the same hardware ceiling as the optimised one.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import statistics
 import tempfile
-from typing import Any, Callable
+from typing import Any
 
+from jaxopt_train._replace import replace_all_or_none
 from jaxopt_train.bench._timing import BurstTiming, Trace
 from jaxopt_train.bench.train_remat import remat_label
 from jaxopt_train.train.mfu import mfu
@@ -322,32 +322,11 @@ def write_outputs(args, result, text) -> None:
             lambda path: save_plot(rows, path, result["unit"]))
         writers[os.path.join(args.out, "train_bench.md")] = lambda path: _write_text(path, text + "\n")
         writers[os.path.join(args.out, "train_bench.json")] = lambda path: _write_text(path, raw)
-    _write_all_or_none(writers)
+    # All written beside their places first: a failure while writing (the plot's, a full
+    # disk) leaves an earlier run's files as they were, not a new .md beside an old .png.
+    replace_all_or_none(writers)
 
 
 def _write_text(path: str, text: str) -> None:
-    with open(path, "w") as f:
+    with open(path, "w", encoding="utf-8") as f:
         f.write(text)
-
-
-def _write_all_or_none(writers: dict[str, Callable[[str], None]]) -> None:
-    """Writes every file to a temporary beside its place, then moves them all in.
-
-    A failure while writing (the plot's, a full disk) leaves the files from an earlier
-    run as they were, not a new .md beside an old .png, and no temporaries behind."""
-    staged: dict[str, str] = {}  # temporary -> final path
-    try:
-        for final, write in writers.items():
-            final = os.path.realpath(final)  # through a symlink, as open(final, "w") wrote
-            stem, ext = os.path.splitext(os.path.basename(final))
-            # Named, not mkstemp: the file gets the umask's mode, as open() gives; the
-            # extension stays last because savefig reads the format from it.
-            temp = os.path.join(os.path.dirname(final), f".{stem}.partial-{os.getpid()}{ext}")
-            staged[temp] = final
-            write(temp)
-        for temp, final in staged.items():
-            os.replace(temp, final)
-    finally:
-        for temp in staged:  # those moved in are gone already
-            with contextlib.suppress(OSError):
-                os.remove(temp)

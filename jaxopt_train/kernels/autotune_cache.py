@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxopt_train._replace import replace_text
 from jaxopt_train.kernels.configs import MatmulConfig
 
 # The autotuner's logger: the name users filter its messages by.
@@ -166,25 +167,6 @@ def _locked(path: pathlib.Path):
         os.close(lock)
 
 
-def _write_replacing(path: pathlib.Path, text: str) -> None:
-    """Writes `text` to a temporary file beside `path`, then renames it over `path`, so a
-    reader sees the old file or the new one; the temporary file is removed if either fails.
-
-    The data is synced before the rename: without it a power loss soon after could leave
-    the new name on an empty file, and the next load would move the cache aside as corrupt,
-    losing every earlier winner with it."""
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        tmp.replace(path)
-    finally:
-        with contextlib.suppress(OSError):  # a failed clean-up must not hide the error
-            tmp.unlink(missing_ok=True)
-
-
 def check_cache_writable(*, instead: str | None = "pass write_cache=False") -> pathlib.Path:
     """The cache file, after checking that `store` could write it: checked before tuning,
     so that a sweep's results are not lost after it has run. It does what `store` does,
@@ -208,7 +190,7 @@ def check_cache_writable(*, instead: str | None = "pass write_cache=False") -> p
         with _locked(path):
             _parse(path)  # unusable content is moved aside by store; an unreadable file is not
             scratch = path.with_name(f".write_check{os.getpid()}")
-            _write_replacing(scratch, "")  # exists only once the rename has worked
+            replace_text(scratch, "")  # exists only once the rename has worked
             scratch.unlink()
     except OSError as err:
         raise OSError(f"winners could not be stored in the autotune cache {str(path)!r} "
@@ -273,5 +255,8 @@ def store(backend: str, device_kind: str, m: int, n: int, k: int, dtype, config:
                            "a new one", path, problem, kept)
         for exact in (True, False):
             data[cache_key(backend, device_kind, m, n, k, dtype, transposed, exact)] = entry
-        _write_replacing(path, json.dumps(data, indent=1, sort_keys=True))
+        # Synced before the rename: without it a power loss soon after could leave the new
+        # name on an empty file, and the next load would move the cache aside as corrupt,
+        # losing every earlier winner with it.
+        replace_text(path, json.dumps(data, indent=1, sort_keys=True), sync=True)
     _loaded[str(path)] = data

@@ -24,6 +24,7 @@ from typing import Any, TextIO
 import jax
 import numpy as np
 
+from jaxopt_train._replace import replace_text
 from jaxopt_train.precision import get_policy
 import jaxopt_train.train.mfu as mfu_lib
 from jaxopt_train.train.checkpoint import (Checkpointer, RunDirError, clear_run_dir,
@@ -87,10 +88,8 @@ def _write_config(run_dir: str, cfg: TrainConfig, task: Task) -> None:
         return
     record = {"config": cfg.to_dict(), "model_shape": cfg.model_shape(task.classes),
               "task": task.description}
-    path = os.path.join(run_dir, "config.json")
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=2, sort_keys=True, default=str)
-    os.replace(path + ".tmp", path)
+    replace_text(os.path.join(run_dir, "config.json"),
+                 json.dumps(record, indent=2, sort_keys=True, default=str))
 
 
 # What the run writes where a flag says, and whether it is a folder there: found in the way
