@@ -638,3 +638,21 @@ def test_int8_keeps_blocks_of_tiny_normal_values_within_the_bound(mesh):
     scale = lambda a: max(float(np.abs(a).max()) / 127, tiny)  # noqa: E731
     bound = (N * scale(np.asarray(g)) + scale(ref)) / 2 * (1 + 1e-5)
     assert np.abs(got - ref).max() <= bound, np.abs(got - ref).max() / bound
+
+
+@pytest.mark.parametrize("shape, ok", [
+    ((4, 6), True), ((1, 4, 6), True),  # its own shape, or shard_map's view of init_error_feedback(p, n)
+    ((6, 4), False),  # same size, transposed: was accepted and fed back into the wrong elements
+    ((24,), False), ((2, 4, 6), False), ((4, 6, 1), False),
+])
+def test_an_error_state_leaf_must_have_its_gradient_leafs_shape(mesh, shape, ok):
+    g = jax.random.normal(jax.random.key(19), (N, 4, 6), jnp.float32)
+    fn = _smap(lambda g: all_reduce_tree([g[0]], "data", compression="bf16",
+                                         error_state=ErrorFeedbackState([jnp.zeros(shape, jnp.float32)]))[0][0],
+               mesh, P("data"), P())
+    if ok:
+        np.testing.assert_allclose(np.asarray(fn(g)), np.asarray(g).sum(0), rtol=2e-2, atol=5e-2)
+    else:
+        with pytest.raises(ValueError, match=rf"error_state leaf of shape \({shape[0]},.*does not match gradient "
+                                             r"leaf of shape \(4, 6\) \(expected \(4, 6\) or \(1, 4, 6\)\)"):
+            fn.trace(g)

@@ -119,9 +119,13 @@ def _error_leaves(error_state, treedef, leaves) -> list:
                          f"with init_error_feedback(params) ({err})") from None
     for leaf, error in zip(leaves, errors):
         _check_error_dtype(error)
-        if jnp.size(error) != leaf.size:
+        # The leaf's own shape, or with the leading device axis of 1 that shard_map leaves of
+        # init_error_feedback(params, n). Sizes alone let a transposed (6, 4) error for a
+        # (4, 6) gradient through, fed back into the wrong elements.
+        if jnp.shape(error) not in (leaf.shape, (1,) + leaf.shape):
             raise ValueError(f"error_state leaf of shape {jnp.shape(error)} does not match gradient leaf of "
-                             f"shape {leaf.shape}; build it with init_error_feedback(params)")
+                             f"shape {leaf.shape} (expected {leaf.shape} or {(1,) + leaf.shape}); build it "
+                             "with init_error_feedback(params)")
     return errors
 
 
