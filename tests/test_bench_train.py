@@ -924,3 +924,40 @@ def test_train_table_prints_tflops_without_an_exponent():
     table = train_report.markdown_table([row, dict(row, tflops=53.44), dict(row, tflops=0.01234)], "tokens")
     assert "| 1,059 |" in table and "e+" not in table
     assert "| 53.4 |" in table and "| 0.0123 |" in table
+
+
+def test_a_baseline_out_of_memory_costs_its_row_and_the_ratios_only(tmp_path, monkeypatch, capsys):
+    """Was: gpt-1b at batch 8 on an 80 GB H100 fits optimised but not as the baseline (f32,
+    no remat), and the baseline's RESOURCE_EXHAUSTED ended the bench with a traceback,
+    losing the optimised row measured minutes before. Ablation rows (baseline + one
+    technique) can fail the same way and cost only their own rows."""
+    real_measure = train.Bench.measure
+
+    def measure(self, run, *args, **kwargs):
+        if run.name in ("baseline", "+donate"):
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 28.70GiB\nmore")
+        return real_measure(self, run, *args, **kwargs)
+
+    monkeypatch.setattr(train.Bench, "measure", measure)
+    out = tmp_path / "out"
+    assert train.main(["--quick", "--devices", "2", "--xla-preset", "none", "--steps", "2",
+                       "--no-scaling", "--ablate", "--out", str(out)]) == 0
+    result = json.loads((out / "train_bench.json").read_text())
+    names = [r["name"] for r in result["rows"]]
+    assert names[0] == "optimised" and "baseline" not in names and "+donate" not in names
+    assert len(names) > 1  # the other ablation rows ran
+    assert all(r["speedup_vs_baseline"] is None and r["memory_ratio_vs_baseline"] is None
+               for r in result["rows"])
+    assert result["rows_failed"] == [
+        {"name": n, "reason": "RuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 28.70GiB"}
+        for n in ("baseline", "+donate")]
+    captured = capsys.readouterr()
+    assert "[bench train] baseline failed: RuntimeError: RESOURCE_EXHAUSTED" in captured.err
+    text = (out / "train_bench.md").read_text()
+    assert ("baseline: no row, the run failed (RuntimeError: RESOURCE_EXHAUSTED: Out of memory while "
+            "trying to allocate 28.70GiB); speed-up and mem ratio need it: a smaller --global-batch "
+            "may let it fit") in text
+    assert "+donate: no row, the run failed (RuntimeError" in text
+    optimised_line = next(line for line in text.splitlines() if line.startswith("| optimised |"))
+    assert optimised_line.endswith("| n/a | n/a |")
+    assert (out / "train_bench.png").stat().st_size > 0

@@ -472,18 +472,23 @@ def run_bench(args, xla_report) -> dict:
     optimised = dataclasses.replace(optimised, grad_sync=grad_sync)
     budget = memory_budget(args, devices[0])
     optimised, runner, remat_trials, window = choose_remat(bench, optimised, budget)
-    rows = [bench.measure(optimised, runner=runner, peak_window=window)]
+    opt_row = bench.measure(optimised, runner=runner, peak_window=window)
     del runner
-    rows.insert(0, bench.measure(baseline))
+    # The baseline runs second and without remat or a half-precision state, so it is the row
+    # that runs out of memory (gpt-1b at batch 8 on an 80 GB H100): that costs its row and
+    # the ratios, never the optimised row measured minutes before.
+    failed: list[dict] = []
+    rows = [row for row in (_measure_or_note(bench, baseline, failed), opt_row) if row is not None]
+    baseline_row = rows[0] if rows[0]["name"] == "baseline" else None
     skipped = []
     if args.ablate:
         runs, skipped = ablation_runs(baseline, optimised, workload, len(devices))
-        rows += [bench.measure(run) for run in runs]
+        rows += [row for row in (_measure_or_note(bench, run, failed) for run in runs) if row is not None]
     plain_failed = []
     if args.compare_plain:
-        plain_rows, plain_failed = _plain_rows(bench, rows[1]["attention_resolved"])
+        plain_rows, plain_failed = _plain_rows(bench, opt_row["attention_resolved"])
         rows += plain_rows
-    train_report.add_ratios(rows, rows[0])
+    train_report.add_ratios(rows, baseline_row)
     result = {
         "device_kind": kind, "platform": devices[0].platform, "num_devices": len(devices),
         "jax": jax.__version__, "model": args.model, "unit": workload.unit,
@@ -498,7 +503,7 @@ def run_bench(args, xla_report) -> dict:
         "dataset_items": bench.dataset_items, "gpu_hour_usd": args.gpu_hour_usd,
         "xla_flags": xla_report, "memory_budget_bytes": budget, "remat_trials": remat_trials,
         "grad_sync_ms": sync_times, "rows": rows, "ablations_skipped": skipped,
-        "plain_failed": plain_failed,
+        "plain_failed": plain_failed, "rows_failed": failed,
         "args": {**vars(args), "defaulted": sorted(args.defaulted)},  # a set has no JSON form
     }
     if workload.is_gpt:
@@ -510,7 +515,7 @@ def run_bench(args, xla_report) -> dict:
         result["vision"] = {"image_size": workload.image_side}
     if len(devices) > 1 and not args.no_scaling:
         try:  # one device holds what n shared (ZeRO): an OOM there costs this table only
-            result["scaling"] = _scaling(bench, optimised, rows[1])
+            result["scaling"] = _scaling(bench, optimised, opt_row)
         except Exception as err:  # noqa: BLE001 - e.g. RESOURCE_EXHAUSTED; reported in the text
             result["scaling_failed"] = _failure(err)
             print(f"[bench train] the 1-device scaling run failed: {result['scaling_failed']}",
@@ -519,7 +524,7 @@ def run_bench(args, xla_report) -> dict:
         result["dispatch"] = [bench.measure(dataclasses.replace(
             optimised, name=f"optimised k={k}", steps_per_dispatch=k)) for k in args.compare]
     if args.matmuls:
-        result["matmul"] = [rows[1]] + [bench.measure(dataclasses.replace(
+        result["matmul"] = [opt_row] + [bench.measure(dataclasses.replace(
             optimised, name=f"optimised, matmul={m}", matmul=m)) for m in args.matmuls]
     return result
 
@@ -560,6 +565,19 @@ def _plain_rows(bench, attention: str) -> tuple[list[dict], list[dict]]:
             failed.append({"name": run.name, "reason": reason})
         gc.collect()
     return rows, failed
+
+
+def _measure_or_note(bench, run, failed: list[dict]) -> dict | None:
+    """`run`'s row, or None with {name, reason} appended to `failed` when it could not run
+    (e.g. RESOURCE_EXHAUSTED); the reason is printed at once, before the next row starts."""
+    try:
+        return bench.measure(run)
+    except Exception as err:  # noqa: BLE001 - reported in the table and the JSON
+        reason = _failure(err)
+        print(f"[bench train] {run.name} failed: {reason}", file=sys.stderr, flush=True)
+        failed.append({"name": run.name, "reason": reason})
+        gc.collect()  # the failed run's buffers, before the next row's memory window opens
+        return None
 
 
 def _failure(err: Exception) -> str:

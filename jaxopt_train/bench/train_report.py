@@ -90,9 +90,13 @@ def row_figures(*, name: str, timing: BurstTiming, trace: Trace, compile_s: floa
     }
 
 
-def add_ratios(rows: list[dict[str, Any]], baseline: dict[str, Any]) -> None:
-    """Adds speed-up (baseline step time / row's) and memory ratio (row's / baseline peak)."""
+def add_ratios(rows: list[dict[str, Any]], baseline: dict[str, Any] | None) -> None:
+    """Adds speed-up (baseline step time / row's) and memory ratio (row's / baseline peak);
+    both None where the baseline has no row (it failed, e.g. out of memory)."""
     for row in rows:
+        if baseline is None:
+            row["speedup_vs_baseline"] = row["memory_ratio_vs_baseline"] = None
+            continue
         row["speedup_vs_baseline"] = baseline["step_ms"] / row["step_ms"]
         a, b = row["peak_memory_bytes"], baseline["peak_memory_bytes"]
         row["memory_ratio_vs_baseline"] = a / b if a and b else None
@@ -242,6 +246,10 @@ def render(result) -> str:
     lines += clock_notes(result["rows"] + [r for r in result.get("matmul", []) if r["name"] not in names])
     for skip in result["ablations_skipped"]:
         lines.append(f"ablation {skip['name']} skipped: {skip['reason']}")
+    for fail in result.get("rows_failed", ()):
+        lines.append(f"{fail['name']}: no row, the run failed ({fail['reason']})"
+                     + ("; speed-up and mem ratio need it: a smaller --global-batch may let it fit"
+                        if fail["name"] == "baseline" else ""))
     for fail in result.get("plain_failed", ()):
         lines.append(f"{fail['name']}: no row, the run failed ({fail['reason']})")
     if "scaling" in result:
