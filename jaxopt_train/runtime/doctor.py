@@ -55,8 +55,9 @@ class Check:
 
 
 # Settings jaxlib's GPU client start-up skips when set to "" (`if value:`).
+# PREALLOCATE too: an empty one warned "means preallocate" though jaxlib leaves XLA's default.
 _EMPTY_IS_UNSET = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION",
-                   "XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB")
+                   "XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB", "XLA_PYTHON_CLIENT_PREALLOCATE")
 
 def _version(dist: str) -> str | None:
     try:

@@ -25,6 +25,8 @@ import os
 import re
 import sys
 
+from jaxopt_train._replace import replace_text
+
 _SUFFIX = re.compile(r"(?:[._]\d+)+$")
 
 
@@ -52,6 +54,9 @@ def find_xplane(trace: str | os.PathLike) -> str:
                                 f"or an .xplane.pb file")
     # Escaped: a run dir named "lr=[0.1]" is a folder, not a glob pattern.
     files = glob.glob(os.path.join(glob.escape(trace), "**", "*.xplane.pb"), recursive=True)
+    # A broken symlink (or a folder) of that name failed getmtime below with a bare
+    # FileNotFoundError, though a readable trace sat beside it.
+    files = [f for f in files if os.path.isfile(f)]
     if not files:
         raise FileNotFoundError(f"no *.xplane.pb under {trace!r} (a jax.profiler trace writes one "
                                 f"under plugins/profile/<time>/)")
@@ -74,15 +79,20 @@ def kernel_times(trace: str | os.PathLike, *, steps: int = 1,
 
     Raises:
       FileNotFoundError: see `find_xplane`.
-      ValueError: ``steps`` is not a positive int.
+      ValueError: ``steps`` is not a positive int, or the file is not an XSpace trace.
     """
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
         raise ValueError(f"steps must be a positive int (training steps in the traced window); got {steps!r}")
     from jax.profiler import ProfileData  # noqa: PLC0415
 
     totals: dict[tuple[str, str], list] = collections.defaultdict(lambda: [0, 0.0])
-    planes = [plane for plane in ProfileData.from_file(find_xplane(trace)).planes
-              if plane.name.startswith(device_prefix)]
+    path = find_xplane(trace)
+    try:
+        data = ProfileData.from_file(path)
+    except RuntimeError as err:  # was only "Failed to parse XSpace from array", no path
+        raise ValueError(f"cannot read {path!r} as a jax.profiler trace: expected an XSpace "
+                         f"file (*.xplane.pb, not the *.trace.json.gz beside it); {err}") from None
+    planes = [plane for plane in data.planes if plane.name.startswith(device_prefix)]
     for plane in planes:
         device = f"{plane.name.removeprefix('/device:')} " if len(planes) > 1 else ""
         lines = list(plane.lines)
@@ -141,8 +151,14 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--json {args.json}: {problem}")
     try:
         trace = find_xplane(args.trace)  # once: the header names the file read
+        against = None if args.against is None else find_xplane(args.against)
+        # With --overwrite, --json naming a trace replaced the trace read with its table.
+        read = [t for t in (trace, against) if t is not None and args.json
+                and os.path.exists(args.json) and os.path.samefile(t, args.json)]
+        if read:
+            p.error(f"--json {args.json}: is the trace {read[0]!r} being read; write the table elsewhere")
         first = kernel_times(trace, steps=args.steps)
-        second = None if args.against is None else kernel_times(args.against, steps=args.steps)
+        second = None if against is None else kernel_times(against, steps=args.steps)
     except (FileNotFoundError, ValueError) as err:
         p.error(str(err))
     empty = [t for t, rows in ((args.trace, first), (args.against, second)) if rows == []]
@@ -157,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{len(_stream_totals(first))} stream(s) (summed over the GPUs traced)")
         print(f"{'ms/step':>9} {'share':>6} {'launches':>8}  stream | kernel")
         for r in first[:args.top]:
-            print(f"{r.ms_per_step:9.3f} {r.ms_per_step / total:6.1%} {r.launches_per_step:8.1f}  "
+            share = r.ms_per_step / total if total > 0 else 0.0  # all-zero durations: no division
+            print(f"{r.ms_per_step:9.3f} {share:6.1%} {r.launches_per_step:8.1f}  "
                   f"{r.stream} | {r.name}")
     else:
         pairs = compare(first, second)
@@ -172,8 +189,9 @@ def main(argv: list[str] | None = None) -> int:
             before, after = row["before_ms_per_step"], row["after_ms_per_step"]
             print(f"{after - before:+9.3f} {before:9.3f} {after:9.3f}  {row['stream']} | {row['name']}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        # Staged and renamed over: a failed write left a truncated file where the
+        # --overwrite'n table had been.
+        replace_text(args.json, json.dumps(out, indent=1))
     return 0
 
 

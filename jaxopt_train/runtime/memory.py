@@ -42,22 +42,28 @@ def parse_bytes(value: int | float | str) -> int:
       ValueError: for a negative or non-finite number, an unknown unit, or an amount that
         is not a whole number of bytes ("0.3KiB" is 307.2: refused, not truncated).
     """
-    if isinstance(value, bool):
+    if isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", "") == "b":
         raise TypeError(f"expected a byte count (int or str like '16GiB'), got {value=}")
-    if isinstance(value, (int, float)):
-        number, unit = value, ""
+    if isinstance(value, numbers.Integral):
+        # Exact, without float(): 10**400 raised OverflowError, np.int64(-3) was "cannot read".
+        number, unit = int(value), ""
+    elif isinstance(value, numbers.Real):
+        # Numerically, not through str(): np.float32(16e9) prints "1.6e+10", which was refused
+        # while np.float32(1024.0) was read.
+        number, unit = float(value), ""
+        if not math.isfinite(number):
+            raise ValueError(f"a byte count must be a finite number, got {value=}")
     else:
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
         if match is None or match.group(2).lower() not in _UNITS:
             raise ValueError(f"cannot read a byte count from {value=}; expected e.g. 17179869184, "
                              f"'16GiB' or '80GB' (units: {sorted(u for u in _UNITS if u)})")
         number, unit = match.group(1), match.group(2).lower()
-    amount = float(number)
-    if amount < 0:
-        raise ValueError(f"a byte count must be >= 0, got {value=}")
-    if not math.isfinite(amount * _UNITS[unit]):
-        raise ValueError(f"a byte count must be a finite number, got {value=}")
+        if not math.isfinite(float(number) * _UNITS[unit]):
+            raise ValueError(f"a byte count must be a finite number, got {value=}")
     count = fractions.Fraction(number) * _UNITS[unit]  # exact: float("0.3") * 1024 is not 307.2
+    if count < 0:
+        raise ValueError(f"a byte count must be >= 0, got {value=}")
     if count.denominator != 1:
         raise ValueError(f"a byte count must be a whole number of bytes; {value=} comes to "
                          f"{float(count)} bytes")
@@ -126,9 +132,14 @@ def memory_env(*, fraction: float | None = None, bytes: int | str | None = None,
         asked = f"{fraction=}"
     if bytes is None:
         # The share as the user put it, to 4 places rounded down (0.33339 became 0.3334,
-        # over the cap); through the decimal form, so 0.3 stays 0.3000, not 0.2999.
-        share = decimal.Decimal(repr(float(fraction))).quantize(decimal.Decimal("0.0001"),
-                                                               rounding=decimal.ROUND_FLOOR)
+        # over the cap); through the decimal form, so 0.3 stays 0.3000, not 0.2999. A numpy
+        # scalar's own shortest form: through float(), np.float32(0.9) became 0.8999.
+        text = str(fraction) if hasattr(fraction, "dtype") else repr(float(fraction))
+        try:
+            share = decimal.Decimal(text)
+        except decimal.InvalidOperation:
+            share = decimal.Decimal(repr(float(fraction)))
+        share = share.quantize(decimal.Decimal("0.0001"), rounding=decimal.ROUND_FLOOR)
         written, smallest = f"{share:.4f}", "0.0001"
     else:
         # Rounded down, finely: to 4 places, 100 MiB of a 141 GiB GPU became 101.1 MiB, over

@@ -49,6 +49,26 @@ def _check_step(name: str, value: Any, *, minimum: int) -> int:
     return value
 
 
+def _check_logdir(logdir: str | bytes) -> None:
+    """Refuses a logdir os.makedirs would fail on at step START, possibly hours into the run.
+
+    Nothing is created: the profiler writes nothing before START.
+    """
+    if not logdir:  # os.makedirs("") raises FileNotFoundError
+        raise ValueError(f"StepProfiler needs a logdir for the trace, got {logdir=}")
+    if os.path.lexists(logdir) and not os.path.isdir(logdir):
+        what = "a broken symlink" if os.path.islink(logdir) else "a file"
+        raise NotADirectoryError(f"StepProfiler logdir={logdir!r} is {what}, not a directory; "
+                                 "pass a directory for the trace (it is created if missing)")
+    # A missing logdir is made at START: a file on its way (run.log/trace) would fail it then.
+    parent = os.path.dirname(os.path.abspath(logdir))
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise NotADirectoryError(f"StepProfiler logdir={logdir!r} cannot be created: {parent!r} "
+                                 "is not a directory; pass a directory for the trace")
+
+
 class StepProfiler:
     """Starts a jax.profiler trace at step START and stops it after step STOP - 1.
 
@@ -71,10 +91,12 @@ class StepProfiler:
         infers it from the gap between consecutive calls (1 at the first call).
 
     Raises:
-      TypeError: for a pair whose entries are not ints, a non-bool `perfetto` or a
-        non-int `steps_per_dispatch`.
-      ValueError: for an empty or malformed range, or `steps_per_dispatch < 1`.
-      NotADirectoryError: if `logdir` is an existing file.
+      TypeError: for a pair whose entries are not ints (bools included), a non-bool
+        `perfetto`, a non-int `steps_per_dispatch` or a `logdir` that is not a path.
+      ValueError: for an empty or malformed range, `steps_per_dispatch < 1` or an empty
+        `logdir`.
+      NotADirectoryError: if `logdir` is an existing file (or broken symlink), or a file
+        stands where one of its missing parent folders would be made.
     """
 
     def __init__(self, steps: str | int | tuple[int, int], logdir: str | os.PathLike, *,
@@ -82,21 +104,27 @@ class StepProfiler:
         if isinstance(steps, (tuple, list)):
             if len(steps) != 2:
                 raise ValueError(f"a step range pair is (start, stop), got {steps=}")
-            try:  # int() would silently truncate a float step
+            # operator.index alone took (True, 3) as steps 1:3; int() would truncate a float.
+            if any(isinstance(s, bool) for s in steps):
+                raise TypeError(f"a step range pair holds two ints, got {steps=}")
+            try:
                 start, stop = (operator.index(s) for s in steps)
             except TypeError:
                 raise TypeError(f"a step range pair holds two ints, got {steps=}") from None
+            if start < 0:  # the text made of it was refused as malformed, naming '-1:3'
+                raise ValueError(f"a step range pair (start, stop) needs start >= 0, got {steps=}")
             steps = f"{start}:{stop}"
         self.start_step, self.stop_step = parse_step_range(steps)
         if not isinstance(perfetto, bool):
             raise TypeError(f"perfetto must be True or False, got {perfetto=}")
         if steps_per_dispatch is not None:
             steps_per_dispatch = _check_step("steps_per_dispatch", steps_per_dispatch, minimum=1)
-        self.logdir = os.fspath(logdir)
-        # Found here, not by os.makedirs at step START, possibly hours into the run.
-        if os.path.exists(self.logdir) and not os.path.isdir(self.logdir):
-            raise NotADirectoryError(f"StepProfiler logdir={self.logdir!r} is a file, not a directory; "
-                                     "pass a directory for the trace (it is created if missing)")
+        try:  # os.fspath's own error does not name the argument
+            self.logdir = os.fspath(logdir)
+        except TypeError:
+            raise TypeError(f"StepProfiler logdir must be a path (str or os.PathLike), "
+                            f"got {type(logdir).__name__}: {logdir!r}") from None
+        _check_logdir(self.logdir)
         self._perfetto = perfetto
         self._steps_per_dispatch = steps_per_dispatch
         self._last_step: int | None = None

@@ -8,6 +8,7 @@ jaxlib 0.10 (the test suite starts a fresh interpreter per preset to keep it so)
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import re
 from collections.abc import Mapping
@@ -240,13 +241,29 @@ def _extra_flags(extra: Mapping[str, str | bool | int | float]) -> dict[str, str
         raise ValueError(f"extra flag names must not contain whitespace or quotes, e.g. "
                          f"{{'xla_gpu_enable_triton_gemm': 'false'}}; got {bad}")
     # None (or any other object) would be written as its repr, which XLA rejects at start-up.
-    bad_values = {name: value for name, value in extra.items()
-                  if not isinstance(value, (str, bool, int, float))}
+    bad_values = {name: value for name, value in extra.items() if _flag_text(value) is None}
     if bad_values:
         raise TypeError(f"extra flag values must be str, bool, int or float; got {bad_values} "
                         "(to leave a flag at XLA's default, leave it out)")
-    return {name: (str(value).lower() if isinstance(value, bool) else str(value))
-            for name, value in extra.items()}
+    return {name: _flag_text(value) for name, value in extra.items()}
+
+
+def _flag_text(value: object) -> str | None:
+    """A flag value as XLA reads it, or None for a value of no flag type.
+
+    numpy scalars count as the Python types they stand for: np.int64(2**28), say from a
+    size computed with numpy, was refused as "not an int", and np.True_ is no bool.
+    """
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool) or (getattr(value, "shape", None) == ()
+                                   and getattr(getattr(value, "dtype", None), "kind", "") == "b"):
+        return "true" if value else "false"
+    if isinstance(value, numbers.Integral):
+        return str(int(value))
+    if isinstance(value, float) or (isinstance(value, numbers.Real) and hasattr(value, "dtype")):
+        return str(value)  # a numpy float's own shortest form: np.float32(0.1) is "0.1"
+    return None
 
 
 def xla_flags(preset: str = "gpu-throughput", *, extra: dict[str, str] | str | None = None,
