@@ -72,7 +72,8 @@ def embedding_lookup(table: jax.Array, ids: jax.Array, dtype) -> jax.Array:
 def _fit_host_ids(ids):
     """Host 64-bit ids as JAX will hold them: without x64 jnp.asarray wraps them to int32, so
     an id of 2**32 + 1 read row 1. Those past int32 become -1 here, out of range (a NaN row)."""
-    if (isinstance(ids, np.ndarray) and ids.dtype.kind in "iu" and ids.dtype.itemsize == 8
+    # np.generic too: a NumPy scalar (labels[i]) wrapped as an array does, 2**32 + 1 to row 1.
+    if (isinstance(ids, (np.ndarray, np.generic)) and ids.dtype.kind in "iu" and ids.dtype.itemsize == 8
             and jax.dtypes.canonicalize_dtype(ids.dtype).itemsize < 8):
         fits = (ids >= 0) & (ids <= np.iinfo(np.int32).max)
         # -1 set after the cast: NumPy 2 refuses it as a uint64 in np.where.
@@ -103,7 +104,8 @@ _lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 def _integer_ids(module, inputs) -> jax.Array:
     """The drop-ins' own check, before `embedding_lookup`'s: the message names the module."""
-    inputs = jnp.asarray(inputs)
+    # Host ids fitted first: a bare jnp.asarray wrapped an int64 2**32 + 1 to row 1.
+    inputs = jnp.asarray(_fit_host_ids(inputs))
     if not jnp.issubdtype(inputs.dtype, jnp.integer):
         raise ValueError(f"{type(module).__name__} takes integer ids, got dtype={inputs.dtype}")
     return inputs
@@ -121,8 +123,9 @@ class Embed(nnx.Embed):
 
     def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
         inputs = _integer_ids(self, inputs)
-        if self.num_embeddings == 1:  # a broadcast of the one row: no scatter to fix
-            return super().__call__(inputs, out_sharding)
+        # No one-row shortcut (nnx.Embed broadcasts its row): that returned the row for any
+        # id, -1 or 7 included, ignored out_sharding, and rounded the summed gradient to
+        # the 16-bit compute dtype; `embedding_lookup` handles one row like any other.
         dtype = self.dtype
 
         def lookup(table, ids):
@@ -145,8 +148,7 @@ class LinenEmbed(linen.Embed):
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         inputs = _integer_ids(self, inputs)
-        if self.num_embeddings == 1:  # a broadcast of the one row: no scatter to fix
-            return super().__call__(inputs)
+        # No one-row shortcut, as in `Embed`: an out-of-range id gives a NaN row here too.
         table = self.embedding
         return embedding_lookup(table, inputs, table.dtype if self.dtype is None else self.dtype)
 

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import operator
 
+import numpy as np
+
 from jaxopt_train.models.gpt import GPTConfig
 from jaxopt_train.models.resnet import VISION_PRESETS, VISION_SPECS
 
@@ -177,6 +179,8 @@ def resnet_flops_per_image(
         convolution depends on it.
     """
     _check_vision_name(name)
+    if not isinstance(training, (bool, np.bool_)):  # "no" or None counted 3x or 1x silently
+        raise TypeError(f"training={training!r} must be True (forward + backward) or False")
     image_size = VISION_SPECS[name].default_image_size if image_size is None else image_size
     forward = 2 * vision_forward_macs(name, image_size, num_classes, in_channels)
     return 3 * forward if training else forward

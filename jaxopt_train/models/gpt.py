@@ -343,6 +343,14 @@ class GPT(nnx.Module):
     def logits_from_embeddings(self, x: jax.Array) -> jax.Array:
         """The blocks, final LayerNorm and head applied to embeddings [B, T, d_model]."""
         cfg = self.config
+        # Public on its own (a data-parallel step feeds it): a wrong shape otherwise failed
+        # deep inside attention ("cannot reshape ...", "not enough values to unpack").
+        if (getattr(x, "ndim", None) != 3 or x.shape[-1] != cfg.d_model
+                or not jnp.issubdtype(x.dtype, jnp.floating)):
+            raise ValueError(
+                f"embeddings must be a floating array [batch, time, d_model={cfg.d_model}] "
+                f"(e.g. model.embed(tokens)), got shape={getattr(x, 'shape', None)} "
+                f"dtype={getattr(x, 'dtype', type(x).__name__)}")
         x = self._run_blocks(x)
         x = self.ln_f(x).astype(cfg.dtype)
         if cfg.tie_embeddings:

@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxopt_train.models.gpt import canonical_dtype
@@ -159,6 +160,7 @@ class ResNet(nnx.Module):
 
     def __call__(self, images: jax.Array, train: bool) -> jax.Array:
         images = _check_images(images, self.in_channels)
+        train = _check_train(train)
         x = jax.nn.relu(_normalise(self.stem_norm, self.stem(images), train))
         x = _max_pool_3x3_s2(x)
         for block in self.blocks:
@@ -180,9 +182,23 @@ class SmallCNN(nnx.Module):
 
     def __call__(self, images: jax.Array, train: bool) -> jax.Array:
         x = _check_images(images, self.in_channels)
+        train = _check_train(train)
         for conv, norm in zip(self.convs, self.norms):
             x = jax.nn.relu(_normalise(norm, conv(x), train))
         return self.head(jnp.mean(x, axis=(1, 2)))
+
+
+def _check_train(train) -> bool:
+    """`train` as a Python bool, or TypeError: BatchNorm branches on it in Python, where any
+    truthy value (the string "False" included) silently trained on batch statistics and
+    overwrote the running averages."""
+    if isinstance(train, (bool, np.bool_)):
+        return bool(train)
+    hint = ""
+    if isinstance(train, jax.Array):  # a tracer is one too (jax.core.Tracer is not public API)
+        hint = ("; an array (traced under jit?) cannot choose the branch: pass a Python bool, "
+                "as a static argument under jit (e.g. nnx.jit(..., static_argnames='train'))")
+    raise TypeError(f"train={train!r} must be True or False{hint}")
 
 
 def _check_images(images, channels: int) -> jax.Array:
