@@ -248,7 +248,9 @@ def render(result) -> str:
         lines.append(f"ablation {skip['name']} skipped: {skip['reason']}")
     for fail in result.get("rows_failed", ()):
         lines.append(f"{fail['name']}: no row, the run failed ({fail['reason']})"
-                     + ("; speed-up and mem ratio need it: a smaller --global-batch may let it fit"
+                     + ("; speed-up and mem ratio need it: a smaller --global-batch, or a larger "
+                        "allocator pool (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 of the GPU unless set), "
+                        "may let it fit"
                         if fail["name"] == "baseline" else ""))
     for fail in result.get("plain_failed", ()):
         lines.append(f"{fail['name']}: no row, the run failed ({fail['reason']})")
