@@ -22,7 +22,8 @@ PANELS: dict[str, tuple[str, str, float]] = {
     "loss": ("loss", r"(^|/)(train_|val_|eval_)?loss$", 1.0),
     "throughput": ("per second", r"(_per_s(ec)?|_per_second|/s)$", 1.0),
     "mfu": ("MFU (%)", r"(^|/)mfu$", 100.0),
-    "memory": ("GiB", r"(bytes|memory).*|DCGM_FI_DEV_FB_USED.*", 1.0),
+    # Not a rate (hbm_bytes_per_s): it was drawn here too, in "GiB", besides under throughput.
+    "memory": ("GiB", r"^(?!.*(_per_s(ec)?|_per_second|/s)$).*(bytes|memory|DCGM_FI_DEV_FB_USED)", 1.0),
 }
 
 
@@ -75,6 +76,12 @@ def load_run(run_dir: str) -> list[dict[str, float]]:
         raise ValueError(f"cannot read {path}: {err.strerror or err}") from None
     if not records:
         raise ValueError(f"{path} holds no records (expected one JSON object per line, as JsonlSink writes)")
+    if not any(_is_number(record.get("step")) for record in records):
+        # Every record is left out of the curves without one, and the run was then reported
+        # as "its metrics hold no finite numbers", true of none of them.
+        raise ValueError(f"{path}: none of its {len(records)} records has a numeric \"step\" (first "
+                         f"record's keys: {', '.join(sorted(records[0]))[:200]}); expected records "
+                         "like {\"step\": 10, \"loss\": 2.5}, as JsonlSink writes")
     return records
 
 

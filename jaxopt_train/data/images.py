@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import pathlib
+import zipfile
+import zlib
 
 import numpy as np
 
@@ -24,15 +26,18 @@ def load_image_npz(path: str | os.PathLike, *, num_classes: int | None = None) -
 
     Raises:
       FileNotFoundError: no such file.
-      ValueError: a folder, missing or object (ragged) arrays, wrong ranks/dtypes,
-        mismatched lengths, or labels out of range.
+      ValueError: a folder or other non-regular file, a damaged archive, missing or object
+        (ragged) arrays, wrong ranks/dtypes, mismatched lengths, or labels out of range.
     """
     path = pathlib.Path(path)
     if path.is_dir():
         raise ValueError(f"image file path={str(path)!r} is a folder, not a file; expected an .npz "
                          "written by np.savez(path, images=..., labels=...)")
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"image file path={str(path)!r} does not exist")
+    if not path.is_file():  # it said "does not exist" of a FIFO or device that does
+        raise ValueError(f"image file path={str(path)!r} is not a regular file (a pipe or device?); "
+                         "expected an .npz written by np.savez(path, images=..., labels=...)")
     with _open_npz(path) as npz:
         missing = {"images", "labels"} - set(npz.files)
         if missing:
@@ -61,6 +66,11 @@ def _open_npz(path: pathlib.Path):
     expected = "expected np.savez(path, images=..., labels=...)"
     try:
         loaded = np.load(path, allow_pickle=False)
+    except zipfile.BadZipFile as err:
+        # A zip whose write was cut short (no central directory): zipfile's own text names
+        # neither the file nor the fix.
+        raise ValueError(f"{str(path)!r} is a damaged .npz archive ({err}); was its write cut "
+                         f"short? Write it again: {expected}") from None
     except (ValueError, OSError, EOFError) as err:
         # numpy's own text here suggests allow_pickle=True: wrong advice for a stray file.
         with open(path, "rb") as file:
@@ -81,6 +91,10 @@ def _read_array(npz, path: pathlib.Path, name: str) -> np.ndarray:
     """
     try:
         return npz[name]
+    except (zipfile.BadZipFile, zlib.error, EOFError) as err:
+        # Damaged member data (bad CRC, corrupt deflate stream): the bare error named no file.
+        raise ValueError(f"{str(path)!r}: array {name!r} is damaged ({type(err).__name__}: {err}); "
+                         "write the file again with np.savez(path, images=..., labels=...)") from None
     except ValueError as err:
         if "allow_pickle" not in str(err):
             raise

@@ -21,6 +21,11 @@ from jaxopt_train.data.sampling import check_positive_int
 def _check_axis(mesh: Mesh, axis: str) -> int:
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if not isinstance(axis, str):
+        # A tuple of axes fell through to "axis=('model', 'data') is not an axis of the mesh;
+        # its axes are ('model', 'data')", which contradicts itself.
+        raise ValueError(f"axis={axis!r} must be the name of one mesh axis (a str), one of "
+                         f"{mesh.axis_names}; a batch is sharded over a single data axis")
     if axis not in mesh.axis_names:
         raise ValueError(f"axis={axis!r} is not an axis of the mesh; its axes are {mesh.axis_names}")
     return mesh.shape[axis]

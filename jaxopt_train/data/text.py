@@ -31,6 +31,11 @@ _SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "i
 def stdlib_source_files(root: str | os.PathLike | None = None) -> list[pathlib.Path]:
     """Returns the sorted ``*.py`` files of the stdlib (or of ``root``), skipping test dirs."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"] if root is None else root)
+    # os.walk is silent about both: a typo'd root, or a file, gave [] without a word.
+    if not root.exists():
+        raise FileNotFoundError(f"root={str(root)!r} does not exist; expected a folder of *.py files")
+    if not root.is_dir():
+        raise NotADirectoryError(f"root={str(root)!r} is not a folder; expected a folder of *.py files")
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
         # Pruning in place keeps os.walk out of site-packages (10x the files).
@@ -51,6 +56,9 @@ def _text_files(path: pathlib.Path) -> list[pathlib.Path]:
         raise FileNotFoundError(f"text corpus path={str(path)!r} does not exist")
     if path.is_file():
         return [path]
+    if not path.is_dir():  # a pipe (--data <(zcat ...)) was walked as a folder: "empty (0 files)"
+        raise ValueError(f"text corpus path={str(path)!r} is neither a regular file nor a folder "
+                         "(a pipe or device?); save the text to a file and pass that")
     files = sorted(
         p for p in path.rglob("*")
         if p.is_file() and not any(part.startswith(".") or part == "__pycache__"
@@ -156,8 +164,8 @@ def load_text_corpus(
 
     Raises:
       FileNotFoundError: ``path`` does not exist.
-      ValueError: the corpus is empty, a folder holds ``.bin`` token files, or
-        ``max_bytes`` is not positive.
+      ValueError: ``path`` is an empty string, the corpus is empty, a folder holds ``.bin``
+        token files, or ``max_bytes`` is not positive.
     """
     if max_bytes is None:
         max_bytes = DEFAULT_MAX_BYTES if path is None else sys.maxsize
@@ -165,6 +173,11 @@ def load_text_corpus(
     if not isinstance(max_bytes, (int, np.integer)) or isinstance(max_bytes, bool) or max_bytes < 1:
         raise ValueError(f"max_bytes={max_bytes!r} must be a positive int or None")
     max_bytes = int(max_bytes)
+    if isinstance(path, str) and not path:
+        # pathlib.Path("") is ".": an unset variable passed as the path trained on whatever
+        # text sat in the working directory.
+        raise ValueError(f"path={path!r} is empty; give a text file or folder, or None for the "
+                         "embedded stdlib corpus")
     key = None if path is None else str(pathlib.Path(path).resolve())
     return _cached_corpus(key, max_bytes, () if key is None else _file_signature(key))
 
@@ -188,6 +201,7 @@ def corpus_lm_batch(batch_size: int, seq_len: int, *, seed: int = 0,
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
         check_positive_int(name, value)
     check_seed(seed)
+    seq_len = int(seq_len)  # a np.uint64 length made the window indices float64 (IndexError)
     corpus = load_text_corpus(path)
     if corpus.size <= seq_len:
         raise ValueError(f"the corpus has {corpus.size:,} bytes; a window of seq_len={seq_len} needs "

@@ -22,8 +22,9 @@ def load_token_file(path: str | os.PathLike, dtype: str | np.dtype = "uint16") -
 
     Raises:
       FileNotFoundError: no such file.
-      ValueError: a folder, an illegal dtype, a file size that is not a whole number of tokens,
-        or ids whose layout says the file holds the other width (`check_token_width`).
+      ValueError: a folder or other non-regular file, an illegal dtype, a file size that is
+        not a whole number of tokens, or ids whose layout says the file holds the other width
+        (`check_token_width`).
     """
     name = np.dtype(dtype).name if _is_dtype_like(dtype) else repr(dtype)
     if name not in TOKEN_FILE_DTYPES:
@@ -37,8 +38,11 @@ def load_token_file(path: str | os.PathLike, dtype: str | np.dtype = "uint16") -
     if path.is_dir():
         raise ValueError(f"token file path={str(path)!r} is a folder, not a file; expected a .bin "
                          "file of token ids (e.g. nanoGPT's train.bin inside it)")
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"token file path={str(path)!r} does not exist")
+    if not path.is_file():  # it said "does not exist" of a FIFO or device that does
+        raise ValueError(f"token file path={str(path)!r} is not a regular file (a pipe or device?); "
+                         "expected a .bin file of token ids, which is memory-mapped")
     size = path.stat().st_size
     itemsize = np.dtype(name).itemsize
     if size == 0:
@@ -107,8 +111,12 @@ def max_token_id(tokens: np.ndarray, chunk_size: int = 1 << 24) -> int:
     and, on some numpy versions, allocate a full-size temporary).
     """
     check_positive_int("chunk_size", chunk_size)
-    if tokens.ndim != 1 or tokens.size == 0:
-        raise ValueError(f"tokens must be a non-empty 1-D array, got shape={tokens.shape}")
+    # asarray: a list raised "'list' object has no attribute 'ndim'" (a memmap stays unread).
+    # Integers only: float ids were floored by int() into a vocab size that looked right.
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"tokens must be a non-empty 1-D integer array, got shape={tokens.shape} "
+                         f"dtype={tokens.dtype}")
     return max(int(np.max(tokens[i:i + chunk_size])) for i in range(0, tokens.size, chunk_size))
 
 
@@ -153,6 +161,9 @@ class TokenDataset:
                 f"tokens must be a 1-D integer array, got shape={tokens.shape} dtype={tokens.dtype}"
             )
         check_positive_int("seq_len", seq_len)
+        # A Python int: np.int8(127) + 1 wrapped to -128 (empty windows, no error) and a
+        # np.uint64 length made the window indices float64 (an IndexError at the first batch).
+        seq_len = int(seq_len)
         check_seed(seed)
         if split not in SPLITS:
             raise ValueError(f"split={split!r}; legal values: {SPLITS}")
