@@ -173,8 +173,13 @@ def _combine_aux(aux, how: str, accum_dtype):
             # the batch (jnp.all(...), all_finite) holds for the full batch only if
             # it holds for every micro-batch.
             return jnp.all(x, axis=0) if how == "mean" else jnp.any(x, axis=0)
-        if how == "sum" or not jnp.issubdtype(x.dtype, jnp.floating):
+        if how == "sum" or not jnp.issubdtype(x.dtype, jnp.inexact):
             return jnp.sum(x, axis=0, dtype=x.dtype)
+        if jnp.issubdtype(x.dtype, jnp.complexfloating):
+            # Averaged like a real float (it was summed: K times the full batch's mean), in
+            # complex: a real accumulator would drop the imaginary part.
+            wide = _complex_with(_wide_real(x.dtype, accum_dtype))
+            return jnp.mean(x.astype(wide), axis=0).astype(x.dtype)
         return jnp.mean(x.astype(_at_least(x.dtype, accum_dtype)), axis=0).astype(x.dtype)
     return jax.tree.map(one, aux)
 
@@ -219,8 +224,8 @@ def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
         accumulator each gradient is divided by K before it is added.
       has_aux: as in `jax.value_and_grad`.
       aux_combine: how per-micro-batch aux values combine: "mean" (default:
-        floating leaves are averaged, so per-batch means match the full batch;
-        integer leaves, e.g. counts, are summed; boolean leaves are and-ed,
+        floating and complex leaves are averaged, so per-batch means match the
+        full batch; integer leaves, e.g. counts, are summed; boolean leaves are and-ed,
         so a predicate over the batch such as `jnp.all(...)` matches the full
         batch), "sum" (every leaf summed; booleans or-ed) or "stack" (leaves
         get a leading axis of size K, also when K is 1). Stack a flag that

@@ -261,11 +261,11 @@ def linen_apply(policy: str | Policy, module, variables, *args, **kwargs):
     The "params" collection (all variables if there is none) and floating
     inputs are cast to the compute dtype; other collections such as
     "batch_stats" keep theirs. `variables` may be any mapping (a dict or a
-    `FrozenDict`). With `mutable=...` Linen returns `(outputs, updates)`; the
-    outputs are cast to the output dtype and each updated variable back to the
-    dtype it has in `variables` (variables the call creates, such as sown
-    "intermediates", keep their own). `policy` is a Policy or a name
-    `get_policy` accepts.
+    `FrozenDict`). With `mutable=...` (or `capture_intermediates`) Linen returns
+    `(outputs, updates)`; the outputs are cast to the output dtype and each
+    updated variable back to the dtype it has in `variables` (variables the
+    call creates, such as sown "intermediates", keep their own). `policy` is a
+    Policy or a name `get_policy` accepts.
     """
     policy = get_policy(policy)
     compute_variables = _cast_linen_params(policy, variables)
@@ -273,7 +273,10 @@ def linen_apply(policy: str | Policy, module, variables, *args, **kwargs):
     with policy.matmul_scope():
         result = module.apply(compute_variables,
                               *policy.cast_to_compute(args), **_cast_kwargs(policy, kwargs))
-    if kwargs.get("mutable", False) is not False:
+    # capture_intermediates makes Linen return (outputs, updates) too (it adds the
+    # "intermediates" collection to `mutable`): cast as a whole, the intermediates took
+    # the output dtype instead of keeping their own.
+    if kwargs.get("mutable", False) is not False or kwargs.get("capture_intermediates", False):
         out, updates = result
         return policy.cast_to_output(out), _cast_like(updates, variables, passed)
     return policy.cast_to_output(result)
@@ -457,6 +460,11 @@ def apply_updates_if_finite(optimizer, grads, opt_state, params, loss_scale: Los
     """
     import optax  # noqa: PLC0415
 
+    if not isinstance(loss_scale, (NoOpLossScale, StaticLossScale, DynamicLossScale)):
+        # None or a bare number (1024.0) otherwise failed deep inside with an AttributeError.
+        raise TypeError(f"loss_scale={loss_scale!r} must be a NoOpLossScale, StaticLossScale or "
+                        "DynamicLossScale, e.g. loss_scale_for(policy); for no scaling pass "
+                        "NoOpLossScale(), for a fixed scale StaticLossScale(scale)")
     # optax would broadcast a (1,) or () gradient onto a (3,) param without a word.
     _check_leaves_match(grads, params, "grads", "params", dtypes=False)
     # Unscaled in float16 (which `unscale` returns for float16 leaves), a gradient below

@@ -28,11 +28,12 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
 
-from jaxopt_train.zero._checks import _check_has_leaves
+from jaxopt_train.zero._checks import _check_has_leaves, _check_num_shards
 from jaxopt_train.zero.layout import make_layout
 from jaxopt_train.zero.leaves import spec_dim
 
@@ -111,6 +112,7 @@ def elementwise_mismatch(optimizer: optax.GradientTransformation, params, num_sh
       ValueError: if `params` has no leaves.
     """
     _check_has_leaves(jax.tree.leaves(params), "params")
+    _check_num_shards(num_shards)  # 0 divided by zero in the per-leaf surrogate shapes
     with jax.default_device(_check_device()):
         return _mismatch(optimizer, params, num_shards, specs, axis_name, nonfinite)
 
@@ -133,7 +135,7 @@ def _mismatch(optimizer, params, num_shards: int, specs, axis_name: str,
     dims = ([None] * len(leaves) if specs is None
             else [spec_dim(s, axis_name) for s in treedef.flatten_up_to(specs)])
     shapes = [_surrogate_shape(tuple(np.shape(x)), d, num_shards) for x, d in zip(leaves, dims)]
-    dtypes = [np.dtype(x.dtype) for x in leaves]
+    dtypes = [np.dtype(jnp.result_type(x)) for x in leaves]  # Python floats too
     rng = np.random.default_rng(0)
 
     # Host (numpy) surrogates, split and joined on the host: the compiled program holds only

@@ -110,12 +110,14 @@ def make_layout(params, num_shards: int) -> FlatLayout:
     """
     leaves, treedef = jax.tree.flatten(params)
     _check_has_leaves(leaves, "params")
-    dtypes = {np.dtype(x.dtype) for x in leaves}
+    # jnp.result_type, as `FlatLayout.check` reads them: a Python float leaf (which optax
+    # takes) has no .dtype, and failed here with an AttributeError.
+    dtypes = {np.dtype(jnp.result_type(x)) for x in leaves}
     if len(dtypes) != 1 or not jnp.issubdtype(next(iter(dtypes)), jnp.floating):
         raise ValueError(f"ZeRO sharding needs parameters of one floating dtype; got {sorted(map(str, dtypes))} "
                          "(cast them to the param dtype first)")
     _check_num_shards(num_shards)
-    return FlatLayout(treedef, tuple(tuple(x.shape) for x in leaves), dtypes.pop(), num_shards)
+    return FlatLayout(treedef, tuple(tuple(np.shape(x)) for x in leaves), dtypes.pop(), int(num_shards))
 
 
 def reduce_scatter_grads(grads, layout: FlatLayout, axis_name: str, method: str = "ring"):
