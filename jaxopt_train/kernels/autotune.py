@@ -260,13 +260,26 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
                                  or not isinstance(budget_s, (int, float, np.integer, np.floating))
                                  or not budget_s >= 0):
         raise ValueError(f"budget_s={budget_s!r} must be None or a number >= 0 of seconds")
+    # Any other value was taken for its truth: write_cache="no" wrote the cache.
+    for name, flag in (("write_cache", write_cache), ("quick", quick)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool; got {flag!r}")
+    # True was seeded as 1; 1.5 failed in jax.random.key naming a JitTracer.
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed={seed!r} must be an int")
     if isinstance(dtype, str):  # the names matmul's out_dtype takes ("bf16", "fp16", "f32")
         dtype = matmul_mod.as_float_dtype(dtype, "dtype")
-    if jnp.dtype(dtype) not in matmul_mod.INPUT_DTYPES:
-        raise ValueError(f"dtype={jnp.dtype(dtype)} is not a matmul input dtype; expected "
+    # jnp.dtype(None) is float64: dtype=None was reported as "dtype=float64".
+    try:
+        resolved = None if dtype is None else jnp.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved not in matmul_mod.INPUT_DTYPES:
+        shown = repr(dtype) if resolved is None else resolved
+        raise ValueError(f"dtype={shown} is not a matmul input dtype; expected "
                          f"bfloat16, float16 or float32")
     # matmul runs f32 inputs as bf16 and looks the cache up under bf16: tune that.
-    dtype = jnp.dtype(jnp.bfloat16) if jnp.dtype(dtype) == jnp.float32 else jnp.dtype(dtype)
+    dtype = jnp.dtype(jnp.bfloat16) if resolved == jnp.float32 else resolved
     shapes = [_shape(shape) for shape in shapes]
     _check_transposed(transposed)
     if transposed is not None and backend not in TRANSPOSING_BACKENDS:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 BACKENDS = ("auto", "mosaic_gpu", "triton", "pallas_tpu", "interpret", "xla")
 # Backends whose kernels read a transposed operand (A^T @ B, A @ B^T) as stored; the others
 # multiply a transposed copy, i.e. run the plain layout.
@@ -88,6 +90,13 @@ class MatmulConfig:
     chain_tiles: bool = False
 
     def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k", "num_stages", "num_warps", "group_m",
+                     "wgmma_in_flight", "epilogue_tile"):
+            value = getattr(self, name)
+            # A numpy int (a sweep over np.arange) was refused as "np.int64(64) must be an
+            # int"; kept, it could not be written to the JSON autotune cache: store an int.
+            if isinstance(value, np.integer):
+                object.__setattr__(self, name, int(value))
         for name in ("block_m", "block_n", "block_k", "num_stages", "num_warps", "group_m",
                      "wgmma_in_flight"):
             value = getattr(self, name)  # True == 1 and 4.0 == 4 would pass the range checks

@@ -72,6 +72,9 @@ def _kernel_eligible(lhs, rhs, dimension_numbers, precision, preferred_element_t
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = _dims(dimension_numbers)
     return (rhs.ndim == 2 and lhs.ndim >= 2 and lhs.size > 0 and rhs.size > 0
             and lhs_contract == (lhs.ndim - 1,) and rhs_contract in ((0,), (1,))
+            # Unequal K goes to lax, whose TypeError names the dims as the caller wrote them
+            # (matmul's ValueError spoke of `a`, `b` and `transpose_b`, which they never passed).
+            and lhs.shape[-1] == rhs.shape[rhs_contract[0]]
             and not lhs_batch and not rhs_batch
             and jnp.dtype(lhs.dtype) in _KERNEL_DTYPES and lhs.dtype == rhs.dtype
             and _is_default_precision(precision) and out_sharding is None
