@@ -17,13 +17,14 @@ import sys
 from jaxopt_train._replace import replace_file
 from jaxopt_train.runtime.sinks import read_jsonl
 
+_RATE = r"(_per_s(ec)?|_per_second|/s)$"  # a metric per second: the throughput panel's, never memory's
 # panel -> (y-axis label, metric-name pattern, scale applied to values)
 PANELS: dict[str, tuple[str, str, float]] = {
     "loss": ("loss", r"(^|/)(train_|val_|eval_)?loss$", 1.0),
-    "throughput": ("per second", r"(_per_s(ec)?|_per_second|/s)$", 1.0),
+    "throughput": ("per second", _RATE, 1.0),
     "mfu": ("MFU (%)", r"(^|/)mfu$", 100.0),
     # Not a rate (hbm_bytes_per_s): it was drawn here too, in "GiB", besides under throughput.
-    "memory": ("GiB", r"^(?!.*(_per_s(ec)?|_per_second|/s)$).*(bytes|memory|DCGM_FI_DEV_FB_USED)", 1.0),
+    "memory": ("GiB", rf"^(?!.*{_RATE}).*(bytes|memory|DCGM_FI_DEV_FB_USED)", 1.0),
 }
 
 
