@@ -54,7 +54,14 @@ def embedding_lookup(table: jax.Array, ids: jax.Array, dtype) -> jax.Array:
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"ids must be an integer array, got dtype={ids.dtype}")
     # np.dtype(None) is float64, which JAX would make float32: a bf16 table's rows came back f32.
-    dtype = table.dtype if dtype is None else np.dtype(dtype)
+    if dtype is None:
+        dtype = table.dtype
+    else:
+        try:
+            dtype = np.dtype(dtype)
+        except TypeError as e:  # "bf16" and the like: numpy's message names no argument
+            raise ValueError(f"dtype must be a floating dtype such as jnp.bfloat16 or "
+                             f"'bfloat16', got {dtype!r}") from e
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"dtype must be a floating dtype (an out-of-range id gives a NaN row), got {dtype}")
     rows = table.shape[0]

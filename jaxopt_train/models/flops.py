@@ -89,7 +89,7 @@ def gpt_flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> int:
 
 
 def _check_vision_name(name: str) -> None:
-    if name not in VISION_SPECS:
+    if not isinstance(name, str) or name not in VISION_SPECS:  # a list name: unhashable
         raise ValueError(f"name={name!r} is not a vision preset; legal values: {VISION_PRESETS}")
 
 

@@ -261,7 +261,8 @@ def get_gpt_config(name: str, **overrides: Any) -> GPTConfig:
     Raises:
       ValueError: unknown preset or field, or an illegal value.
     """
-    if name not in _PRESETS:
+    # A list or dict name is unhashable: the membership test would raise "unhashable type".
+    if not isinstance(name, str) or name not in _PRESETS:
         raise ValueError(f"name={name!r} is not a GPT preset; legal values: {GPT_PRESETS}")
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
     unknown = sorted(set(overrides) - fields)

@@ -245,7 +245,7 @@ def create_vision_model(
       in_channels: Channels of the input images (1 for grayscale, 3 for RGB);
         sets the first convolution's input width.
     """
-    if name not in VISION_SPECS:
+    if not isinstance(name, str) or name not in VISION_SPECS:  # a list name: unhashable
         raise ValueError(f"name={name!r} is not a vision preset; legal values: {VISION_PRESETS}")
     # Numpy integers count (a class count from labels.max() + 1, a channel count from
     # images.shape), as in GPTConfig and the FLOP count; bools and floats do not.
