@@ -98,9 +98,7 @@ class Checkpointer:
         setting); a checkpoint that holds one of them and the target not, or the other
         way round, is refused naming the setting.
         """
-        step = self.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint to restore in {self.directory}")
+        step = self._saved_step(step, "to restore")
         target = jax.tree.map(as_abstract, abstract_state)
         self._check_saved_arrays(step, target, part_settings or {})
         args = ocp.args.Composite(state=ocp.args.StandardRestore(target),
@@ -121,6 +119,22 @@ class Checkpointer:
                 "adamw, whose weight decay keeps an empty state). Resume with the optimizer "
                 "that wrote it, or start a new --run-dir.") from err
         return restored["state"], dict(restored["meta"] or {})
+
+    def _saved_step(self, step: int | None, purpose: str) -> int:
+        """`step`, or the latest one where None; FileNotFoundError naming the steps there are
+        if it is not saved (orbax said only "Checkpoint at .../7 not found", and took
+        step=True as a step named "True"), ValueError if it is not an int."""
+        if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)):
+            raise ValueError(f"step={step!r} must be an int (a saved step) or None (the latest)")
+        saved = self.all_steps()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no checkpoint {purpose} in {self.directory}")
+        if int(step) not in saved:
+            raise FileNotFoundError(f"no checkpoint at step={step} in {self.directory}; expected "
+                                    f"one of its saved steps {saved or '(none)'}")
+        return int(step)
 
     def _check_saved_arrays(self, step: int, target: Any, part_settings: dict[str, str]) -> None:
         """Raises RunDirError naming the state parts (`part_settings`) that only one of the
@@ -232,9 +246,7 @@ class Checkpointer:
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
         """The JSON record of a checkpoint, without touching its arrays."""
-        step = self.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        step = self._saved_step(step, "to read")
         restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return dict(restored["meta"] or {})
 

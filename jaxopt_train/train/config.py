@@ -167,6 +167,15 @@ class TrainConfig:
 
     def __post_init__(self):
         _check_choice("preset", self.preset, PRESETS)
+        # Truthiness is not enough: resume="no" resumed a run, tensorboard="false" wrote events.
+        for name in ("resume", "overwrite", "scan_layers", "tensorboard"):
+            _check_bool(name, getattr(self, name))
+        # A pathlib.Path is welcome, stored as the str that config.json and the CLI hold: a
+        # Path("train.bin") was refused its --token-dtype, and a Path run_dir was told it
+        # "must be a non-empty path". Anything else is refused here: data=0 failed inside
+        # os.path once the run was being built.
+        for name in ("data", "run_dir"):
+            object.__setattr__(self, name, _check_path(name, getattr(self, name)))
         for name in ("steps", "batch_size", "microbatches", "log_every", "eval_batches",
                      "keep_checkpoints", "steps_per_dispatch", "max_nonfinite_steps",
                      "num_classes", "image_size"):
@@ -174,6 +183,10 @@ class TrainConfig:
         for name in ("warmup", "eval_every", "checkpoint_every"):
             _check_int(name, getattr(self, name), minimum=0)
         _check_seed(self.seed)
+        # The type before check_zero, which names the stages: a numpy int went into
+        # config.json as the string "1", which a --resume then refused.
+        if isinstance(self.zero, bool) or not isinstance(self.zero, int):
+            _check_int("zero", self.zero, minimum=0)  # raises its TypeError
         _check_float("lr", self.lr, positive=True)
         _check_float("weight_decay", self.weight_decay, positive=False)
         _check_float("clip_norm", self.clip_norm, positive=False)
@@ -220,6 +233,10 @@ class TrainConfig:
                         f"steps_per_dispatch={self.steps_per_dispatch} (steps run in groups of it)")
         if not isinstance(self.model_overrides, dict):
             raise TypeError(f"model_overrides={self.model_overrides!r} must be a dict of GPT config fields")
+        not_names = [k for k in self.model_overrides if not isinstance(k, str)]
+        if not_names:  # else "keywords must be strings" from deep in the model's build
+            raise TypeError(f"model_overrides={self.model_overrides!r} has keys {not_names} that "
+                            "are not field names; expected str keys, e.g. {'d_model': 64}")
         owned = [k for k in self.model_overrides if k in OWNED_OVERRIDES]
         if owned:
             raise ValueError(
@@ -245,7 +262,7 @@ class TrainConfig:
                              f"data={self.data!r} the images are the file's own size: drop it")
         if self.resume and self.overwrite:
             raise ValueError("resume=True and overwrite=True contradict each other: pick one")
-        if self.run_dir is not None and (not isinstance(self.run_dir, str) or not self.run_dir):
+        if self.run_dir == "":
             raise ValueError(f"run_dir={self.run_dir!r} must be a non-empty path or None")
         if self.resume and self.run_dir is None:
             raise ValueError("resume=True needs run_dir: the directory of the run to continue")
@@ -395,6 +412,21 @@ def _check_int(name: str, value: Any, *, minimum: int) -> None:
         raise TypeError(f"{name}={value!r} must be a Python int >= {minimum}{kind}")
     if value < minimum:
         raise ValueError(f"{name}={value} must be an integer >= {minimum}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be True or False (a Python bool)")
+
+
+def _check_path(name: str, value: Any) -> str | None:
+    """`value` as a str path: None stays None, an os.PathLike is converted; TypeError else."""
+    if value is None:
+        return None
+    path = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(path, str):
+        raise TypeError(f"{name}={value!r} must be a path (a str or pathlib.Path) or None")
+    return path
 
 
 def _check_seed(seed: Any) -> None:

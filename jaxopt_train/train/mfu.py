@@ -12,6 +12,8 @@ A device we have no figure for (CPU included) omits MFU with one warning;
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 import warnings
 
@@ -84,8 +86,11 @@ def resolve_peak_tflops(device_kind: str, dtype_name: str, override: float | Non
                         *, warn: bool = True) -> float | None:
     """The override if given, else the table's entry; warns once per unknown device/dtype."""
     if override is not None:
-        if not override > 0:
-            raise ValueError(f"peak_tflops={override} must be > 0")
+        # Finite too: an inf peak gave an MFU of 0.0 without a word; True passed as 1.0.
+        real = not isinstance(override, bool) and isinstance(override, numbers.Real)
+        if not (real and 0 < override < math.inf):
+            raise ValueError(f"peak_tflops={override!r} must be a finite number > 0 (TFLOP/s "
+                             "per device)")
         return float(override)
     peak = peak_tflops(device_kind, dtype_name)
     if peak is None and warn and (device_kind, dtype_name) not in _warned:
@@ -114,6 +119,7 @@ def mfu(flops_per_step: float, step_time_s: float, peak_tflops_per_device: float
     """Model FLOP utilisation in [0, 1] (None when the peak is unknown)."""
     if peak_tflops_per_device is None:
         return None
-    if step_time_s <= 0 or num_devices < 1:
+    # `not >` so that a NaN step time is refused too: it gave an MFU of nan.
+    if not step_time_s > 0 or isinstance(num_devices, bool) or not num_devices >= 1:
         raise ValueError(f"{step_time_s=} must be > 0 and {num_devices=} >= 1")
     return flops_per_step / step_time_s / (peak_tflops_per_device * 1e12 * num_devices)

@@ -68,6 +68,19 @@ def check_clip_norm(clip_norm: Any) -> float:
     return float(clip_norm)
 
 
+def check_seed(seed: Any) -> int:
+    """`seed` as an int; ValueError unless it is an integer that `jax.random.key` takes (int64).
+
+    jax.random.key took seed=True as 1, and failed on 1.5, "3" or 2**64 with a tracer's
+    TypeError or an OverflowError from inside the Linen init.
+    """
+    if (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
+            or not -config_lib.MAX_SEED - 1 <= seed <= config_lib.MAX_SEED):
+        raise ValueError(f"seed={seed!r} must be an int in [-2**63, 2**63 - 1] (the Linen "
+                         "init's PRNG key takes an int64)")
+    return int(seed)
+
+
 def build_optimizer(zero: int, opt_state_dtype: str, *, clip_norm: float, **schedule):
     """`default_optimizer(**schedule)` with `opt_state_dtype` moments, and where it clips.
 
@@ -179,6 +192,7 @@ class Trainer:
 
         policy = get_policy(precision)
         check_trainable(policy)
+        seed = check_seed(seed)
         if isinstance(model, nn.Module):
             if init_args is None:
                 raise ValueError("a linen.Module needs init_args=(example inputs,) for module.init")

@@ -33,6 +33,7 @@ whole gradient (a psum of squared shard norms), with optax's formula.
 
 from __future__ import annotations
 
+import numbers
 from typing import Callable
 
 import jax
@@ -58,7 +59,8 @@ ZERO_METHODS = {"psum": "psum", "ring": "ring"}
 
 def check_zero(zero: int, grad_sync: str, grad_compression: str | None) -> None:
     """Raises ValueError for an unknown stage or a combination the ZeRO step does not implement."""
-    if isinstance(zero, bool) or zero not in ZERO_STAGES:
+    # An integer, not one equal to a stage: zero=1.0 passed `in` and ran stage 1.
+    if isinstance(zero, bool) or not isinstance(zero, numbers.Integral) or zero not in ZERO_STAGES:
         raise ValueError(f"zero={zero!r} is not supported; expected one of {list(ZERO_STAGES)} "
                          "(0: replicated, 1: optimizer state sharded, 3: parameters too)")
     if zero == 0:
