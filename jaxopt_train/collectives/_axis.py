@@ -17,8 +17,11 @@ def axis_size(axis_name: AxisName) -> int:
       axis_name: an axis bound by an enclosing `jax.shard_map` mesh or `jax.pmap(axis_name=...)`.
 
     Raises:
+      TypeError: for a name that cannot name a mesh axis (see `check_name`).
       ValueError: if the axis is not bound here (JAX itself raises a bare NameError).
     """
+    for name in axis_name if isinstance(axis_name, tuple) else (axis_name,):
+        check_name(name, axis_name)
     try:
         return int(lax.axis_size(axis_name))
     except NameError as err:
@@ -28,13 +31,28 @@ def axis_size(axis_name: AxisName) -> int:
         ) from err
 
 
+def check_name(name, axis_name: AxisName) -> None:
+    """Refuses a `name` (one entry of `axis_name`) that cannot name a mapped axis.
+
+    An unhashable name failed deep inside JAX with "unhashable type", and an
+    int is read by `lax` as a positional array axis, which failed with "axis 0
+    is out of bounds for array of dimension 0".
+    """
+    if not isinstance(name, Hashable) or isinstance(name, (int, np.integer)):
+        raise TypeError(f"{axis_name=} must be a mesh axis name such as 'data' or a tuple of them; "
+                        f"got a name of type {type(name).__name__}")
+
+
 def axis_names(axis_name: AxisName) -> tuple[AxisName, ...]:
     """The axis names `axis_name` spans: `(axis_name,)` for one axis, the names of a tuple / list.
 
     Raises:
+      TypeError: for a name that cannot name a mesh axis (see `check_name`).
       ValueError: for an empty tuple or a name repeated in it (`lax.psum` would sum twice).
     """
     names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    for name in names:
+        check_name(name, axis_name)
     if not names or len(set(names)) != len(names):
         raise ValueError(f"{axis_name=} must be one mesh axis name or a tuple of distinct names")
     return names

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxopt_train.collectives._axis import AxisName, axis_size
+from jaxopt_train.collectives._axis import AxisName, axis_names, axis_size
 
 
 def embedding_grad_exchange(ids: jax.Array, cotangent: jax.Array, axis_name: AxisName,
@@ -43,7 +43,8 @@ def embedding_grad_exchange(ids: jax.Array, cotangent: jax.Array, axis_name: Axi
     Args:
       ids: this device's integer indices, any shape S.
       cotangent: the lookup output's cotangent, shape S + (d,).
-      axis_name: the data-parallel axis to sum over (inside `jax.shard_map` / `jax.pmap`).
+      axis_name: the data-parallel axis to sum over, or a tuple / list of axes (inside
+        `jax.shard_map` / `jax.pmap`).
       num_embeddings: rows of the table (vocab size).
       out_dtype: gradient dtype (default `cotangent.dtype`); rows are added in f32.
 
@@ -71,6 +72,10 @@ def embedding_grad_exchange(ids: jax.Array, cotangent: jax.Array, axis_name: Axi
     if out_dtype is not None and not jnp.issubdtype(out_dtype, jnp.floating):
         raise TypeError(f"out_dtype must be a floating dtype (an out-of-range id is flagged with NaN); "
                         f"got {out_dtype=}")
+    # A list names its axes as in the rings (it reached lax unhashable), and a repeated
+    # name is refused by name (lax.all_gather said "repeated axis in `source` argument").
+    names = axis_names(axis_name)
+    axis_name = names[0] if len(names) == 1 else names
     axis_size(axis_name)  # a clear error when the axis is not bound here
     d = cotangent.shape[-1]
     dtype = cotangent.dtype if out_dtype is None else out_dtype

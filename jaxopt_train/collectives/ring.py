@@ -451,4 +451,7 @@ def ring_all_reduce(x, axis_name: AxisName, *, bidirectional: bool = False, wire
     """
     rings = axis_rings(axis_name, ring_order)
     _check_floating_or_int(x, "ring_all_reduce")
+    # Any truthy value ran the bidirectional rings: bidirectional="no" among them.
+    if not isinstance(bidirectional, (bool, np.bool_)):
+        raise TypeError(f"{bidirectional=} must be True or False")
     return all_reduce_rings(x, rings[::-1], wire_dtype=wire_dtype, num_chunks=num_chunks, bidirectional=bidirectional)

@@ -16,7 +16,7 @@ from jaxopt_train.collectives._axis import AxisName, axis_names, axis_size
 from jaxopt_train.collectives.hierarchical import group_rings
 from jaxopt_train.collectives.peer import DTYPES as PEER_DTYPES
 from jaxopt_train.collectives.peer import peer_all_reduce
-from jaxopt_train.collectives.ring import _Ring, all_reduce_rings, single_ring
+from jaxopt_train.collectives.ring import _check_num_chunks, _Ring, all_reduce_rings, single_ring
 
 METHODS = ("psum", "ring", "ring_bidir", "hierarchical", "peer")
 
@@ -85,6 +85,10 @@ def _check_wire_dtype(wire_dtype, method: str, compression):
 
 def _check_method_options(method: str, ring_order, group_size, num_chunks, compression) -> None:
     """Refuses options the chosen method would silently ignore."""
+    # Checked first: True or 1.0 compare equal to 1 and slipped past the checks below, and
+    # the ring checks it only once an uncompressed bucket reaches it (never for a float-only
+    # compressed tree, so num_chunks=0 went through there too).
+    _check_num_chunks(num_chunks)
     if num_chunks != 1 and method == "psum":
         raise ValueError(f"num_chunks= applies to the ring methods ('ring', 'ring_bidir', 'hierarchical'); "
                          f"got {num_chunks=} with {method=} (drop num_chunks or pick a ring method)")
