@@ -28,8 +28,8 @@ device also uses its own rounded copy (the exchange's add, the all-gather's own
 row), `wire_cast` pins that copy, or XLA's GPU compiler would fold the
 f32 -> bf16 -> f32 pair away there and leave the replicas differing.
 Differentiated, a ring's backward is the same ring transposed, so a narrow
-`wire_dtype` rounds the cotangents in flight as well (about 0.08 off psum's
-gradient for bf16 on 8 devices); the compressed all-reduce (compression.py)
+`wire_dtype` rounds the cotangents in flight as well, as it rounds the
+forward partial sums; the compressed all-reduce (compression.py)
 instead passes the exact sum's gradient through.
 
 The ring primitives work on a `_Ring` (an axis name plus one or more disjoint
