@@ -30,7 +30,7 @@ def test_a_checkpoint_past_until_step_names_until_step():
 def test_a_checkpoint_past_steps_names_steps():
     with pytest.raises(RunDirError, match=r"\(--steps 4\), .*pass --steps greater than 8$"):
         resume.check_steps_left(8, 4, 4, "ckpts")
-    resume.check_steps_left(8, 8, 16, "ckpts")  # at the limit: a resume that only evaluates
+    resume.check_steps_left(8, 8, 16, "ckpts")  # at the limit: passes; train() then says the run is complete
 
 
 class _Meta:

@@ -361,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteError as err:
         print(f"jaxopt-train train: {err}", file=sys.stderr)
         return 1
+    if result.already_complete:  # train() said so (nothing to do): not "done", as if it trained
+        return 0
     summary = f"done: {result.step} steps in {result.run_dir}"
     if result.eval_loss is not None:
         summary += f"; eval loss {result.eval_loss:.4f}"

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from typing import Any, TextIO
 
@@ -31,7 +32,7 @@ from jaxopt_train.train.checkpoint import (Checkpointer, RunDirError, clear_run_
                                            prepare_run_dir)
 from jaxopt_train.train import resume
 from jaxopt_train.runtime.collector import frozen_collector
-from jaxopt_train.train.config import TrainConfig
+from jaxopt_train.train.config import TrainConfig, shape_overrides
 from jaxopt_train.train.metrics import MetricsLogger, open_prometheus_sink, peak_memory_bytes
 from jaxopt_train.train.remat_search import build_fitting_run
 from jaxopt_train.train.state import param_count
@@ -52,6 +53,9 @@ class TrainResult:
     eval_loss: float | None         # last evaluation
     interrupted: bool               # stopped by SIGTERM/SIGINT (checkpoint saved)
     trainer: Trainer
+    # A resume whose checkpoint was already at the last step asked for: nothing was
+    # compiled, trained or written; `trainer` holds the checkpoint's state.
+    already_complete: bool = False
 
 
 def _default_run_dir(cfg: TrainConfig) -> str:
@@ -251,6 +255,8 @@ def train(config: TrainConfig, *, until_step: int | None = None, devices=None,
             resume.check_resume_data_order(run_dir, cfg, ckpt)
             resume.check_dispatch_alignment(ckpt.latest_step(), k, ckpt.directory)
             resume.check_steps_left(ckpt.latest_step(), target, cfg.steps, ckpt.directory)
+            if ckpt.latest_step() == target:
+                return _already_complete(cfg, ckpt, run_dir, target, devices, stream)
         outputs = _open_flag_outputs(cfg, run_dir)  # as fast, and before anything is written
         cfg, task, trainer, _ = build_fitting_run(cfg, devices)  # resolves remat="auto"
         _check_same_data(task, 0)
@@ -305,6 +311,25 @@ def build_run(cfg: TrainConfig, devices=None) -> tuple[Task, Trainer]:
         zero=cfg.zero, grad_dtype=cfg.grad_dtype, zero_clip_norm=zero_clip_norm, devices=devices,
         owns_params=True)
     return dataclasses.replace(task, fns=trainer.fns), trainer
+
+
+def _already_complete(cfg: TrainConfig, ckpt: Checkpointer, run_dir: str, target: int, devices,
+                      stream: TextIO | None) -> TrainResult:
+    """A resume whose checkpoint is at `target`: says so and returns the checkpoint's state,
+    as a finished run returns its own, with no step compiled and nothing written (no
+    metrics line, config.json or checkpoint). It used to compile the step (minutes for a
+    large model) to train nothing, then report "done"."""
+    if cfg.remat == "auto":  # no step to fit: the search would compile candidates for nothing
+        cfg = dataclasses.replace(cfg, remat="none",
+                                  model_overrides=shape_overrides(cfg.model_overrides))
+    task, trainer = build_run(cfg, devices)
+    resume.check_resume_shape(run_dir, cfg, ckpt, classes=task.classes)
+    trainer.state = resume.restore(ckpt, trainer.state)
+    if jax.process_index() == 0:
+        print(f"run_dir {run_dir}: {resume.nothing_left(target, cfg.steps)}",
+              file=stream or sys.stdout, flush=True)
+    return TrainResult(run_dir=run_dir, step=target, final_loss=None, eval_loss=None,
+                       interrupted=False, trainer=trainer, already_complete=True)
 
 
 def _run(cfg: TrainConfig, task: Task, trainer: Trainer, ckpt: Checkpointer, run_dir: str,

@@ -51,6 +51,17 @@ def check_steps_left(step: int, target: int, steps: int, ckpt_dir: str) -> None:
             f"({asked}), so there is nothing to train; to continue the run {fix}")
 
 
+def nothing_left(step: int, steps: int) -> str:
+    """What a resume says whose checkpoint is at the last step asked for (`step`, of the
+    run's `steps`): `check_steps_left` lets it through, and it trains nothing."""
+    if step == steps:
+        return (f"the run is already complete at step {step} (--steps {steps}): nothing left "
+                "to train; raise --steps to continue it")
+    return (f"the run is already at step {step} (--until-step {step}): nothing to train; to "
+            f"continue, resume with a later --until-step, or without one to train on to "
+            f"--steps {steps}")
+
+
 def _damaged(ckpt: Checkpointer, err: Exception) -> RunDirError:
     """The error for a latest checkpoint that orbax cannot read (files missing or truncated),
     saying which step and how to resume from the previous one."""
@@ -92,14 +103,41 @@ def restore(ckpt: Checkpointer, state):
     return restored
 
 
-def _saved_config(run_dir: str) -> dict[str, Any]:
-    """The run's config.json record (`loop._write_config`), or {} if it has none: the
-    fallback for checkpoints written before their meta recorded what a check reads."""
+def _saved_config(run_dir: str, key: str, what: str) -> dict[str, Any] | None:
+    """The object under `key` of the run's config.json record (`loop._write_config`), or
+    None where the file or the key is missing: the fallback for checkpoints written before
+    their meta recorded `what`, which a check reads.
+
+    Raises:
+      RunDirError: the file cannot be read, is not JSON, or it or its `key` is not an object
+        (truncated or hand-edited). Nothing in the run directory is changed.
+    """
     path = os.path.join(run_dir, "config.json")
     if not os.path.exists(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except OSError as err:  # a folder there, no permission
+        problem = f"cannot be read ({type(err).__name__}: {err.strerror or err})"
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError: truncated or hand-edited
+        problem = f"is not valid JSON ({type(err).__name__}: {err})"
+    else:
+        if not isinstance(record, dict):
+            problem = f"holds a JSON {_json_type(record)}, not an object"
+        elif not isinstance(record.get(key), (dict, type(None))):
+            problem = f"holds a JSON {_json_type(record[key])} under {key!r}, not an object"
+        else:
+            return record.get(key)
+    raise RunDirError(
+        f"cannot resume run_dir={run_dir!r}: its checkpoints predate recording {what} in their "
+        f"metadata, so it is read from {path}, which {problem}; expected the JSON object the run "
+        f"wrote, with an object under {key!r}. Restore the file, or start a new --run-dir.")
+
+
+def _json_type(value: Any) -> str:
+    return {list: "array", str: "string", bool: "boolean", int: "number", float: "number",
+            type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def check_resume_shape(run_dir: str, cfg: TrainConfig, ckpt: Checkpointer,
@@ -114,7 +152,7 @@ def check_resume_shape(run_dir: str, cfg: TrainConfig, ckpt: Checkpointer,
     except Exception as err:  # noqa: BLE001 - as in restore
         raise _damaged(ckpt, err) from err
     if saved is None:
-        saved = _saved_config(run_dir).get("model_shape")
+        saved = _saved_config(run_dir, "model_shape", "the model shape")
     if saved is None:
         return
     saved = dict(saved)
@@ -186,7 +224,7 @@ def check_resume_data_order(run_dir: str, cfg: TrainConfig, ckpt: Checkpointer) 
     would then start at another example, and the run would skip or repeat data unnoticed."""
     saved = ckpt.read_meta().get("data_order")
     if saved is None:  # checkpoints from before it was recorded: config.json has the run's
-        config = _saved_config(run_dir).get("config") or {}
+        config = _saved_config(run_dir, "config", "the data order (batch size, seed)") or {}
         saved = {name: config[name] for name in DATA_ORDER_FIELDS if name in config}
     diffs = [f"{name}: saved {saved[name]!r}, now {value!r}"
              for name, value in data_order(cfg).items() if name in saved and saved[name] != value]
