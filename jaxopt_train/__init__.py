@@ -2,7 +2,7 @@
 
 Public API re-exports only. Importing this package starts no JAX backend and
 sets no XLA flags; subpackages (models, data, train, kernels, collectives,
-runtime, bench) hold the rest of the API.
+zero, runtime, bench) hold the rest of the API.
 """
 
 from jaxopt_train.accumulation import accumulate_gradients as accumulate_gradients

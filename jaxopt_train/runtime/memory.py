@@ -178,8 +178,9 @@ def limit_memory(fraction: float | None = None, bytes: int | str | None = None, 
         total memory, read via NVML (or from `total_bytes`). Exactly one of
         `fraction`/`bytes` is required.
       total_bytes: the device's total memory, for `bytes` without NVML.
-      preallocate: reserve the whole share at start-up (XLA's default, fastest) or grow
-        on demand (`False`: idle processes hold less, but the pool is then made of regions
+      preallocate: None (the default) leaves XLA_PYTHON_CLIENT_PREALLOCATE as it is
+        (unset: XLA reserves at start-up); `True` reserves the whole share at start-up
+        (fastest); or grow on demand (`False`: idle processes hold less, but the pool is then made of regions
         and no buffer spans two of them, so a step whose temporaries fill most of the cap
         may not fit: gpt-1b's 8.6 GiB of temporaries under a 16 GiB cap did not).
       allocator: XLA_PYTHON_CLIENT_ALLOCATOR, one of `ALLOCATORS` in any case (jaxlib

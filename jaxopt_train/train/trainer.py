@@ -174,8 +174,9 @@ class Trainer:
         loss and gradients are the whole batch's token mean, as without
         accumulation on one device; by default each micro-batch's mean counts
         alike (a mean of means). A micro-batch or device with weight 0 adds
-        nothing; a step with none at all has NaN gradients and is skipped (under fp16
-        it counts as an overflow too: the loss scale backs off).
+        nothing; a step with none at all has NaN gradients and is skipped, counted in
+        `skipped_steps` only: under fp16 the loss scale and the non-finite streak stay as
+        they were (an empty batch says nothing about overflow).
         Evaluation weights the same way.
       verbose: print the compiled step's memory analysis.
     """
