@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import io
 import math
+import numbers
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -131,6 +132,15 @@ class BurstTiming:
         return statistics.median(self.dispatch_s)
 
 
+def _check_counts(**counts: tuple[Any, int]) -> None:
+    """Each `name=(value, least)` must be an int (not a bool) >= least: a zero, a float or a
+    bool reached the timing loops as an empty median or a division by zero, or ran a count
+    nobody asked for."""
+    for name, (value, least) in counts.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+            raise ValueError(f"{name}={value!r} must be an int >= {least}")
+
+
 def warm_up(step: StepFn, state: Any, calls: int, seconds: float = 0.0) -> Any:
     """Runs `calls` dispatches (at least one) and waits for them; then keeps running bursts
     of that many until `seconds` have passed since the start. Returns the last state (or
@@ -141,6 +151,10 @@ def warm_up(step: StepFn, state: Any, calls: int, seconds: float = 0.0) -> Any:
     ~1550 MHz as the chip warms, so steps timed in the first seconds of load run a few
     percent faster than the steady state (BENCHMARKS.md, twelfth session).
     """
+    _check_counts(calls=(calls, 0))
+    # NaN never compares >= and inf never arrives: either would warm up forever.
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not 0 <= seconds < math.inf:
+        raise ValueError(f"seconds={seconds!r} must be a finite number >= 0")
     handoff, state = _take(state)
     start = time.perf_counter()
     while True:
@@ -155,6 +169,8 @@ def warm_up(step: StepFn, state: Any, calls: int, seconds: float = 0.0) -> Any:
 def time_bursts(step: StepFn, state: Any, *, bursts: int, calls_per_burst: int,
                 steps_per_call: int) -> tuple[Any, BurstTiming]:
     """Times `bursts` bursts of `calls_per_burst` back-to-back dispatches, one sync each."""
+    _check_counts(bursts=(bursts, 1), calls_per_burst=(calls_per_burst, 1),
+                  steps_per_call=(steps_per_call, 1))
     handoff, state = _take(state)
     wall, dispatch, in_calls = [], [], []
     steps = calls_per_burst * steps_per_call
@@ -196,6 +212,7 @@ class Trace:
 def trace_steps(step: StepFn, state: Any, *, calls: int, steps_per_call: int,
                 device) -> tuple[Any, Trace]:
     """Runs `calls` dispatches, each synced, sampling memory in use around each one."""
+    _check_counts(calls=(calls, 0), steps_per_call=(steps_per_call, 1))
     handoff, state = _take(state)
     trace = Trace(source=memory_source(device))
     trace.bytes_at_rest.append(bytes_in_use(device))

@@ -302,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                          "XLA_FLAGS=--xla_force_host_platform_device_count=8")
     flags.check_methods_run(parser, args, jax.device_count(), device.platform, variants)
     # Last: these create their folders, and a refused run should leave none behind.
+    flags.check_json_apart(parser, args.json, args.gpt_trace)
     flags.check_json(parser, args.json, args.overwrite)
     flags.check_gpt_trace(parser, args.gpt_trace)
     peak_note = "--peak given"

@@ -11,6 +11,7 @@ import argparse
 import decimal
 import fractions
 import math
+import os
 from typing import Callable
 
 DTYPES = {"f32": "float32", "bf16": "bfloat16"}
@@ -188,6 +189,14 @@ def check_methods_run(parser: argparse.ArgumentParser, args, n: int, platform_na
             check_platform()
         except (ValueError, NotImplementedError) as err:
             parser.error(f"argument --gpt-methods: 'peer' cannot run here: {err}")
+
+
+def check_json_apart(parser: argparse.ArgumentParser, path: str | None, trace: str | None) -> None:
+    """`--json` naming the `--gpt-trace` folder: the folder is made first, and every write of
+    the JSON (the first after the first row) then fails. Creates nothing, so it runs first."""
+    if path and trace and os.path.realpath(path) == os.path.realpath(trace):
+        parser.error(f"argument --json: {path!r} is also the --gpt-trace folder; expected a file "
+                     f"path apart from it, e.g. {os.path.join(trace, 'collectives.json')!r}")
 
 
 def check_json(parser: argparse.ArgumentParser, path: str | None, overwrite: bool) -> None:

@@ -520,12 +520,18 @@ def run_bench(args, xla_report) -> dict:
             result["scaling_failed"] = _failure(err)
             print(f"[bench train] the 1-device scaling run failed: {result['scaling_failed']}",
                   file=sys.stderr, flush=True)
+    # A comparison row can fail too (a large k stages k batches; a kernel may not build):
+    # it costs its own row, listed in rows_failed, never the report of the rows above.
     if args.compare:
-        result["dispatch"] = [bench.measure(dataclasses.replace(
-            optimised, name=f"optimised k={k}", steps_per_dispatch=k)) for k in args.compare]
+        runs = [dataclasses.replace(optimised, name=f"optimised k={k}", steps_per_dispatch=k)
+                for k in args.compare]
+        result["dispatch"] = [row for row in (_measure_or_note(bench, run, failed) for run in runs)
+                              if row is not None]
     if args.matmuls:
-        result["matmul"] = [opt_row] + [bench.measure(dataclasses.replace(
-            optimised, name=f"optimised, matmul={m}", matmul=m)) for m in args.matmuls]
+        runs = [dataclasses.replace(optimised, name=f"optimised, matmul={m}", matmul=m)
+                for m in args.matmuls]
+        result["matmul"] = [opt_row] + [row for row in (_measure_or_note(bench, run, failed)
+                                                        for run in runs) if row is not None]
     return result
 
 

@@ -46,6 +46,8 @@ def check_outputs(parser, args) -> None:
         if existing and not args.overwrite:
             parser.error(f"--out {args.out!r} already holds {', '.join(existing)}: pass "
                          "--overwrite to replace them, or choose another --out folder")
+    if args.json and args.out:
+        _check_json_beside_out(parser, args.json, args.out)
     if args.json:
         problem = output_file_problem(args.json, overwrite=args.overwrite)
         if problem:
@@ -54,6 +56,22 @@ def check_outputs(parser, args) -> None:
         problem = output_dir_problem(args.out)
         if problem:
             parser.error(f"--out {args.out!r}: expected a writable folder; {problem}")
+
+
+def _check_json_beside_out(parser, json_path: str, out: str) -> None:
+    """--json naming the --out folder itself would be made a folder (the JSON then fails to
+    write after the whole run); naming its .md or .png, the report written last would
+    replace the JSON. --out's own train_bench.json holds the same text: that one is fine."""
+    json_real, out_real = os.path.realpath(json_path), os.path.realpath(out)
+    if json_real == out_real:
+        parser.error(f"--json {json_path!r} is the --out folder; expected a file path, e.g. "
+                     f"{os.path.join(out, 'raw.json')!r} (--out also writes train_bench.json)")
+    clash = [name for name in ("train_bench.md", "train_bench.png")
+             if json_real == os.path.realpath(os.path.join(out, name))]
+    if clash:
+        parser.error(f"--json {json_path!r} is --out's {clash[0]}, which the report writes: the "
+                     "JSON would be lost; choose another --json path (--out also writes "
+                     "train_bench.json)")
 
 
 def check_backends(parser, args, devices) -> None:

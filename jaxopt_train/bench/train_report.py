@@ -263,7 +263,7 @@ def render(result) -> str:
     if "matmul" in result:
         lines += ["", "dense-layer matmul (optimised config):",
                   matmul_table(result["matmul"], result["unit"])]
-    if "dispatch" in result:
+    if result.get("dispatch"):  # every --compare-dispatch row may have failed (rows_failed)
         lines += ["", "steps_per_dispatch (optimised config):",
                   dispatch_table(result["dispatch"])]
     return "\n".join(lines)

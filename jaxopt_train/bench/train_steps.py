@@ -167,8 +167,10 @@ class RunConfig:
         get_policy(self.policy)  # validates: a preset name or a Policy
         if self.accumulation not in ACCUMULATIONS:
             raise ValueError(f"accumulation={self.accumulation!r}; legal values: {ACCUMULATIONS}")
-        if self.steps_per_dispatch < 1:
-            raise ValueError(f"steps_per_dispatch={self.steps_per_dispatch} must be >= 1")
+        # A float (2.0) failed deep in the batch staging; True ran as 1 step.
+        if (isinstance(self.steps_per_dispatch, bool)
+                or not isinstance(self.steps_per_dispatch, (int, np.integer)) or self.steps_per_dispatch < 1):
+            raise ValueError(f"steps_per_dispatch={self.steps_per_dispatch!r} must be an int >= 1")
         state_dtype(self.opt_state)  # validates: "f32" or "bf16"
         if self.grad_dtype not in GRAD_DTYPES:
             raise ValueError(f"grad_dtype={self.grad_dtype!r}; legal values: {GRAD_DTYPES}")
@@ -177,7 +179,7 @@ class RunConfig:
         if self.grad_dtype == "compute" and self.accumulation == "host":
             raise ValueError("grad_dtype='compute' is implemented by the in-graph step: it needs "
                              "accumulation='scan', got accumulation='host'")
-        if self.zero not in ZERO_STAGES:
+        if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:  # True == 1, False == 0
             raise ValueError(f"zero={self.zero!r}; legal values: {ZERO_STAGES} (0: replicated, "
                              "1: master params and optimizer state sharded per leaf)")
         if self.zero and self.accumulation != "scan":
