@@ -25,6 +25,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jaxopt_train._replace import replace_text
+
 VARIANTS = ("full", "scan", "multisteps")
 
 
@@ -249,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         record = {"args": vars(args), "tokens_per_step": tokens, "jax": jax.__version__,
                   "device": jax.devices()[0].device_kind, "results": results}
-        with open(args.json, "w") as f:
-            f.write(json.dumps(record, indent=2, allow_nan=False))
+        # Whole or not at all (see bench/matmul.py): never an emptied --overwrite'd file.
+        replace_text(args.json, json.dumps(record, indent=2, allow_nan=False))
     return 0
 
 

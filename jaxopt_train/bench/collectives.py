@@ -33,6 +33,7 @@ import sys
 import time
 from typing import Any, Callable
 
+from jaxopt_train._replace import replace_text
 from jaxopt_train.bench import collectives_flags as flags
 # The flags' parser and names, also importable from here as before the split.
 from jaxopt_train.bench.collectives_flags import DTYPES, RING_VARIANTS, build_parser, parse_size
@@ -317,8 +318,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def dump():
         if args.json:
-            with open(args.json, "w") as f:
-                f.write(json.dumps(results, indent=1, allow_nan=False))  # strict: no NaN/Infinity
+            # Strict (no NaN/Infinity), and swapped in whole after each row: a crash or a
+            # refused value mid-write left the previous rows' file emptied or cut short.
+            replace_text(args.json, json.dumps(results, indent=1, allow_nan=False))
 
     def record(key):
         def add(row):

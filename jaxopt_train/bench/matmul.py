@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxopt_train._replace import replace_text
 from jaxopt_train.kernels import available_backends, matmul, matmul_reference
 # The autotuner's acceptance rule: a config it tuned is never called wrong here.
 from jaxopt_train.kernels.autotune import burst_timer, parse_shapes, reference_tolerance, rotating
@@ -377,9 +378,11 @@ def main(argv: list[str] | None = None) -> int:
         r for shape in layer_shapes for r in _measure_layer(backends, shape, dtype, args, peak)]
     summary = {b: _geomean_large(rows, b) for b in backends if b != "xla_dot"}
     if args.json:
-        with open(args.json, "w") as f:
-            f.write(json.dumps({**header, "plain": rows, "fused": fused_rows, "layer": layer_rows,
-                                "geomean_vs_xla_large": summary}, indent=1, allow_nan=False))
+        # Serialised first, then swapped in whole: open(..., "w") emptied an --overwrite'd
+        # file before json.dumps could refuse a NaN, and a crash mid-write left half of it.
+        replace_text(args.json, json.dumps({**header, "plain": rows, "fused": fused_rows,
+                                            "layer": layer_rows, "geomean_vs_xla_large": summary},
+                                           indent=1, allow_nan=False))
     print(f"device: {device.device_kind}  jax {jax.__version__}  dtype {args.dtype}  "
           f"(median of {args.bursts} bursts x {args.calls} calls, >= {args.input_sets} rotating inputs, "
           f"{args.launches_per_dispatch} per dispatch)")
