@@ -102,6 +102,7 @@ def test_timing_still_takes_numpy_counts():
     (dict(steps_per_dispatch=True), "steps_per_dispatch=True must be an int >= 1"),
     (dict(steps_per_dispatch=2.0), "steps_per_dispatch=2.0 must be an int >= 1"),
     (dict(zero=True), "zero=True; legal values"),
+    (dict(zero=1.0), "zero=1.0; legal values"),
 ])
 def test_run_config_refuses_bools_and_floats_for_counts(changes, message):
     """Was: steps_per_dispatch=True ran (and was reported) as one step, 2.0 failed deep in

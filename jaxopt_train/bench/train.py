@@ -69,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", choices=GPT_PRESETS + VISION_PRESETS)
     p.add_argument("--global-batch", type=int, help="sequences or images per optimizer step")
     p.add_argument("--microbatches", type=int, help="micro-batches per optimizer step")
-    p.add_argument("--steps", type=int, help="timed optimizer steps (over all bursts)")
+    p.add_argument("--steps", type=int, help="timed optimizer steps over all bursts, at least: "
+                   "rounded up to whole bursts of whole k-step calls")
     p.add_argument("--warmup", type=int, help="untimed warm-up dispatches")
     p.add_argument("--warmup-s", type=float, help="then keep warming up until this many seconds "
                    "have passed (a power-capped GPU slows as it heats: time its steady state)")

@@ -179,7 +179,9 @@ class RunConfig:
         if self.grad_dtype == "compute" and self.accumulation == "host":
             raise ValueError("grad_dtype='compute' is implemented by the in-graph step: it needs "
                              "accumulation='scan', got accumulation='host'")
-        if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:  # True == 1, False == 0
+        # True == 1 and 1.0 == 1 passed `in`: a stage is an int.
+        if (isinstance(self.zero, bool) or not isinstance(self.zero, (int, np.integer))
+                or self.zero not in ZERO_STAGES):
             raise ValueError(f"zero={self.zero!r}; legal values: {ZERO_STAGES} (0: replicated, "
                              "1: master params and optimizer state sharded per leaf)")
         if self.zero and self.accumulation != "scan":
