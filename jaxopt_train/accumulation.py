@@ -376,8 +376,10 @@ def multi_steps(optimizer, every_k: int, *, skip_non_finite: bool = True):
     `skip_non_finite` a micro-step with inf/nan gradients is dropped (not
     accumulated, not counted toward `every_k`; params and the state's
     accumulators stay unchanged). The state's `mini_step` is 0 right after
-    an optimizer step. Accumulators have the params' dtype (keep f32 master
-    weights). Every micro-step counts alike (optax.MultiSteps takes a plain mean):
+    an optimizer step. The accumulators are optax's, float32 for every leaf
+    (its `accumulator_dtype`): complex or float64 params are refused at `init`,
+    since their gradients would lose the imaginary part or be rounded to f32
+    between micro-steps; `accumulate_gradients` takes an `accum_dtype`. Every micro-step counts alike (optax.MultiSteps takes a plain mean):
     for a loss over masked tokens use `accumulate_gradients(..., weight_fn=...)`.
     """
     import optax  # noqa: PLC0415
@@ -392,6 +394,7 @@ def multi_steps(optimizer, every_k: int, *, skip_non_finite: bool = True):
     # `jax_numpy_dtype_promotion="strict"` rejects; its arithmetic is ours to
     # scope, so run it under standard promotion whatever the caller set.
     def init(params):
+        _check_real_32(params)
         with jax.numpy_dtype_promotion("standard"):
             return inner.init(params)
 
@@ -399,6 +402,20 @@ def multi_steps(optimizer, every_k: int, *, skip_non_finite: bool = True):
         with jax.numpy_dtype_promotion("standard"):
             return inner.update(updates, state, params, **extra_args)
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _check_real_32(params) -> None:
+    """Refuses leaves optax.MultiSteps' float32 accumulator would corrupt: complex ones lost
+    the imaginary part of every micro-step but the last (the mean of 1j and 3j came out
+    1.5j), float64 ones were rounded to float32."""
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    bad = [f"{jax.tree_util.keystr(path)}: {jnp.result_type(leaf)}" for path, leaf in leaves
+           if jnp.issubdtype(jnp.result_type(leaf), jnp.complexfloating)
+           or jnp.result_type(leaf) == jnp.float64]
+    if bad:
+        raise ValueError(f"multi_steps accumulates in optax.MultiSteps' float32 accumulators; "
+                         f"expected params of at most 32-bit real dtypes, got {bad}. Use "
+                         "accumulate_gradients(..., accum_dtype=...) for these.")
 
 
 def data_parallel_value_and_grad(loss_fn: Callable[..., Any], num_microbatches: int,

@@ -229,6 +229,14 @@ class DynamicLossScale(_LossScale):
       refills only on growth, so after the first back-off every further
       overflow backs off again until the scale grows.
 
+    Defaults against the usual references: `initial_scale` 2**15 is TensorFlow's
+    (PyTorch's GradScaler starts at 2**16, Megatron-LM at 2**32, jmp has none); 2**15
+    is the largest power of 2 finite in float16, so a float16 loss's backward pass
+    starts finite. `hysteresis` 2 is Megatron-LM's: PyTorch and jmp back off on the
+    first overflow, which is `hysteresis=1` here. `growth_interval` 2000,
+    `growth_factor` 2 and `backoff_factor` 0.5 are PyTorch's and jmp's (Megatron-LM
+    grows every 1000); `min_scale` 1 is jmp's and Megatron-LM's (PyTorch has no floor).
+
     Attributes (arrays): loss_scale (f32), growth_counter, hysteresis_left,
     skipped_steps (int32). Config (static): growth_interval, growth_factor,
     backoff_factor, hysteresis, min_scale.

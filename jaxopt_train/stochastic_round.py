@@ -60,7 +60,8 @@ def element_bits16(new: jax.Array, old: jax.Array, seed: jax.Array) -> jax.Array
 
 def stochastic_round_bf16(x: jax.Array, bits16: jax.Array) -> jax.Array:
     """`x` (float32) rounded to bfloat16 up or down, up with the probability of the 16 bits
-    bf16 drops (`bits16`: uniform in [0, 2**16)), so E[result] = x.
+    bf16 drops (`bits16`: uniform uint32 in [0, 2**16); only their low 16 bits are used, so
+    full 32-bit draws such as `jax.random.bits(key, x.shape)` also work), so E[result] = x.
 
     Adding the bits to the magnitude's low half and truncating rounds away from zero with
     that probability for either sign. Infinities and NaNs stay what they are; a finite
@@ -70,6 +71,10 @@ def stochastic_round_bf16(x: jax.Array, bits16: jax.Array) -> jax.Array:
     if x.dtype != jnp.float32:
         raise TypeError(f"stochastic_round_bf16 takes float32, got {x.dtype}")
     raw = lax.bitcast_convert_type(x, jnp.uint32)
+    # Only the low 16 bits may be added: full 32-bit draws (`jax.random.bits`) would carry
+    # into the kept half and move x by up to 2**16 bf16 steps (or to inf). Uniform 32-bit
+    # bits have uniform low halves, so masking keeps the rounding unbiased.
+    bits16 = jnp.asarray(bits16, jnp.uint32) & np.uint32(0xFFFF)
     up = lax.bitcast_convert_type((raw + bits16) & np.uint32(0xFFFF0000), jnp.float32)
     return jnp.where(jnp.isfinite(x), up, x).astype(jnp.bfloat16)  # exact: low half is zero
 
