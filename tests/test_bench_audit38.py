@@ -9,18 +9,7 @@ import math
 import pytest
 
 from jaxopt_train.bench import _timing, collectives, train, train_report, train_steps
-
-
-def _exit_2(capsys, call, *args) -> str:
-    with pytest.raises(SystemExit) as exc:
-        call(*args)
-    err = capsys.readouterr().err
-    assert exc.value.code == 2, err
-    return err
-
-
-def _checked(argv) -> list:
-    return train.run_devices(train._parse(argv))
+from test_bench_train import _checked, _exit_2
 
 
 def test_json_naming_the_out_folder_or_its_report_is_refused(tmp_path, capsys):
