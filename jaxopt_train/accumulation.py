@@ -379,8 +379,9 @@ def multi_steps(optimizer, every_k: int, *, skip_non_finite: bool = True):
     an optimizer step. The accumulators are optax's, float32 for every leaf
     (its `accumulator_dtype`): complex or float64 params are refused at `init`,
     since their gradients would lose the imaginary part or be rounded to f32
-    between micro-steps; `accumulate_gradients` takes an `accum_dtype`. Every micro-step counts alike (optax.MultiSteps takes a plain mean):
-    for a loss over masked tokens use `accumulate_gradients(..., weight_fn=...)`.
+    between micro-steps; `accumulate_gradients` takes an `accum_dtype`. Every
+    micro-step counts alike (optax.MultiSteps takes a plain mean): for a loss
+    over masked tokens use `accumulate_gradients(..., weight_fn=...)`.
     """
     import optax  # noqa: PLC0415
 
