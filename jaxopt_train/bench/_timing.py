@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxopt_train._checks import is_int
 from jaxopt_train.runtime.nvml import nvml_indices
 
 ALLOCATOR = "allocator"
@@ -137,7 +138,7 @@ def _check_counts(**counts: tuple[Any, int]) -> None:
     bool reached the timing loops as an empty median or a division by zero, or ran a count
     nobody asked for."""
     for name, (value, least) in counts.items():
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        if not is_int(value) or value < least:
             raise ValueError(f"{name}={value!r} must be an int >= {least}")
 
 

@@ -60,6 +60,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxopt_train._checks import is_int
 from jaxopt_train.accumulation import accumulate_gradients, check_divisible, multi_steps
 from jaxopt_train.collectives import all_reduce_tree
 from jaxopt_train.data import corpus_lm_batch, synthetic_image_batch, synthetic_lm_batch
@@ -168,8 +169,7 @@ class RunConfig:
         if self.accumulation not in ACCUMULATIONS:
             raise ValueError(f"accumulation={self.accumulation!r}; legal values: {ACCUMULATIONS}")
         # A float (2.0) failed deep in the batch staging; True ran as 1 step.
-        if (isinstance(self.steps_per_dispatch, bool)
-                or not isinstance(self.steps_per_dispatch, (int, np.integer)) or self.steps_per_dispatch < 1):
+        if not is_int(self.steps_per_dispatch) or self.steps_per_dispatch < 1:
             raise ValueError(f"steps_per_dispatch={self.steps_per_dispatch!r} must be an int >= 1")
         state_dtype(self.opt_state)  # validates: "f32" or "bf16"
         if self.grad_dtype not in GRAD_DTYPES:
@@ -180,8 +180,7 @@ class RunConfig:
             raise ValueError("grad_dtype='compute' is implemented by the in-graph step: it needs "
                              "accumulation='scan', got accumulation='host'")
         # True == 1 and 1.0 == 1 passed `in`: a stage is an int.
-        if (isinstance(self.zero, bool) or not isinstance(self.zero, (int, np.integer))
-                or self.zero not in ZERO_STAGES):
+        if not is_int(self.zero) or self.zero not in ZERO_STAGES:
             raise ValueError(f"zero={self.zero!r}; legal values: {ZERO_STAGES} (0: replicated, "
                              "1: master params and optimizer state sharded per leaf)")
         if self.zero and self.accumulation != "scan":

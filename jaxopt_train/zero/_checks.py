@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import jax
-import numpy as np
+
+from jaxopt_train._checks import is_int
 
 
 STAGES = (0, 1, 3)
 METHODS = ("psum", "ring")
 
 
-def _is_int(value) -> bool:
-    # numpy integers too (np.int64(8), e.g. from np.prod of a mesh shape, was refused as
-    # "must be a positive int"); bools are not counts.
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
 def _check_num_shards(num_shards: int) -> None:
-    if not _is_int(num_shards) or num_shards < 1:
+    if not is_int(num_shards) or num_shards < 1:
         raise ValueError(f"{num_shards=} must be a positive int (the size of the data axis)")
 
 
@@ -42,7 +37,7 @@ def _mesh_axis_size(mesh: jax.sharding.Mesh, axis_name: str) -> int:
 
 
 def _check(stage: int, method: str):
-    if not _is_int(stage) or stage not in STAGES:
+    if not is_int(stage) or stage not in STAGES:
         raise ValueError(f"{stage=} must be one of {STAGES} (0: replicated, 1: optimizer state, 3: + params)")
     if method not in METHODS:
         raise ValueError(f"{method=} must be one of {METHODS}")
