@@ -15,6 +15,8 @@ import math
 
 import numpy as np
 
+from jaxopt_train._checks import is_int
+
 
 def held_out_count(count: int, val_fraction) -> int:
     """floor(count * val_fraction) for a checked fraction in (0, 1), counted exactly.
@@ -35,13 +37,13 @@ def held_out_count(count: int, val_fraction) -> int:
 
 
 def check_positive_int(name: str, value) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive int")
 
 
 def check_seed(seed, name: str = "seed") -> None:
     """Checked when a dataset is built: numpy refuses other seeds only at the first batch."""
-    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
+    if not is_int(seed) or seed < 0:
         raise ValueError(f"{name}={seed!r} must be a non-negative int")
 
 
@@ -72,7 +74,7 @@ def batch_indices(
       seed: Seed of the permutations.
       rows: Only these rows of the global batch (a process's share).
     """
-    if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
+    if not is_int(step) or step < 0:
         raise ValueError(f"step={step!r} must be a non-negative int")
     check_positive_int("batch_size", batch_size)
     # Python ints: numpy int32 step * batch_size wraps past 2**31 (step 2.1M at B=1024) and

@@ -22,6 +22,7 @@ import sysconfig
 
 import numpy as np
 
+from jaxopt_train._checks import is_int
 from jaxopt_train.data.sampling import check_positive_int, check_seed
 
 DEFAULT_MAX_BYTES = 16 * 2**20
@@ -170,7 +171,7 @@ def load_text_corpus(
     if max_bytes is None:
         max_bytes = DEFAULT_MAX_BYTES if path is None else sys.maxsize
     # numpy ints count (as everywhere in jaxopt_train.data); True is not 1 byte.
-    if not isinstance(max_bytes, (int, np.integer)) or isinstance(max_bytes, bool) or max_bytes < 1:
+    if not is_int(max_bytes) or max_bytes < 1:
         raise ValueError(f"max_bytes={max_bytes!r} must be a positive int or None")
     max_bytes = int(max_bytes)
     if isinstance(path, str) and not path:

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # The cache's names are re-exported: `autotune.lookup`, `.store`, ... are public here.
+from jaxopt_train._checks import is_int
 from jaxopt_train.kernels.autotune_cache import (TRANSPOSED, _check_transposed, _loaded,  # noqa: F401
                                                  cache_key, cache_path, check_cache_writable,
                                                  lookup, shape_bucket, store)
@@ -154,7 +155,7 @@ def _shape(shape) -> tuple:
     (M, N, K) passed for the list gets here as its first int)."""
     dims = tuple(shape) if np.iterable(shape) and not isinstance(shape, str) else None
     if dims is None or len(dims) != 3 or not all(
-            isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 1 for d in dims):
+            is_int(d) and d >= 1 for d in dims):
         raise ValueError(f"shapes: each must be (M, N, K) of positive ints; got {shape!r} "
                          f"(shapes is a list of them, e.g. [(1024, 1024, 1024)])")
     return dims
@@ -252,8 +253,7 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
     if backend == "xla":
         raise ValueError("backend resolved to 'xla', which has nothing to tune; pass a kernel backend")
     # True would pass as 1 input set.
-    if isinstance(input_sets, bool) or not isinstance(input_sets, (int, np.integer)) \
-            or input_sets < 1:
+    if not is_int(input_sets) or input_sets < 1:
         raise ValueError(f"input_sets={input_sets!r} must be an int >= 1")
     input_sets = int(input_sets)
     if budget_s is not None and (isinstance(budget_s, bool)
@@ -265,7 +265,7 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{name} must be a bool; got {flag!r}")
     # True was seeded as 1; 1.5 failed in jax.random.key naming a JitTracer.
-    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+    if not is_int(seed):
         raise TypeError(f"seed={seed!r} must be an int")
     if isinstance(dtype, str):  # the names matmul's out_dtype takes ("bf16", "fp16", "f32")
         dtype = matmul_mod.as_float_dtype(dtype, "dtype")

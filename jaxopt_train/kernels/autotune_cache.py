@@ -19,8 +19,8 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jaxopt_train._checks import is_int
 from jaxopt_train._replace import replace_text
 from jaxopt_train.kernels.configs import MatmulConfig
 
@@ -211,8 +211,7 @@ def _unused_name(path: pathlib.Path) -> pathlib.Path:
 
 def _dims(m, n, k) -> tuple[int, int, int]:
     """(m, n, k) as Python ints (JSON cannot write numpy's), each checked positive."""
-    # bool is an int, and np.bool_ is not an np.integer: both refused by these two tests.
-    if any(not isinstance(d, (int, np.integer)) or isinstance(d, bool) or d < 1 for d in (m, n, k)):
+    if any(not is_int(d) or d < 1 for d in (m, n, k)):
         raise ValueError(f"m, n, k must be positive ints (numpy ints are taken); got "
                          f"{(m, n, k)=}")
     return int(m), int(n), int(k)

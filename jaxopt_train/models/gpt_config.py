@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxopt_train._checks import is_int
+
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 REMAT_POLICIES = ("none", "dots_attention", "dots", "full")
 
@@ -214,8 +216,7 @@ class GPTConfig:
                              "set remat_layers=k")
         if layers is None:
             return
-        if (isinstance(layers, (bool, np.bool_)) or not isinstance(layers, (int, np.integer))
-                or not 0 <= layers <= self.n_layers):
+        if not is_int(layers) or not 0 <= layers <= self.n_layers:
             raise ValueError(f"remat_layers={layers!r} must be None (every block) or an int from 0 "
                              f"to n_layers={self.n_layers}")
         object.__setattr__(self, "remat_layers", int(layers))
