@@ -407,3 +407,24 @@ def test_another_optimizer_with_the_same_arrays_is_named_not_called_damaged(tmp_
     restored, _ = ckpt.restore({"params": params, "opt_state": optax.adam(1e-3).init(params)})
     np.testing.assert_array_equal(restored["params"]["w"], params["w"])  # the checkpoint is sound
     assert ckpt.all_steps() == [1]
+
+
+def _sgd_state():
+    params = {"w": jnp.ones((2, 3), jnp.float32)}
+    return init_train_state(params, {}, optax.sgd(0.1), NoOpLossScale())
+
+
+def test_restoring_a_step_that_is_not_saved_names_the_saved_steps(tmp_path):
+    """Orbax said only "Checkpoint at .../9 not found", and took step=True as a step
+    named "True"."""
+    ckpt = Checkpointer(str(tmp_path), async_save=False)
+    ckpt.save(4, _sgd_state(), {"a": 1})
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint at step=9 in .*saved steps \[4\]"):
+        ckpt.restore(_sgd_state(), step=9)
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint at step=9 .*\[4\]"):
+        ckpt.read_meta(9)
+    for step in (True, 4.0, "4"):
+        with pytest.raises(ValueError, match=f"step={step!r} must be an int"):
+            ckpt.restore(_sgd_state(), step=step)
+    assert ckpt.read_meta(np.int64(4)) == {"a": 1}
+    ckpt.close()

@@ -278,6 +278,37 @@ def test_wrong_types_and_ignored_options_are_refused(fn, exc, match):
         _trace(fn, X)
 
 
+@pytest.mark.parametrize("kwargs", [
+    dict(num_chunks=True),  # == 1, so "num_chunks != 1" let it through
+    dict(num_chunks=1.0),
+    dict(num_chunks=True, method="ring", compression="bf16"),
+    dict(num_chunks=0, method="ring", compression="int8"),  # float leaves only: the ring never saw it
+])
+def test_all_reduce_tree_refuses_a_num_chunks_that_is_not_a_positive_int(kwargs):
+    got = kwargs["num_chunks"]
+    with pytest.raises(ValueError, match=re.escape(f"num_chunks={got!r} must be a positive int")):
+        _trace(lambda x: all_reduce_tree({"w": x}, "data", **kwargs), X)
+
+
+def test_all_reduce_tree_still_names_the_method_for_an_int_num_chunks_it_would_ignore():
+    with pytest.raises(ValueError, match="num_chunks= applies to the ring methods"):
+        _trace(lambda x: all_reduce_tree(x, "data", num_chunks=2), X)
+    with pytest.raises(ValueError, match="the compressed exchange sends each bucket whole"):
+        _trace(lambda x: all_reduce_tree(x, "data", method="ring", compression="bf16", num_chunks=np.int64(2)),
+               X)
+
+
+@pytest.mark.parametrize("flag", ["no", 1, None, np.array([True])])
+def test_ring_all_reduce_refuses_a_bidirectional_that_is_not_a_bool(flag):
+    # Any truthy value ran the two opposite rings (bidirectional="no" among them), None ran one.
+    with pytest.raises(TypeError, match="must be True or False"):
+        _trace(lambda x: ring_all_reduce(x, "data", bidirectional=flag), X)
+
+
+def test_ring_all_reduce_takes_a_numpy_bool_bidirectional():
+    _trace(lambda x: ring_all_reduce(x, "data", bidirectional=np.bool_(True)), X)
+
+
 X64 = jnp.zeros((8 * 8, 2), jnp.float32)  # 8 rows a device: reduce-scatter divides them
 MESH_2x4 = ((2, 4), ("a", "b"))
 

@@ -9,6 +9,7 @@ import time
 import jax
 import jax.numpy as jnp
 import pytest
+from test_bench_train import _exit_2
 
 from jaxopt_train.bench import collectives as bench
 from jaxopt_train.bench import collectives_gpt as bench_gpt
@@ -186,3 +187,13 @@ def test_a_variant_this_machine_cannot_run_is_skipped_not_failed(monkeypatch, ca
     assert bench.main(_quick("--methods", "ring")) == 0
     err = capsys.readouterr().err
     assert "peer variants skipped" in err and "failed" not in err
+
+
+def test_collectives_json_as_the_gpt_trace_folder_is_refused(tmp_path, capsys):
+    """Was: --gpt-trace DIR made DIR a folder, and the JSON written after the first row
+    failed there with a raw IsADirectoryError, ending the sweep."""
+    folder = tmp_path / "trace"
+    err = _exit_2(capsys, bench.main, ["--quick", "--gpt", "--gpt-trace", str(folder),
+                                       "--json", str(folder)])
+    assert "--json" in err and "is also the --gpt-trace folder" in err
+    assert list(tmp_path.iterdir()) == []

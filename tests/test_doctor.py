@@ -343,3 +343,13 @@ def test_the_backend_checks_hold_the_fast_paths_line_only_on_a_gpu(monkeypatch):
     _fake_gpus(monkeypatch, "8.9", kind="NVIDIA L4")
     checks, _ = doctor.check_backend()
     assert [c.name for c in checks] == ["backend", "fast paths", "matmul precision"]
+
+
+def test_doctor_empty_preallocate_is_unset_as_jaxlib_reads_it(monkeypatch):
+    # jaxlib: `if preallocate:`; an empty value leaves XLA's default. It warned "means preallocate".
+    for var in [v for v in os.environ if v.startswith("XLA")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "")
+    checks, safe = doctor.check_xla_env()
+    assert safe and all(c.status == "pass" for c in checks), checks
+    assert "PREALLOCATE" not in " ".join(c.detail for c in checks)

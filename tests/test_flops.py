@@ -143,3 +143,9 @@ def test_grayscale_non_square_flops_match_xla_cost_analysis(name, tolerance):
 def test_vision_flops_refuse_bad_shapes(kwargs, error, match):
     with pytest.raises(error, match=match):
         resnet_flops_per_image("cnn-small", **kwargs)
+
+
+def test_resnet_flops_refuses_a_training_flag_that_is_not_a_bool():
+    with pytest.raises(TypeError, match="training='no' must be True"):
+        resnet_flops_per_image("cnn-small", training="no")
+    assert resnet_flops_per_image("cnn-small", training=np.bool_(False)) * 3 == resnet_flops_per_image("cnn-small")

@@ -1,5 +1,5 @@
 """Checks made before lowering: Mosaic GPU and Mosaic TPU tilings, explicitly sharded operands,
-the GPU a backend needs.
+the GPU a backend needs, the kernel dot_general's contracting dimensions, MatmulConfig's fields.
 
 Each rule was read off lowering the kernels for cuda / tpu on CPU; the tests show the
 refused tilings fail at trace time with a message naming the field, and the accepted
@@ -9,6 +9,7 @@ edge tilings lower.
 from __future__ import annotations
 
 import importlib
+import json
 import re
 import sys
 import types
@@ -228,3 +229,27 @@ def test_triton_needs_an_ampere_or_newer_gpu(monkeypatch):
         _fake_gpu(monkeypatch, capability)
         assert matmul_mod._triton_available()[0]
     assert matmul_mod.resolve_backend("auto") == "triton"
+
+
+DIMS = (((1,), (0,)), ((), ()))
+
+
+@pytest.mark.parametrize("rhs_shape, dims", [((6, 4), DIMS), ((4, 6), (((1,), (1,)), ((), ())))])
+def test_kernel_dot_general_reports_unequal_contracting_dims_as_lax_does(rhs_shape, dims):
+    """The kernel path raised matmul's ValueError about `a`, `b` and `transpose_b`, names
+    the caller of a drop-in dot_general never used, where lax raises a TypeError."""
+    lhs, rhs = jnp.ones((3, 5), jnp.bfloat16), jnp.ones(rhs_shape, jnp.bfloat16)
+    with pytest.raises(TypeError, match=r"contracting dimensions to have the same shape"):
+        make_dot_general("interpret")(lhs, rhs, dims)
+
+
+def test_matmul_config_takes_numpy_ints_and_stores_python_ints():
+    """np.int64(16) was refused as "must be an int"; the ints must stay JSON-serialisable."""
+    config = MatmulConfig(block_m=np.int64(16), block_n=np.int32(16), block_k=16,
+                          num_stages=np.int64(1), epilogue_tile=np.int64(32))
+    assert config == MatmulConfig(block_m=16, block_n=16, block_k=16, num_stages=1,
+                                  epilogue_tile=32)
+    assert type(config.block_m) is int and type(config.epilogue_tile) is int
+    json.dumps(config.to_dict())
+    with pytest.raises(ValueError, match=r"block_m=np.True_ must be an int"):
+        MatmulConfig(block_m=np.bool_(True))

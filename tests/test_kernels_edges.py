@@ -193,3 +193,21 @@ def test_two_corrupt_caches_moved_aside_in_one_second_are_both_kept(tmp_path, mo
         autotune_mod.store("interpret", "cpu", 16, 16, 16, "bfloat16", SMALL, 1e-3)
     kept = sorted(tmp_path.glob("matmul_autotune.json.corrupt-*"))
     assert sorted(p.read_bytes() for p in kept) == [b"[1]", b"[2]"], kept
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"write_cache": "no"}, TypeError, r"write_cache must be a bool; got 'no'"),  # was written
+    ({"quick": "no"}, TypeError, r"quick must be a bool; got 'no'"),
+    ({"seed": True}, TypeError, r"seed=True must be an int"),  # was seeded as 1
+    ({"seed": 1.5}, TypeError, r"seed=1.5 must be an int"),  # failed naming a JitTracer
+    ({"dtype": None}, ValueError, r"dtype=None is not a matmul input dtype"),  # said float64
+])
+def test_autotune_refuses_flags_seed_and_dtype_it_cannot_use(tmp_path, kwargs, error, match):
+    _refuses_before_timing(error, match, **kwargs)
+    assert not (tmp_path / "matmul_autotune.json").exists()
+
+
+def test_autotune_takes_a_numpy_int_seed_and_numpy_bool_flag():
+    winners = autotune([(16, 16, 16)], backend="interpret", candidates=[SMALL], input_sets=1,
+                       timer=lambda fn: 1e-3, seed=np.int64(3), write_cache=np.bool_(False))
+    assert winners == {(16, 16, 16): SMALL}

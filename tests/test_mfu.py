@@ -1,5 +1,6 @@
 """MFU formula and the peak table."""
 
+import math
 import warnings
 
 import jax.numpy as jnp
@@ -97,3 +98,18 @@ def test_float64_matmuls_are_not_measured_against_the_tf32_peak():
     assert mfu_lib.matmul_dtype_name(jnp.float64) == "fp64"
     assert mfu_lib.matmul_dtype_name(jnp.float64, "highest") == "fp64"
     assert mfu_lib.peak_tflops("NVIDIA H100 80GB HBM3", "fp64") is None
+
+
+@pytest.mark.parametrize("peak", [math.inf, True, "100", math.nan, 0.0])
+def test_a_peak_tflops_override_must_be_a_finite_number(peak):
+    """An inf peak gave an MFU of 0.0 without a word; True was read as 1 TFLOP/s."""
+    with pytest.raises(ValueError, match="peak_tflops=.* must be a finite number > 0"):
+        mfu_lib.resolve_peak_tflops("NVIDIA H100 80GB HBM3", "bf16", peak)
+    assert mfu_lib.resolve_peak_tflops("cpu", "bf16", 100) == 100.0
+
+
+@pytest.mark.parametrize("step_time, devices", [(math.nan, 1), (1.0, True)])
+def test_mfu_refuses_a_nan_step_time_and_a_bool_device_count(step_time, devices):
+    """A NaN step time gave an MFU of nan."""
+    with pytest.raises(ValueError, match="step_time_s"):
+        mfu_lib.mfu(1e12, step_time, 989.0, devices)

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxopt_train.models import GPT, get_gpt_config
+from jaxopt_train.models import GPT, Embed, LinenEmbed, get_gpt_config, gpt_loss
 from jaxopt_train.models.embedding import embedding_lookup
 
 V, D = 64, 8
+PAST_INT32 = 2**32 + 1  # wraps to 1 as int32
 
 
 def skewed_ids(n, seed=0, hot=0.3):
@@ -339,3 +340,46 @@ def test_dtype_none_keeps_the_table_dtype():
     """np.dtype(None) is float64, which JAX turned into float32: a bf16 table's rows came back f32."""
     table = jnp.ones((V, D), jnp.bfloat16)
     assert embedding_lookup(table, jnp.array([0, 1]), None).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("as_scalar", [np.int64, np.uint64])
+def test_numpy_scalar_ids_past_int32_do_not_wrap_to_a_real_id(as_scalar):
+    table = jnp.arange(12.0).reshape(4, 3)
+    assert np.isnan(np.asarray(embedding_lookup(table, as_scalar(PAST_INT32), None))).all()
+    np.testing.assert_array_equal(embedding_lookup(table, as_scalar(2), None), table[2])
+    with pytest.raises(ValueError, match="targets must be ids in"):
+        gpt_loss(jnp.zeros(5), as_scalar(PAST_INT32))
+
+
+def test_embed_modules_do_not_wrap_host_int64_ids():
+    ids = np.array([PAST_INT32, 1], np.int64)
+    embed = Embed(4, 3, rngs=nnx.Rngs(0))
+    rows = np.asarray(embed(ids))
+    assert np.isnan(rows[0]).all()
+    np.testing.assert_array_equal(rows[1], embed.embedding[...][1])
+    linen_embed = LinenEmbed(4, 3)
+    variables = linen_embed.init(jax.random.key(0), jnp.zeros(1, jnp.int32))
+    assert np.isnan(np.asarray(linen_embed.apply(variables, ids))[0]).all()
+
+
+def test_one_row_embeds_keep_the_nan_contract_and_an_f32_gradient_sum():
+    ids = jnp.array([0, 1, -1])
+    one = Embed(1, 2, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    rows = np.asarray(one(ids), np.float32)
+    np.testing.assert_array_equal(rows[0], np.asarray(one.embedding[...][0].astype(jnp.bfloat16), np.float32))
+    assert np.isnan(rows[1:]).all()
+    # 100000 bf16 rows summed: in f32 that is exact; rounded to bf16 it read 100352.
+    zeros = jnp.zeros(100_000, jnp.int32)
+    grad = nnx.grad(lambda m: jnp.sum(m(zeros).astype(jnp.float32)))(one)
+    np.testing.assert_array_equal(np.asarray(grad.embedding[...]), 100_000.0)
+    linen_one = LinenEmbed(1, 2)
+    variables = linen_one.init(jax.random.key(0), jnp.zeros(1, jnp.int32))
+    assert np.isnan(np.asarray(linen_one.apply(variables, ids))[1:]).all()
+
+
+def test_embedding_lookup_unknown_dtype_string_is_a_value_error():
+    table = jnp.ones((4, 3), jnp.float32)
+    with pytest.raises(ValueError, match="dtype must be a floating dtype.*'bf16'"):
+        embedding_lookup(table, jnp.array([1, 2]), dtype="bf16")
+    rows = embedding_lookup(table, jnp.array([1, 2]), dtype="bfloat16")
+    assert rows.dtype == jnp.bfloat16 and rows.shape == (2, 3)

@@ -336,3 +336,25 @@ def test_non_finite_values_are_reported_not_taken_for_a_missing_metric(tmp_path,
     plot.plot_runs([str(tmp_path / "late")], str(tmp_path / "out2"))
     assert "plot: loss: 'loss' has 2 of 3 records NaN or inf, from step 2; drawn without them" \
         in capsys.readouterr().out
+
+
+def test_plot_refuses_records_without_a_numeric_step(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"iteration": 0, "loss": 1.0}\n{"iteration": 1, "loss": 0.5}\n')
+    assert plot.main([str(run), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert 'has a numeric "step"' in err and "iteration, loss" in err
+    assert "no finite numbers" not in err
+
+
+def test_plot_draws_a_bytes_per_second_rate_as_throughput_not_memory(tmp_path):
+    sink = JsonlSink(tmp_path / "run" / "metrics.jsonl")
+    for step in range(3):
+        sink.write(step, {"hbm_bytes_per_s": 2.0**40, "peak_memory_gib": 3.0})
+    sink.close()
+    curves = {panel: [name for _, name, _, _ in plot._panel_curves(
+        {"run": plot.load_run(str(tmp_path / "run"))}, pattern)]
+        for panel, (_, pattern, _) in plot.PANELS.items()}
+    assert curves["throughput"] == ["hbm_bytes_per_s"]
+    assert curves["memory"] == ["peak_memory_gib"]

@@ -1,5 +1,6 @@
 """Edge cases of jaxopt_train.precision and jaxopt_train.loss_scale: state that changes
-shape during a call, Linen variable containers, the loss-scale range, optimizer extra args."""
+shape during a call, Linen variable containers and captured intermediates, the loss-scale
+range, optimizer extra args and a loss_scale of the wrong type."""
 
 import re
 
@@ -101,6 +102,21 @@ def test_linen_apply_casts_only_params_of_any_mapping(container):
     assert _SEEN == [(BF16, F32)]  # a FrozenDict had its "stats" cast to bf16 too
 
 
+def test_linen_capture_intermediates_keep_their_dtype():
+    class Model(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            return linen.Dense(2)(linen.Dense(4)(x))
+
+    model, x = Model(), jnp.ones((1, 3), jnp.float32)
+    variables = model.init(jax.random.key(0), x)
+    out, state = prec.linen_apply("bf16", model, variables, x, capture_intermediates=True)
+    assert out.dtype == jnp.float32
+    # They were cast to the output dtype (float32) with the outputs.
+    dtypes = {leaf.dtype for leaf in jax.tree.leaves(state["intermediates"])}
+    assert dtypes == {np.dtype(jnp.bfloat16)}
+
+
 # ----------------------------------------------------------------------------- loss-scale range
 
 
@@ -166,6 +182,14 @@ def test_apply_updates_if_finite_forwards_extra_args():
         assert bool(finite) and float(state[1].best_value) == 0.25  # the plateau saw value=
         _, skipped, _, finite = step(bad, state, params, scale, 0.125)
     assert not bool(finite) and float(skipped[1].best_value) == 0.25  # skipped step: state kept
+
+
+@pytest.mark.parametrize("scale", [None, 1024.0])
+def test_apply_updates_if_finite_names_a_bad_loss_scale(scale):
+    params = {"w": jnp.ones(3, jnp.float32)}
+    sgd = optax.sgd(0.1)
+    with pytest.raises(TypeError, match=rf"loss_scale={scale!r} must be a NoOpLossScale"):
+        prec.apply_updates_if_finite(sgd, params, sgd.init(params), params, scale)
 
 
 # ----------------------------------------------------------------------------- master weights returned

@@ -9,7 +9,7 @@ import pytest
 from jax.profiler import ProfileData
 
 from jaxopt_train.cli import main as cli_main
-from jaxopt_train.runtime import KernelTime, kernel_times
+from jaxopt_train.runtime import KernelTime, kernel_time, kernel_times
 from jaxopt_train.runtime.kernel_time import compare, find_xplane
 
 
@@ -138,3 +138,53 @@ def test_missing_trace(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         cli_main(["kernels", str(tmp_path), "--top", "0"])
     assert exc.value.code == 2 and "--top must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_kernels_cli_with_all_zero_durations_does_not_divide_by_zero(tmp_path, capsys):
+    trace = write_xspace(tmp_path / "t.xplane.pb", {"/device:GPU:0": {STREAM: [("k", 0.0)]}})
+    assert cli_main(["kernels", trace]) == 0  # was ZeroDivisionError
+    assert "0.0%" in capsys.readouterr().out
+
+
+def test_a_file_that_is_not_a_trace_is_a_clear_error(tmp_path, capsys):
+    bad = tmp_path / "t.trace.json.gz"
+    bad.write_bytes(os.urandom(200))
+    # Was RuntimeError "Failed to parse XSpace from array", naming no file; a traceback in the CLI.
+    with pytest.raises(ValueError, match=r"cannot read .*t.trace.json.gz.* as a jax.profiler trace"):
+        kernel_times(bad)
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["kernels", str(bad)])
+    assert exc.value.code == 2 and "expected an XSpace file" in capsys.readouterr().err
+
+
+def test_a_broken_symlink_beside_a_trace_is_skipped(tmp_path):
+    trace = write_xspace(tmp_path / "p/good.xplane.pb", {"/device:GPU:0": {STREAM: [("k", 1.0)]}})
+    os.symlink(tmp_path / "gone", tmp_path / "p/bad.xplane.pb")
+    assert find_xplane(tmp_path) == trace  # was FileNotFoundError from getmtime
+
+
+def test_kernels_json_never_replaces_a_trace_it_reads(tmp_path, capsys):
+    trace = write_xspace(tmp_path / "t.xplane.pb", {"/device:GPU:0": {STREAM: [("k", 1.0)]}})
+    before = open(trace, "rb").read()
+    for argv in (["kernels", trace], ["kernels", trace, "--against", trace]):
+        with pytest.raises(SystemExit) as exc:
+            cli_main([*argv, "--json", trace, "--overwrite"])
+        assert exc.value.code == 2 and "is the trace" in capsys.readouterr().err
+    assert open(trace, "rb").read() == before  # was replaced by the JSON table
+
+
+def test_kernels_json_failed_write_keeps_the_earlier_file(tmp_path, monkeypatch):
+    trace = write_xspace(tmp_path / "t.xplane.pb", {"/device:GPU:0": {STREAM: [("k", 1.0)]}})
+    out = tmp_path / "table.json"
+    out.write_text("earlier table")
+
+    def fail(*args, **kwargs):
+        raise OSError("No space left on device")
+    monkeypatch.setattr(kernel_time.json, "dump", fail)
+    monkeypatch.setattr(kernel_time.json, "dumps", fail)
+    with pytest.raises(OSError, match="No space left"):
+        cli_main(["kernels", trace, "--json", str(out), "--overwrite"])
+    assert out.read_text() == "earlier table"  # was truncated to nothing
+    monkeypatch.undo()
+    assert cli_main(["kernels", trace, "--json", str(out), "--overwrite"]) == 0
+    assert json.loads(out.read_text())[0]["name"] == "k"

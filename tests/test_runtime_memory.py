@@ -417,3 +417,28 @@ def test_track_memory_refuses_to_decorate_a_generator_function():
         for decorate in (track_memory, track_memory()):
             with pytest.raises(TypeError, match=rf"{fn.__name__} is a generator or coroutine function"):
                 decorate(fn)
+
+
+@pytest.mark.parametrize("value, expected", [
+    (np.float32(16e9), 16 * 10**9),  # prints "1.6e+10": was "cannot read a byte count"
+    (np.float16(2048), 2048),        # prints "2.048e+03"
+    (10**400, 10**400),              # was OverflowError from float()
+])
+def test_parse_bytes_reads_numbers_numerically(value, expected):
+    assert parse_bytes(value) == expected
+
+
+def test_parse_bytes_says_why_a_numpy_number_is_refused():
+    with pytest.raises(ValueError, match=r"byte count must be >= 0, got value=np.int64\(-3\)"):
+        parse_bytes(np.int64(-3))  # was "cannot read a byte count"
+    with pytest.raises(ValueError, match="byte count must be a finite number"):
+        parse_bytes(np.float32("nan"))
+    with pytest.raises(TypeError, match="expected a byte count"):
+        parse_bytes(np.True_)  # a bool, as True is
+
+
+@pytest.mark.parametrize("fraction, written", [(np.float32(0.9), "0.9000"), (np.float32(0.7), "0.7000"),
+                                               (np.float16(0.9), "0.9000")])
+def test_memory_env_numpy_fraction_keeps_the_share_asked_for(fraction, written):
+    # Through float(), np.float32(0.9) is 0.89999997 and was written 0.8999.
+    assert memory_env(fraction=fraction) == {"XLA_CLIENT_MEM_FRACTION": written}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -235,3 +237,33 @@ def test_a_logdir_that_is_a_file_is_refused_when_made(tmp_path, monkeypatch):
     with pytest.raises(NotADirectoryError, match=r"logdir=.*notes.txt.* is a file, not a directory"):
         StepProfiler("1000:1002", notes)
     assert notes.read_text() == "mine" and not started
+
+
+@pytest.mark.parametrize("steps, error, match", [
+    ((True, 3), TypeError, r"a step range pair holds two ints, got steps=\(True, 3\)"),
+    ((-1, 3), ValueError, r"start >= 0, got steps=\(-1, 3\)"),
+])
+def test_step_profiler_pair_rejects_bools_and_negatives(tmp_path, steps, error, match):
+    with pytest.raises(error, match=match):
+        StepProfiler(steps, tmp_path)
+
+
+def test_step_profiler_refuses_logdirs_makedirs_would_fail_on_at_start(tmp_path, monkeypatch):
+    # Each was accepted and failed at step START, in os.makedirs, hours into a run.
+    started = []
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda *a, **k: started.append(a))
+    notes = tmp_path / "run.log"
+    notes.write_text("mine")
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    with pytest.raises(NotADirectoryError, match=r"run.log' is not a directory"):
+        StepProfiler("5:6", notes / "trace")
+    with pytest.raises(NotADirectoryError, match="is a broken symlink, not a directory"):
+        StepProfiler("5:6", tmp_path / "dangling")
+    with pytest.raises(ValueError, match="needs a logdir for the trace, got logdir=''"):
+        StepProfiler("5:6", "")
+    with pytest.raises(TypeError, match="logdir must be a path .* got NoneType: None"):
+        StepProfiler("5:6", None)
+    assert notes.read_text() == "mine" and not started
+    profiler = StepProfiler("5:6", tmp_path / "a" / "b")  # missing folders are fine, made at START
+    assert not (tmp_path / "a").exists()
+    profiler.close()

@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import jax
+import numpy as np
 import pytest
 
 from jaxopt_train.runtime import XLA_FLAG_PRESETS, command_buffer_flags, flags_in_force, xla_flags
@@ -299,3 +300,16 @@ def test_flags_after_clear_backends_are_refused():
                             timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "REFUSED" in result.stdout and "already started" in result.stdout
+
+
+def test_xla_flags_extra_takes_numpy_scalars(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    report = xla_flags("none", extra={"xla_gpu_all_reduce_combine_threshold_bytes": np.int64(2**28),
+                                      "xla_gpu_enable_latency_hiding_scheduler": np.True_,
+                                      "xla_gpu_deterministic_ops": np.False_},
+                       apply=False)
+    assert report.added == {"xla_gpu_all_reduce_combine_threshold_bytes": str(2**28),
+                            "xla_gpu_enable_latency_hiding_scheduler": "true",
+                            "xla_gpu_deterministic_ops": "false"}
+    with pytest.raises(TypeError, match="values must be str, bool, int or float"):
+        xla_flags("none", extra={"xla_foo": np.array([1, 2])}, apply=False)

@@ -190,3 +190,42 @@ def test_apply_updates_if_finite_rounds_bf16_params_stochastically():
 
     want = -300 * 1e-4 * float(_as_f32(grads).mean())  # where nearest left them as they were
     np.testing.assert_allclose((_as_f32(run(w)) - _as_f32(w)).mean(), want, rtol=0.02)
+
+
+def _rounded_mean(value, bits):
+    x = jnp.full(bits.shape, value, jnp.float32)
+    return np.asarray(stochastic_round_bf16(x, bits).astype(jnp.float32), np.float64)
+
+
+def _neighbours(value):
+    low = np.array(value, np.float32).view(np.uint32) & np.uint32(0xFFFF0000)
+    return {float(low.view(np.float32)), float((low + np.uint32(0x10000)).view(np.float32))}
+
+
+@pytest.mark.parametrize("value", [1e-39, -3.3e-40, 1.2e-38, -(1.0 + 2**-12), 3.38e38, -3.38e38])
+def test_rounding_is_unbiased_for_subnormals_negatives_and_values_near_the_largest(value):
+    """bf16 keeps f32's subnormals; 3.38e38 lies below bf16's largest value (3.3895e38),
+    so neither of its neighbours is inf."""
+    n = 100_000
+    seeds = jnp.arange(n, dtype=jnp.uint32)
+    x = jnp.full((n,), value, jnp.float32)
+    out = _rounded_mean(value, element_bits16(x, x, seeds))
+    assert set(np.unique(out).tolist()) <= _neighbours(value) and np.isfinite(out).all()
+    lo, hi = sorted(_neighbours(value))
+    p = (np.float32(value) - lo) / (hi - lo)
+    # 6 standard errors of a mean of n Bernoulli(p) draws over a step of (hi - lo).
+    assert abs(out.mean() - np.float32(value)) <= 6 * (hi - lo) * np.sqrt(p * (1 - p) / n) + 1e-3 * abs(hi - lo)
+
+
+def test_full_32_bit_draws_round_to_a_neighbour_unbiased():
+    """`jax.random.bits` gives uint32 draws over the full range; only their low 16 bits
+    may be added, or the carry moved 1 + 2**-10 to values up to 2**16 bf16 steps away."""
+    n = 100_000
+    value = 1.0 + 2**-10  # an eighth of a bf16 step above 1
+    bits = jax.random.bits(jax.random.key(0), (n,), jnp.uint32)
+    out = _rounded_mean(value, bits)
+    assert set(np.unique(out).tolist()) == _neighbours(value)
+    assert abs(out.mean() - value) < 6 * 2**-7 * np.sqrt(0.125 * 0.875 / n)
+    # Same key, same roundings; another key, others.
+    np.testing.assert_array_equal(out, _rounded_mean(value, jax.random.bits(jax.random.key(0), (n,), jnp.uint32)))
+    assert (out != _rounded_mean(value, jax.random.bits(jax.random.key(1), (n,), jnp.uint32))).any()

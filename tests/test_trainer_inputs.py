@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from flax import linen, nnx
 
 from jaxopt_train.train import Trainer
 
@@ -243,3 +243,18 @@ def test_train_run_holds_one_copy_of_the_state(tmp_path):
     before = _device_bytes()
     result = train(cfg, stream=io.StringIO(), devices=jax.devices()[:1])
     assert _device_bytes() - before == _tree_bytes(result.trainer.state)
+
+
+class _Linear(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+        return linen.Dense(1)(x)
+
+
+@pytest.mark.parametrize("seed", [True, 1.5, "3", 2**64])
+def test_a_trainer_seed_that_is_not_an_int64_is_refused_naming_it(seed):
+    """seed=True initialised with key 1; 1.5, "3" and 2**64 failed inside the Linen init
+    with a tracer's TypeError or an OverflowError."""
+    with pytest.raises(ValueError, match=f"seed={seed!r} must be an int"):
+        Trainer(_Linear(), _mse, init_args=(jnp.ones((1, 4)),), seed=seed,
+                devices=jax.devices()[:1])

@@ -1,5 +1,6 @@
 """ZeRO edge cases: masked optimizer states, a skip of non-finite updates decided per shard,
-collective arguments checked up front, empty parameter trees."""
+collective arguments checked up front, empty parameter trees, counts given as numpy
+integers, Python float leaves."""
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ from test_zero import _flat_mask_loss, _flat_mask_problem
 from jaxopt_train.collectives import METHODS as ALL_REDUCE_METHODS
 from jaxopt_train.zero import (elementwise_mismatch, gather_leaves, leaf_specs, make_layout,
                                make_zero_step, opt_state_leaf_specs, place_leaves,
-                               reduce_scatter_leaves)
+                               reduce_scatter_leaves, shard_dim, zero_shardings)
 
 N = 8
 LEAF_N = 4
@@ -179,3 +180,45 @@ def test_empty_params_are_named_as_such(empty):
         elementwise_mismatch(optax.adam(1e-3), empty, N, leaf_specs(empty, N))
     with pytest.raises(ValueError, match=_EMPTY):
         make_zero_step(lambda p, b: 0.0, optax.adam(1e-3), empty, _mesh(N), stage=1)
+
+
+def test_zero_counts_take_numpy_integers():
+    # np.int64(4) was refused as "num_shards=np.int64(4) must be a positive int".
+    params = {"w": jnp.ones((16, 3), jnp.float32)}
+    layout = make_layout(params, np.int64(4))
+    assert layout.num_shards == 4 and type(layout.num_shards) is int
+    assert shard_dim((8, 6), np.int64(4)) == 0
+    assert leaf_specs(params, np.int32(4)) == {"w": P("data")}
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    params_sharding, _ = zero_shardings(params, optax.sgd(0.1).init(params), mesh, stage=np.int64(3))
+    assert params_sharding["w"].spec == P("data")
+    with pytest.raises(ValueError, match=r"num_shards=np.True_ must be a positive int"):
+        make_layout(params, np.True_)
+
+
+def test_elementwise_mismatch_checks_num_shards():
+    params = {"w": jnp.ones((16, 3), jnp.float32)}
+    # With per-leaf specs, 0 shards failed with a ZeroDivisionError.
+    with pytest.raises(ValueError, match=r"num_shards=0 must be a positive int"):
+        elementwise_mismatch(optax.adam(1e-3), params, 0, leaf_specs(params, 8))
+
+
+def test_flat_zero_takes_python_float_leaves():
+    # optax takes a Python float leaf; make_layout failed with AttributeError: no .dtype.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    rng = np.random.default_rng(0)
+    batch = {"x": jnp.asarray(rng.normal(size=(16, 3)), jnp.float32),
+             "y": jnp.asarray(rng.normal(size=(16, 1)), jnp.float32)}
+    params = {"w": jnp.asarray(rng.normal(size=(3, 1)), jnp.float32), "k": 1.5}
+
+    def loss(p, b):
+        return jnp.mean((b["x"] @ p["w"] * p["k"] - b["y"]) ** 2)
+
+    tx = optax.sgd(0.1)
+    with jax.numpy_dtype_promotion("standard"):
+        grads = jax.grad(loss)(params, batch)
+        want = optax.apply_updates(params, tx.update(grads, tx.init(params), params)[0])
+    zero = make_zero_step(loss, tx, params, mesh, stage=1, method="psum")
+    state, _ = zero.step(zero.init(params), batch)
+    for name in want:
+        np.testing.assert_allclose(state.params[name], want[name], rtol=1e-6)

@@ -1,0 +1,42 @@
+"""`bench train`'s report (jaxopt_train.bench.train_report) when comparison rows fail: a
+--compare-dispatch or --compare-matmul row that raises costs only its own row, listed
+under rows_failed, and a comparison whose rows all failed gets no table."""
+
+from __future__ import annotations
+
+import json
+
+from jaxopt_train.bench import _timing, train, train_report, train_steps
+
+
+def _fake_measure(self, run, workload=None, devices=None, runner=None, peak_window=None):
+    if run.name in ("optimised k=4", "optimised, matmul=pallas"):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory\nmore")
+    timing = _timing.BurstTiming([0.01, 0.012], [0.001, 0.001], 2, [0.002, 0.002])
+    trace = _timing.Trace([0.01], [100], [50, 60])
+    workload = workload or self.workload
+    row = train_report.row_figures(
+        name=run.name, timing=timing, trace=trace, compile_s=1.0,
+        items_per_step=workload.items_per_step, flops_per_step=workload.flops_per_step,
+        unit=workload.unit, num_devices=1, peak_tflops=self.peak, peak_memory=(1000, "xla-estimate"),
+        dataset_items=self.dataset_items, gpu_hour_usd=1.0, steps_per_call=run.steps_per_dispatch)
+    row.update(config=run.describe(), clocks={}, global_batch=workload.global_batch,
+               attention_resolved=train_steps.resolved_attention(workload, run))
+    return row
+
+
+def test_a_failed_compare_dispatch_or_matmul_row_costs_only_its_row(tmp_path, monkeypatch):
+    """Was: one --compare-dispatch or --compare-matmul row that raised (a large k stages k
+    batches and can run out of memory) ended the bench with a traceback: no report at all."""
+    monkeypatch.setattr(train.Bench, "measure", _fake_measure)
+    out = tmp_path / "out"
+    assert train.main(["--quick", "--devices", "1", "--xla-preset", "none", "--out", str(out),
+                       "--compare-dispatch", "1,4", "--compare-matmul", "pallas"]) == 0
+    result = json.loads((out / "train_bench.json").read_text())
+    assert [r["name"] for r in result["dispatch"]] == ["optimised k=1"]
+    assert [r["name"] for r in result["matmul"]] == ["optimised"]
+    assert [f["name"] for f in result["rows_failed"]] == ["optimised k=4", "optimised, matmul=pallas"]
+    text = (out / "train_bench.md").read_text()
+    assert "optimised k=4: no row, the run failed (RuntimeError: RESOURCE_EXHAUSTED" in text
+    # Every dispatch row failed: no table of nothing.
+    assert "steps_per_dispatch (optimised config)" not in train_report.render({**result, "dispatch": []})
