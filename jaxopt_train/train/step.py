@@ -27,7 +27,7 @@ from jaxopt_train.accumulation import (accumulate_gradients, batch_weight, mean_
                                        sum_may_overflow, weighted_share)
 from jaxopt_train.collectives import all_reduce_tree, init_error_feedback
 from jaxopt_train import stochastic_round as sr
-from jaxopt_train.precision import all_finite, select_tree
+from jaxopt_train.precision import NoOpLossScale, all_finite, select_tree
 from jaxopt_train.train.state import TrainState, global_norm_f32
 
 AXIS = "data"
@@ -100,6 +100,12 @@ def local_gradients(loss: Callable, state: TrainState, params, batch, microbatch
     masks than examples. Models without RNG streams compile as before.
     """
     salted = any(_is_key(x) for x in jax.tree.leaves(state.model_state))
+    # A micro-batch's loss is a mean over 1/K of the examples, so the per-example
+    # cotangents of its fp16 backward were K times the whole batch's: microbatches=2
+    # overflowed (and skipped a step) where microbatches=1 did not. As PyTorch's
+    # `loss / accumulation_steps`, the loss-scaled loss is divided by K and the
+    # gradients multiplied back. Only under a loss scale: fp32/bf16 keep their bits.
+    split = 1 if isinstance(state.loss_scale, NoOpLossScale) else microbatches
 
     def scaled_loss(params, micro_batch, model_state, *salt):
         call_state = _salt_rng_streams(model_state, salt[0]) if salt else model_state
@@ -107,13 +113,17 @@ def local_gradients(loss: Callable, state: TrainState, params, batch, microbatch
         # The salted keys are this call's only: carry the stream's own key.
         new_model_state = jax.tree.map(lambda new, old: old if _is_key(old) else new,
                                        new_model_state, model_state)
-        return state.loss_scale.scale(value), (value, new_model_state)
+        scaled = state.loss_scale.scale(value)
+        return (scaled if split == 1 else scaled / split), (value, new_model_state)
 
     extra = ()
     if salted:
         extra = (jax.random.fold_in(jax.random.key(0), lax.axis_index(AXIS)),)
     grad_fn = accumulate_gradients(scaled_loss, microbatches, has_aux=True, weight_fn=weight_fn)
     (scaled, (value, model_state)), grads = grad_fn(params, batch, state.model_state, *extra)
+    if split > 1:  # powers of 2 are exact; an fp16 gradient is where it was before the division
+        scaled, grads = jax.tree.map(lambda x: x * jnp.asarray(split, x.dtype)
+                                     if jnp.issubdtype(x.dtype, jnp.inexact) else x, (scaled, grads))
     if weight_fn is not None:
         # The aux `value` is a plain mean over the micro-batches; the loss output is weighted.
         value = state.loss_scale.unscale(scaled)
