@@ -426,8 +426,10 @@ def data_parallel_value_and_grad(loss_fn: Callable[..., Any], num_microbatches: 
     """`accumulate_gradients` for use inside `jax.shard_map` over `axis_name`.
 
     Each device accumulates its local micro-batches with `lax.scan`; then one
-    `lax.pmean` of `(loss, grads)` runs after the scan, so the step has a single
-    all-reduce however many micro-batches there are. Aux values (with
+    `lax.psum` of `(loss, grads)` (then divided by the number of devices) runs
+    after the scan, so the step has a single all-reduce however many
+    micro-batches there are (XLA keeps one per dtype it cannot merge: on CPU
+    float16 leaves got their own next to the float32 / bfloat16 one). Aux values (with
     `has_aux`) stay per-device. With `weight_fn` (see `accumulate_gradients`)
     devices count in proportion to their batch's weight too (one more, scalar,
     `lax.psum`, of the weights). Float16 leaves are divided by the number of

@@ -20,7 +20,9 @@ Error feedback: the encoding error of step 2 stays on its device, and the
 error of step 4 is added to the owner's error at that chunk, so the next step
 re-sends exactly what was lost (on the 2-device exchange the error is only
 what this device's encoding lost). Summed over T steps the delivered reductions
-equal the true sums minus the errors still held after the last step.
+equal the true sums minus the errors still held after the last step (for f32
+leaves: `all_reduce_tree` then rounds a narrower leaf's f32 sum to the leaf's
+dtype, as `lax.psum` in that dtype rounds, and that last rounding is not fed back).
 
 Error bound, per element of one result (before feedback), with block scale
 `s = max(max|block| / 127, 2**-126)` for int8 (floored at the smallest normal
@@ -58,6 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxopt_train._typed_sharding import to_varying
 from jaxopt_train.collectives.peer import peer_all_reduce
 from jaxopt_train.collectives.ring import _Ring, all_gather_chunks, all_reduce_rings, single_ring, wire_cast
 
@@ -209,6 +212,10 @@ def compressed_all_reduce(flat, axis_name, n: int, *, codec: str, ring: _Ring | 
     v = flat.astype(jnp.float32)
     if error is not None:
         v = v + error.reshape(-1)
+    # The backward's ring returns a cotangent typed varying over the axis, and a custom_vjp
+    # must return its input's type: a replicated (invariant) `v` failed to differentiate
+    # under check_vma with "the manual axis types do not match".
+    v = to_varying(v, (axis_name,))
     reduce = functools.partial(_compressed_sum, axis_name=axis_name, n=n, codec=codec, ring=ring,
                                error_shape=None if error is None else error.shape, peer=peer)
     return _straight_through(reduce, axis_name)(v)

@@ -30,7 +30,11 @@ f32 -> bf16 -> f32 pair away there and leave the replicas differing.
 Differentiated, a ring's backward is the same ring transposed, so a narrow
 `wire_dtype` rounds the cotangents in flight as well, as it rounds the
 forward partial sums; the compressed all-reduce (compression.py)
-instead passes the exact sum's gradient through.
+instead passes the exact sum's gradient through. A ring's result is typed
+varying over the axis (a psum's is not), so under `check_vma` the derivative
+with respect to a replicated (invariant) input counts every device's copy of
+the result: n times what `lax.psum` gives. For per-device inputs (gradients)
+the two derivatives agree.
 
 The ring primitives work on a `_Ring` (an axis name plus one or more disjoint
 cycles of axis indices), which is how the hierarchical all-reduce runs rings

@@ -190,10 +190,13 @@ def all_reduce_tree(tree: Any, axis_name: AxisName, *, method: str = "psum", buc
         are summed by psum).
       bucket_mb: bucket size in MiB (0: one bucket per leaf, math.inf: one
         bucket per dtype).
-      first_bucket_mb: size of the first bucket (default min(1, bucket_mb);
-        no cap when bucket_mb is math.inf).
+      first_bucket_mb: size of the first bucket of each dtype (default
+        min(1, bucket_mb); no cap when bucket_mb is math.inf).
       compression: None, "bf16" or "int8" (see `compression` module for the
         scheme and the error bound); floating leaves only, summed in f32.
+        "ring", "ring_bidir" and "hierarchical" then all exchange the floating
+        buckets over the one flat ring of the axis (in `ring_order`): no second
+        direction, no groups; integer buckets still go through `method`.
       error_state: an `ErrorFeedbackState` from `init_error_feedback`, to
         carry compression error across steps; then the result is a pair.
       ring_order: axis indices in ring order for the ring methods (refused
