@@ -8,7 +8,9 @@ operands in bfloat16 or float16, goes to `matmul`, and so does a 2-D `rhs`
 contracted on its dim 1 (`x @ embedding.T`, a tied LM head: `matmul(...,
 transpose_b=True)`, which reads it without a transposed copy); everything else (batch
 dims, other contracting dims, float32 or empty operands, an explicit precision or
-out_sharding) goes to `lax.dot_general` unchanged, so swapping it in never
+out_sharding, and on the Pallas BlockSpec backends ("interpret", "pallas_tpu") any call
+inside `jax.shard_map` with `check_vma=True`, which their pallas_call refuses) goes to
+`lax.dot_general` unchanged, so swapping it in never
 changes what a model computes outside the kernels' domain.
 
 The returned function also carries `fused_dense(x, kernel, bias, activation)`: a
@@ -29,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxopt_train._typed_sharding import explicit_sharding
+from jaxopt_train._typed_sharding import explicit_sharding, to_varying, varying_axes
 from jaxopt_train.kernels.configs import BACKENDS, MatmulConfig, as_config
 from jaxopt_train.kernels.matmul import matmul, resolve_backend, writes_preactivation
 
@@ -65,8 +67,16 @@ def _dims(dimension_numbers) -> tuple:
             (as_tuple(lhs_batch), as_tuple(rhs_batch)))
 
 
+def _checks_varying_axes(x) -> bool:
+    """Whether this trace is inside `jax.shard_map` with varying-axes checking on
+    (`check_vma=True`, its default): only there does casting `x` to vary over the manual
+    axes type it so (the unused cast is dropped)."""
+    manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+    return bool(manual) and bool(varying_axes(to_varying(x, manual)))
+
+
 def _kernel_eligible(lhs, rhs, dimension_numbers, precision, preferred_element_type,
-                     out_sharding) -> bool:
+                     out_sharding, backend) -> bool:
     if dimension_numbers is None:  # lax.dot picks the dims of <= 2-D operands itself
         return False
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = _dims(dimension_numbers)
@@ -80,7 +90,11 @@ def _kernel_eligible(lhs, rhs, dimension_numbers, precision, preferred_element_t
             and _is_default_precision(precision) and out_sharding is None
             and explicit_sharding(lhs) is None and explicit_sharding(rhs) is None
             and (preferred_element_type is None
-                 or jnp.dtype(preferred_element_type) in (*_KERNEL_DTYPES, jnp.dtype(jnp.float32))))
+                 or jnp.dtype(preferred_element_type) in (*_KERNEL_DTYPES, jnp.dtype(jnp.float32)))
+            # The BlockSpec kernel's pallas_call refuses shard_map's varying-axes checking
+            # ("manual_axis_type on jax.ShapeDtypeStruct must not be None"), where
+            # lax.dot_general works.
+            and not (backend in ("interpret", "pallas_tpu") and _checks_varying_axes(lhs)))
 
 
 def _dense_eligible(x, kernel, bias) -> bool:
@@ -111,7 +125,8 @@ def make_dot_general(backend: str = "auto", config: MatmulConfig | dict | None =
     def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                     out_sharding=None, **kwargs):
         if resolved() != "xla" and not kwargs and _kernel_eligible(
-                lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding):
+                lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding,
+                resolved()):
             return matmul(lhs, rhs, out_dtype=preferred_element_type or lhs.dtype,
                           backend=resolved(), config=config,
                           transpose_b=_dims(dimension_numbers)[0][1] == (1,))
@@ -125,8 +140,10 @@ def make_dot_general(backend: str = "auto", config: MatmulConfig | dict | None =
         """`activation(x @ kernel + bias)` from one kernel launch that saves the
         pre-activation for the backward; None where the kernels do not apply (XLA
         resolved, a dtype other than bf16/fp16, a kernel that is not 2-D, an empty operand,
-        an operand typed with explicit sharding)."""
-        if resolved() == "xla" or not _dense_eligible(x, kernel, bias):
+        an operand typed with explicit sharding, a BlockSpec kernel under shard_map's
+        varying-axes checking)."""
+        if resolved() == "xla" or not _dense_eligible(x, kernel, bias) or (
+                resolved() in ("interpret", "pallas_tpu") and _checks_varying_axes(x)):
             return None
         return matmul(x, kernel, bias=bias, activation=activation, backend=resolved(),
                       config=config, save_preactivation=True)
