@@ -53,7 +53,9 @@ def ablation_runs(baseline, optimised, workload, num_devices):
     add(f"+q, k, v from three products (+{half}+{optimised.attention} attention)",
         None if optimised.split_qkv else "--split-qkv not given",
         policy=optimised.policy, attention=optimised.attention, split_qkv=True)
-    add(f"+grad_sync={optimised.grad_sync}",
+    # The host loop always reduces with psum: another method needs the in-graph step.
+    add(f"+grad_sync={optimised.grad_sync}"
+        + (" (+scan accumulation)" if workload.microbatches > 1 else ""),
         None if num_devices > 1 and optimised.grad_sync != "psum" else
         "psum chosen (or 1 device, or --zero 1: gradients reduce-scattered per leaf)",
         grad_sync=optimised.grad_sync, accumulation="scan")
