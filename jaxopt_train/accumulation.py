@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxopt_train._checks import is_int
 from jaxopt_train._typed_sharding import to_varying, varying_axes, varying_axes_of_tree
 from jaxopt_train.precision import as_float_dtype
 
@@ -39,7 +40,7 @@ def check_divisible(global_batch: int, num_microbatches: int, num_devices: int =
     """
     for name, value in (("global_batch", global_batch), ("num_microbatches", num_microbatches),
                         ("num_devices", num_devices)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int")
     if global_batch % num_microbatches:
         raise ValueError(f"{global_batch=} is not divisible by {num_microbatches=}; pick a batch "
@@ -262,8 +263,7 @@ def accumulate_gradients(loss_fn: Callable[..., Any], num_microbatches: int, *,
     after the call (`lax.psum`, `all_reduce_tree`), or use
     `data_parallel_value_and_grad`.
     """
-    if not isinstance(num_microbatches, (int, np.integer)) or isinstance(num_microbatches, bool) \
-            or num_microbatches < 1:
+    if not is_int(num_microbatches) or num_microbatches < 1:
         raise ValueError(f"num_microbatches={num_microbatches!r} must be a positive int")
     if aux_combine not in AUX_COMBINE:
         raise ValueError(f"{aux_combine=}; expected one of {AUX_COMBINE}")
@@ -385,7 +385,7 @@ def multi_steps(optimizer, every_k: int, *, skip_non_finite: bool = True):
     """
     import optax  # noqa: PLC0415
 
-    if not isinstance(every_k, (int, np.integer)) or isinstance(every_k, bool) or every_k < 1:
+    if not is_int(every_k) or every_k < 1:
         raise ValueError(f"every_k={every_k!r} must be a positive int")
     skip = optax.skip_not_finite if skip_non_finite else None
     inner = optax.MultiSteps(optimizer, every_k_schedule=int(every_k),

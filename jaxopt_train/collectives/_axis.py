@@ -7,6 +7,8 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 from jax import lax
 
+from jaxopt_train._checks import is_int
+
 AxisName = Hashable
 
 
@@ -69,7 +71,7 @@ def check_permutation(name: str, order: Sequence[int], size: int) -> tuple[int, 
         items = None if isinstance(order, (str, bytes)) else tuple(order)  # bytes iterate as ints
     except TypeError:  # not iterable
         items = None
-    if (items is None or not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in items)
+    if (items is None or not all(is_int(i) for i in items)
             or sorted(int(i) for i in items) != list(range(size))):
         raise ValueError(f"{name}={order!r} must be a permutation of 0..{size - 1} (one index per device), "
                          f"a sequence of ints")

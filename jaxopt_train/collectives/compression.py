@@ -60,6 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxopt_train._checks import is_int
 from jaxopt_train._typed_sharding import to_varying
 from jaxopt_train.collectives.peer import peer_all_reduce
 from jaxopt_train.collectives.ring import _Ring, all_gather_chunks, all_reduce_rings, single_ring, wire_cast
@@ -92,8 +93,7 @@ def init_error_feedback(params: Any, num_replicas: int | None = None) -> ErrorFe
     """
     # int() would truncate 2.5 to 2 and turn "8" or True into a size: a wrong
     # leading axis only fails later, inside jax.shard_map, far from the cause.
-    if num_replicas is not None and (not isinstance(num_replicas, (int, np.integer))
-                                     or isinstance(num_replicas, bool) or num_replicas < 1):
+    if num_replicas is not None and (not is_int(num_replicas) or num_replicas < 1):
         raise ValueError(f"{num_replicas=} must be None or a positive int (the number of devices of the "
                          "data axis, e.g. mesh.shape['data'])")
     lead = () if num_replicas is None else (int(num_replicas),)

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
+from jaxopt_train._checks import is_int
 from jaxopt_train.collectives._axis import AxisName, axis_names, axis_size
 
 
@@ -66,8 +66,7 @@ def embedding_grad_exchange(ids: jax.Array, cotangent: jax.Array, axis_name: Axi
     if cotangent.ndim != ids.ndim + 1 or cotangent.shape[:-1] != ids.shape:
         raise ValueError(f"cotangent must have shape ids.shape + (d,) = {ids.shape} + (d,); "
                          f"got {cotangent.shape}")
-    if (not isinstance(num_embeddings, (int, np.integer)) or isinstance(num_embeddings, bool)
-            or num_embeddings < 1):
+    if not is_int(num_embeddings) or num_embeddings < 1:
         raise ValueError(f"num_embeddings must be a positive int; got {num_embeddings!r}")
     if out_dtype is not None and not jnp.issubdtype(out_dtype, jnp.floating):
         raise TypeError(f"out_dtype must be a floating dtype (an out-of-range id is flagged with NaN); "

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
+from jaxopt_train._checks import is_int
 from jaxopt_train.collectives._axis import AxisName, axis_names, axis_size, check_ring_order
 from jaxopt_train.collectives.ring import _Ring, all_reduce_rings, axis_rings, single_ring
 
@@ -49,8 +48,7 @@ def group_rings(axis_name: AxisName, group_size: int,
     axis_name = single_ring(axis_name).axis_name  # one axis (a 1-tuple names it), bound here
     n = axis_size(axis_name)
     order = check_ring_order(ring_order, n)
-    if (not isinstance(group_size, (int, np.integer)) or isinstance(group_size, bool) or group_size < 1
-            or n % group_size):
+    if not is_int(group_size) or group_size < 1 or n % group_size:
         raise ValueError(f"{group_size=} must be a positive divisor of the size {n} of axis {axis_name!r}")
     group_size = int(group_size)
     groups = tuple(order[g: g + group_size] for g in range(0, n, group_size))

@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxopt_train._checks import is_int
 from jaxopt_train.collectives._axis import AxisName, axis_names, axis_size, check_ring_order
 
 
@@ -235,7 +236,7 @@ def _wire_dtype(x, wire_dtype) -> np.dtype:
 
 
 def _check_num_chunks(num_chunks: int) -> int:
-    if not isinstance(num_chunks, (int, np.integer)) or isinstance(num_chunks, bool) or num_chunks < 1:
+    if not is_int(num_chunks) or num_chunks < 1:
         raise ValueError(f"{num_chunks=} must be a positive int (pieces per shard for pipelining)")
     return int(num_chunks)
 
