@@ -6,12 +6,15 @@
 #   main tests split in two by node id, the option sweeps, then the other modules' GPU tests.
 #   bash tools/gpu_session18b.sh   # carry [".whl"] so jax-triton imports where a test wants it
 # TRITON=1 adds the Triton kernel tests as a fourth process (~190 s; nineteenth session).
+# OTHERS_FIRST=1 runs the other modules' GPU tests before the kernel tests (limit $OTHERS_S,
+# default 90 s), so the deadline cannot cut them (thirty-ninth session: OTHERS_S=150).
 # First it prints XLA_FLAGS as tests/conftest.py leaves them: no CPU -O0 flag on a GPU machine.
 set -u
 OUT=${OUT:-/tmp/s18b_out}; R=/tmp/s18b; mkdir -p "$R" "$OUT"
 export DEADLINE=${DEADLINE:-560}
 source "$(dirname "$0")/gpu_common.sh"
 install_whl
+nvidia-smi --query-gpu=name,power.limit,clocks.max.sm,driver_version --format=csv > "$R/gpu.txt" 2>&1
 export PYTHONPATH=/tmp/site:$PYTHONPATH CUDA_VISIBLE_DEVICES=0
 T="$PY -m pytest -q -rfE -m gpu -p no:cacheprovider"
 $T --collect-only tests/test_kernels_gpu.py -k "not triton and not options" 2>/dev/null \
@@ -21,10 +24,12 @@ awk 'NR % 2 == 0' "$R/main_ids.txt" > "$R/main_b.txt"
 echo "main tests: $(wc -l < "$R/main_ids.txt")" | tee -a "$R/steps.log"
 $PY -c "import os, runpy; runpy.run_path('tests/conftest.py'); print('conftest XLA_FLAGS:', repr(os.environ.get('XLA_FLAGS')))" \
   2>&1 | tail -1 | tee -a "$R/steps.log"
+others() { STEP_TAIL=6 step others "${OTHERS_S:-90}" $T tests --ignore=tests/test_kernels_gpu.py; }
+if [ "${OTHERS_FIRST:-0}" = 1 ]; then others; fi
 if [ "${TRITON:-0}" = 1 ]; then STEP_TAIL=4 step k_triton 500 $T tests/test_kernels_gpu.py -k triton & fi
 STEP_TAIL=4 step k_main_a 500 $T $(cat "$R/main_a.txt") &
 STEP_TAIL=4 step k_main_b 500 $T $(cat "$R/main_b.txt") &
 STEP_TAIL=4 step k_options 500 $T tests/test_kernels_gpu.py -k "options and not triton" &
 wait
-STEP_TAIL=6 step others 90 $T tests --ignore=tests/test_kernels_gpu.py
+if [ "${OTHERS_FIRST:-0}" != 1 ]; then others; fi
 finish s18b 12

@@ -67,10 +67,14 @@ def _dims(dimension_numbers) -> tuple:
             (as_tuple(lhs_batch), as_tuple(rhs_batch)))
 
 
-def _checks_varying_axes(x) -> bool:
-    """Whether this trace is inside `jax.shard_map` with varying-axes checking on
-    (`check_vma=True`, its default): only there does casting `x` to vary over the manual
-    axes type it so (the unused cast is dropped)."""
+def _pallas_refuses_here(x, backend: str) -> bool:
+    """Whether `backend` is a BlockSpec kernel (interpret, pallas_tpu) and this trace is
+    inside `jax.shard_map` with varying-axes checking on (`check_vma=True`, its default),
+    whose types their pallas_call refuses ("manual_axis_type on jax.ShapeDtypeStruct must
+    not be None") where lax.dot_general works. Only under checking does casting `x` to
+    vary over the manual axes type it so (the unused cast is dropped)."""
+    if backend not in ("interpret", "pallas_tpu"):
+        return False
     manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
     return bool(manual) and bool(varying_axes(to_varying(x, manual)))
 
@@ -91,10 +95,7 @@ def _kernel_eligible(lhs, rhs, dimension_numbers, precision, preferred_element_t
             and explicit_sharding(lhs) is None and explicit_sharding(rhs) is None
             and (preferred_element_type is None
                  or jnp.dtype(preferred_element_type) in (*_KERNEL_DTYPES, jnp.dtype(jnp.float32)))
-            # The BlockSpec kernel's pallas_call refuses shard_map's varying-axes checking
-            # ("manual_axis_type on jax.ShapeDtypeStruct must not be None"), where
-            # lax.dot_general works.
-            and not (backend in ("interpret", "pallas_tpu") and _checks_varying_axes(lhs)))
+            and not _pallas_refuses_here(lhs, backend))
 
 
 def _dense_eligible(x, kernel, bias) -> bool:
@@ -142,8 +143,8 @@ def make_dot_general(backend: str = "auto", config: MatmulConfig | dict | None =
         resolved, a dtype other than bf16/fp16, a kernel that is not 2-D, an empty operand,
         an operand typed with explicit sharding, a BlockSpec kernel under shard_map's
         varying-axes checking)."""
-        if resolved() == "xla" or not _dense_eligible(x, kernel, bias) or (
-                resolved() in ("interpret", "pallas_tpu") and _checks_varying_axes(x)):
+        if (resolved() == "xla" or not _dense_eligible(x, kernel, bias)
+                or _pallas_refuses_here(x, resolved())):
             return None
         return matmul(x, kernel, bias=bias, activation=activation, backend=resolved(),
                       config=config, save_preactivation=True)
