@@ -207,6 +207,30 @@ def test_xla_backend_differentiates_a_replicated_operand_inside_shard_map():
                                    rtol=2e-2, atol=2e-2 * float(np.max(np.abs(np.asarray(w, np.float32)))))
 
 
+@pytest.mark.parametrize("replicated_a", [False, True])
+def test_blockspec_kernel_inside_shard_map_with_checked_axes_is_refused_clearly(replicated_a):
+    """Called directly (not through the drop-in, which falls back to XLA), the interpret
+    kernel under check_vma=True failed inside pallas_call with "`manual_axis_type` on
+    `jax.ShapeDtypeStruct` must not be `None`". It now says what to do; check_vma=False
+    still runs the kernel and matches the reference."""
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:4])
+    a = jax.random.normal(jax.random.key(0), (8, 16), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (16, 4), jnp.bfloat16)
+    spec = P() if replicated_a else P("d")
+
+    def run(check_vma):
+        fn = jax.shard_map(lambda a, b: matmul(a, b, backend="interpret", out_dtype=jnp.float32),
+                           mesh=mesh, in_specs=(spec, P()), out_specs=spec, check_vma=check_vma)
+        return jax.jit(fn)(a, b)
+
+    with pytest.raises(ValueError, match=r"'interpret' runs a BlockSpec pallas_call.*"
+                                         r"check_vma=True.*\('d',\).*check_vma=False.*dot_general"):
+        run(True)
+    want = jnp.dot(a, b, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(run(False)), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------- triton on a pre-Ampere GPU
 def _fake_gpu(monkeypatch, capability: str):
     """jax.devices() answers one GPU of `capability` ("7.5"), and jax_triton imports (a

@@ -31,9 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxopt_train._typed_sharding import explicit_sharding, to_varying, varying_axes
+from jaxopt_train._typed_sharding import explicit_sharding
 from jaxopt_train.kernels.configs import BACKENDS, MatmulConfig, as_config
-from jaxopt_train.kernels.matmul import matmul, resolve_backend, writes_preactivation
+from jaxopt_train.kernels.matmul import (matmul, pallas_refuses_here, resolve_backend,
+                                         writes_preactivation)
 
 logger = logging.getLogger(__name__)
 
@@ -67,18 +68,6 @@ def _dims(dimension_numbers) -> tuple:
             (as_tuple(lhs_batch), as_tuple(rhs_batch)))
 
 
-def _pallas_refuses_here(x, backend: str) -> bool:
-    """Whether `backend` is a BlockSpec kernel (interpret, pallas_tpu) and this trace is
-    inside `jax.shard_map` with varying-axes checking on (`check_vma=True`, its default),
-    whose types their pallas_call refuses ("manual_axis_type on jax.ShapeDtypeStruct must
-    not be None") where lax.dot_general works. Only under checking does casting `x` to
-    vary over the manual axes type it so (the unused cast is dropped)."""
-    if backend not in ("interpret", "pallas_tpu"):
-        return False
-    manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
-    return bool(manual) and bool(varying_axes(to_varying(x, manual)))
-
-
 def _kernel_eligible(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                      out_sharding, backend) -> bool:
     if dimension_numbers is None:  # lax.dot picks the dims of <= 2-D operands itself
@@ -95,7 +84,7 @@ def _kernel_eligible(lhs, rhs, dimension_numbers, precision, preferred_element_t
             and explicit_sharding(lhs) is None and explicit_sharding(rhs) is None
             and (preferred_element_type is None
                  or jnp.dtype(preferred_element_type) in (*_KERNEL_DTYPES, jnp.dtype(jnp.float32)))
-            and not _pallas_refuses_here(lhs, backend))
+            and not pallas_refuses_here(lhs, backend))
 
 
 def _dense_eligible(x, kernel, bias) -> bool:
@@ -144,7 +133,7 @@ def make_dot_general(backend: str = "auto", config: MatmulConfig | dict | None =
         an operand typed with explicit sharding, a BlockSpec kernel under shard_map's
         varying-axes checking)."""
         if (resolved() == "xla" or not _dense_eligible(x, kernel, bias)
-                or _pallas_refuses_here(x, resolved())):
+                or pallas_refuses_here(x, resolved())):
             return None
         return matmul(x, kernel, bias=bias, activation=activation, backend=resolved(),
                       config=config, save_preactivation=True)

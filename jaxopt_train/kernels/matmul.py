@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxopt_train._typed_sharding import explicit_sharding, to_varying, varying_axes_of_tree
+from jaxopt_train._typed_sharding import (explicit_sharding, to_varying, varying_axes,
+                                          varying_axes_of_tree)
 from jaxopt_train.kernels import configs
 from jaxopt_train.kernels.configs import (ACTIVATIONS, BACKENDS, TRANSPOSING_BACKENDS, MatmulConfig,
                                           as_config)
@@ -90,6 +91,18 @@ def _check_unsharded(backend: str, **operands) -> None:
                          f"without explicit sharding; got {given}: call matmul inside "
                          f"jax.shard_map (on per-device shards), use a mesh with AxisType.Auto "
                          f"axes, or backend='xla'")
+
+
+def pallas_refuses_here(x, backend: str) -> bool:
+    """Whether `backend` is a BlockSpec kernel (interpret, pallas_tpu) and this trace is
+    inside `jax.shard_map` with varying-axes checking on (`check_vma=True`, its default),
+    whose types their pallas_call refuses ("manual_axis_type on jax.ShapeDtypeStruct must
+    not be None") where lax.dot_general works. Only under checking does casting `x` to
+    vary over the manual axes type it so (the unused cast is dropped)."""
+    if backend not in ("interpret", "pallas_tpu"):
+        return False
+    manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+    return bool(manual) and bool(varying_axes(to_varying(x, manual)))
 
 
 # ----------------------------------------------------------------------------- backends
@@ -430,6 +443,13 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
         return _matmul_2d(a.astype(compute), b.astype(compute), bias, activation, out_dtype,
                           backend, config, transpose_b, save_preactivation)
     _check_unsharded(backend, a=a, b=b, bias=bias)
+    if pallas_refuses_here(a, backend):  # say so here, not with pallas_call's internal message
+        raise ValueError(f"matmul backend {backend!r} runs a BlockSpec pallas_call, which "
+                         f"jax.shard_map refuses while it checks varying axes (check_vma=True, "
+                         f"its default); got a call inside shard_map over manual axes "
+                         f"{tuple(jax.sharding.get_abstract_mesh().manual_axes)}: pass check_vma=False to "
+                         f"shard_map, use backend='xla', or use kernels.dot_general, which "
+                         f"leaves this case to XLA")
     batch_shape, k, n = a.shape[:-1], a.shape[-1], b.shape[0 if transpose_b else 1]
     a2 = a.reshape(int(np.prod(batch_shape)), k).astype(compute)
     out = _matmul_2d(a2, b.astype(compute), bias, activation, out_dtype, backend, config,
