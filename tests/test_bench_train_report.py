@@ -4,7 +4,10 @@ under rows_failed, and a comparison whose rows all failed gets no table."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+
+import pytest
 
 from jaxopt_train.bench import _timing, train, train_report, train_steps
 
@@ -40,3 +43,28 @@ def test_a_failed_compare_dispatch_or_matmul_row_costs_only_its_row(tmp_path, mo
     assert "optimised k=4: no row, the run failed (RuntimeError: RESOURCE_EXHAUSTED" in text
     # Every dispatch row failed: no table of nothing.
     assert "steps_per_dispatch (optimised config)" not in train_report.render({**result, "dispatch": []})
+
+
+def test_comparison_ratios_are_in_the_json_and_memory_is_labelled_per_device(tmp_path, monkeypatch):
+    """Was: the --compare-dispatch and --compare-matmul tables printed ratios the JSON lacked,
+    and nothing said peak memory is one device's while throughput is all devices'."""
+    def measure(self, run, workload=None, devices=None, runner=None, peak_window=None):
+        row = _fake_measure(self, dataclasses.replace(run, name="ok"), workload, devices)
+        # k=4 dispatches 1.6x the steps per second of k=1; the pallas step takes 1.25x xla's
+        if run.name == "optimised k=4":
+            row["steps_per_s"] *= 1.6
+        if run.name == "optimised, matmul=pallas":
+            row["step_ms"] *= 1.25
+        return {**row, "name": run.name}
+
+    monkeypatch.setattr(train.Bench, "measure", measure)
+    out = tmp_path / "out"
+    assert train.main(["--quick", "--devices", "2", "--xla-preset", "none", "--out", str(out),
+                       "--no-scaling", "--compare-dispatch", "1,4", "--compare-matmul", "pallas"]) == 0
+    result = json.loads((out / "train_bench.json").read_text())
+    assert [r["steps_per_s_vs_first_k"] for r in result["dispatch"]] == pytest.approx([1.0, 1.6])
+    assert [r["step_ms_vs_xla"] for r in result["matmul"]] == pytest.approx([1.0, 1.25])
+    text = (out / "train_bench.md").read_text()
+    assert "| 1.60x |" in text and "| 1.250x |" in text
+    assert "peak mem and swing are one device's (the first of 2)" in text
+    assert "TFLOP/s are all 2 devices' together" in text

@@ -149,8 +149,7 @@ def dispatch_table(rows: list[dict[str, Any]]) -> str:
              "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['steps_per_dispatch']} | {r['steps_per_s']:.1f} | {r['wall_ms_per_step']:.3f} | "
-                     f"{r['host_dispatch_ms_per_step']:.3f} | "
-                     f"{r['steps_per_s'] / rows[0]['steps_per_s']:.2f}x |")
+                     f"{r['host_dispatch_ms_per_step']:.3f} | {r['steps_per_s_vs_first_k']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -160,7 +159,7 @@ def matmul_table(rows: list[dict[str, Any]], unit: str) -> str:
     for r in rows:
         lines.append(f"| {r['config']['matmul']} | {r['step_ms']:.2f} | {r['throughput']:,.0f} | "
                      f"{_fmt(r['mfu'], '.1f', 100, '%')} | {r['compile_s']:.1f} | "
-                     f"{r['step_ms'] / rows[0]['step_ms']:.3f}x |")
+                     f"{r['step_ms_vs_xla']:.3f}x |")
     return "\n".join(lines)
 
 
@@ -215,6 +214,8 @@ def render(result) -> str:
              "", markdown_table(result["rows"], unit),
              "peak mem: allocator high-water mark; * = XLA memory-analysis estimate (args + outputs "
              f"+ temps; the process-wide mark was not raised); swing source: {result['rows'][0]['memory_source']}",
+             f"peak mem and swing are one device's (the first of {result['num_devices']}); {unit}/s "
+             f"and TFLOP/s are all {result['num_devices']} devices' together",
              "dispatch: host time of a burst's fastest dispatch call, per step (the other calls also "
              "wait for the device's queue; all in-call time is host_in_calls_ms_per_step in the JSON)"]
     opt = next(r for r in result["rows"] if r["name"] == "optimised")
