@@ -258,3 +258,27 @@ def test_a_trainer_seed_that_is_not_an_int64_is_refused_naming_it(seed):
     with pytest.raises(ValueError, match=f"seed={seed!r} must be an int"):
         Trainer(_Linear(), _mse, init_args=(jnp.ones((1, 4)),), seed=seed,
                 devices=jax.devices()[:1])
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_clip_norm_before_a_micro_step_optimizer_is_refused(zero):
+    """Was: Trainer(optimizer=multi_steps(opt, k), clip_norm=c) chained the clip before
+    MultiSteps, so it clipped each micro-batch's gradient (the docs said so) where a user of
+    PyTorch's clip_grad_norm_ after accumulation expects the accumulated one clipped."""
+    import optax
+
+    from jaxopt_train.accumulation import multi_steps
+
+    with pytest.raises(ValueError, match=r"clip_norm=1\.0 with an optimizer that accumulates "
+                                         r"micro-steps.*put the clip inside it"):
+        Trainer(_MLP(nnx.Rngs(0)), _mse, optimizer=multi_steps(optax.sgd(0.1), 2), clip_norm=1.0,
+                zero=zero)
+    # The clip inside clips the accumulated gradient: two micro-steps, then one clipped step.
+    inner = optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(1.0))
+    trainer = Trainer(_MLP(nnx.Rngs(0)), _mse, optimizer=multi_steps(inner, 2))
+    before = jax.tree.map(np.asarray, trainer.params)
+    for _ in range(2):
+        trainer.step(_batch())
+    moved = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - b, trainer.params, before)
+    norm = np.sqrt(sum(float(np.sum(d ** 2)) for d in jax.tree.leaves(moved)))
+    assert norm == pytest.approx(1e-3, rel=1e-3)

@@ -81,6 +81,21 @@ def check_seed(seed: Any) -> int:
     return int(seed)
 
 
+def _refuse_clip_before_micro_steps(optimizer, params, clip: float) -> None:
+    """Refuses `clip_norm` with an optimizer that accumulates micro-steps (optax.MultiSteps,
+    `accumulation.multi_steps`): the trainer's clip goes before that optimizer, so it would
+    clip each micro-batch's gradient, not the accumulated one that the step applies."""
+    is_multi = lambda node: isinstance(node, optax.MultiStepsState)  # noqa: E731
+    state = jax.eval_shape(optimizer.init, params)  # shapes only: nothing is allocated
+    if any(is_multi(node) for node in jax.tree.leaves(state, is_leaf=is_multi)):
+        raise ValueError(
+            f"clip_norm={clip!r} with an optimizer that accumulates micro-steps (optax.MultiSteps, "
+            "multi_steps) would clip each micro-batch's gradient, not the accumulated one; put "
+            "the clip inside it: multi_steps(optax.chain(optax.clip_by_global_norm(c), opt), k), "
+            "or pass the plain optimizer with Trainer(microbatches=k), whose step clips the "
+            "whole batch's gradient")
+
+
 def build_optimizer(zero: int, opt_state_dtype: str, *, clip_norm: float, **schedule):
     """`default_optimizer(**schedule)` with `opt_state_dtype` moments, and where it clips.
 
@@ -167,7 +182,8 @@ class Trainer:
       clip_norm: global-norm clip of the gradients, a finite number >= 0 (0: none;
         default 1.0 for the default optimizer). With `optimizer=` it is off unless
         given: then it is applied before that optimizer (at zero > 0 by the step,
-        over the whole gradient).
+        over the whole gradient). Refused with an optimizer that accumulates
+        micro-steps (optax.MultiSteps): it would clip each micro-batch's gradient.
       weight_fn: `weight_fn(batch) -> scalar`, what `loss_fn` is a mean over, summed
         over the batch (e.g. `lambda b: b["mask"].sum()`: the tokens that count).
         Micro-batches and devices then count in proportion to it, so the step's
@@ -221,6 +237,8 @@ class Trainer:
             # A clip the user asked for is kept: before their optimizer, or by the ZeRO step
             # over the whole gradient (a clip inside a sharded optimizer would see one shard).
             clip = 0.0 if clip_norm is None else check_clip_norm(clip_norm)
+            if clip:
+                _refuse_clip_before_micro_steps(optimizer, fns.params, clip)
             if clip and not zero:
                 optimizer = optax.chain(clip_by_global_norm_f32(clip), optimizer)
             optimizer = low_precision_state(optimizer, opt_state_dtype)
