@@ -56,9 +56,8 @@ def main(argv: list[str] | None = None) -> int:
                             f"--help/--version go after it (`jaxopt-train COMMAND --help` lists them)")
     if command not in _COMMANDS:
         return _usage_error(f"unknown command {command!r}; expected one of {list(_COMMANDS)}")
-    module = importlib.import_module(_COMMANDS[command][0])
-    try:
-        return int(module.main(rest) or 0)
+    try:  # importing the command (jax with it) takes seconds: a Ctrl-C then is the user's too
+        return int(importlib.import_module(_COMMANDS[command][0]).main(rest) or 0)
     except KeyboardInterrupt:
         # Ctrl-C is the user's choice, not a crash: no traceback, the shell's status for
         # SIGINT. (A training loop catches it itself and saves a checkpoint first.)

@@ -87,3 +87,12 @@ def test_cli_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys):
     monkeypatch.setattr(plot, "main", interrupted)
     assert main(["plot", "runs/x"]) == 130
     assert capsys.readouterr().err == "jaxopt-train plot: interrupted\n"
+    # Ctrl-C while the command's module (and jax) is still importing, the first seconds of
+    # every command, gave a traceback ending in importlib's frames.
+    cli = importlib.import_module("jaxopt_train.cli")
+
+    def importing(name):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli.importlib, "import_module", importing)
+    assert main(["bench", "train"]) == 130
+    assert capsys.readouterr().err == "jaxopt-train bench: interrupted\n"
