@@ -31,8 +31,7 @@ def test_every_public_name_is_its_owners_and_the_top_imports_no_jax():
             "from jaxopt_train import *\n"
             "assert Policy is jaxopt_train.precision.Policy and ring_all_reduce\n"
             "print('ok')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+    _run_python(code)
 
 
 def test_import_starts_no_backend():
@@ -41,9 +40,13 @@ def test_import_starts_no_backend():
             "from jax._src import xla_bridge\n"
             "assert not xla_bridge.backends_are_initialized(), 'backend started at import'\n"
             "print('ok')")
+    _run_python(code)
+
+
+def _run_python(code: str) -> None:
+    """Runs `code` in a fresh interpreter (imports start from nothing); it must print ok."""
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "ok" in out.stdout
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 
 
 @pytest.mark.parametrize("argv, message", [
