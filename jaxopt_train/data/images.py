@@ -9,6 +9,7 @@ import zlib
 
 import numpy as np
 
+from jaxopt_train.data._files import regular_file
 from jaxopt_train.data.sampling import batch_indices, check_positive_int, check_seed, held_out_count
 from jaxopt_train.data.tokens import SPLITS
 
@@ -29,15 +30,8 @@ def load_image_npz(path: str | os.PathLike, *, num_classes: int | None = None) -
       ValueError: a folder or other non-regular file, a damaged archive, missing or object
         (ragged) arrays, wrong ranks/dtypes, mismatched lengths, or labels out of range.
     """
-    path = pathlib.Path(path)
-    if path.is_dir():
-        raise ValueError(f"image file path={str(path)!r} is a folder, not a file; expected an .npz "
-                         "written by np.savez(path, images=..., labels=...)")
-    if not path.exists():
-        raise FileNotFoundError(f"image file path={str(path)!r} does not exist")
-    if not path.is_file():  # it said "does not exist" of a FIFO or device that does
-        raise ValueError(f"image file path={str(path)!r} is not a regular file (a pipe or device?); "
-                         "expected an .npz written by np.savez(path, images=..., labels=...)")
+    path = regular_file(path, "image file",
+                        "an .npz written by np.savez(path, images=..., labels=...)")
     with _open_npz(path) as npz:
         missing = {"images", "labels"} - set(npz.files)
         if missing:

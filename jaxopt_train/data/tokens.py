@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import pathlib
 
 import numpy as np
 
+from jaxopt_train.data._files import regular_file
 from jaxopt_train.data.sampling import batch_indices, check_positive_int, check_seed, held_out_count
 
 TOKEN_FILE_DTYPES = ("uint16", "uint32")
@@ -34,15 +34,9 @@ def load_token_file(path: str | os.PathLike, dtype: str | np.dtype = "uint16") -
         # otherwise be dropped and its ids silently read as other ids.
         raise ValueError(f"dtype={dtype!r} is big-endian; token files are little-endian: "
                          f"pass {name!r}, or convert the file")
-    path = pathlib.Path(path)
-    if path.is_dir():
-        raise ValueError(f"token file path={str(path)!r} is a folder, not a file; expected a .bin "
-                         "file of token ids (e.g. nanoGPT's train.bin inside it)")
-    if not path.exists():
-        raise FileNotFoundError(f"token file path={str(path)!r} does not exist")
-    if not path.is_file():  # it said "does not exist" of a FIFO or device that does
-        raise ValueError(f"token file path={str(path)!r} is not a regular file (a pipe or device?); "
-                         "expected a .bin file of token ids, which is memory-mapped")
+    path = regular_file(path, "token file", "a .bin file of token ids, which is memory-mapped",
+                        folder_expected="a .bin file of token ids (e.g. nanoGPT's train.bin "
+                        "inside it)")
     size = path.stat().st_size
     itemsize = np.dtype(name).itemsize
     if size == 0:
