@@ -192,6 +192,25 @@ def test_token_file_read_with_the_other_width_is_refused(tmp_path):
     np.testing.assert_array_equal(load_token_file(tmp_path / "big.bin", "uint32"), big)
 
 
+@pytest.mark.parametrize("vocab", [65_537, 128_256, 262_144, 1 << 24])
+def test_uint32_ids_past_65535_read_as_uint16_are_refused(tmp_path, vocab):
+    """A Llama-3 uint32 file read at the default uint16 trained on (low, high) halves: the
+    zero-word check saw high halves of 1."""
+    ids = _zipf_ids(vocab, size=5_000)
+    ids[:2] = [vocab - 1, 65_536]  # ids past 65535 present, as in any such corpus
+    ids.tofile(tmp_path / "ids.bin")
+    with pytest.raises(ValueError, match=r"every second 16-bit word of the first 10,000 is below "
+                                         r"256.*dtype='uint32'.*--token-dtype uint32"):
+        load_token_file(tmp_path / "ids.bin", "uint16")
+    np.testing.assert_array_equal(load_token_file(tmp_path / "ids.bin", "uint32"), ids)
+
+
+@pytest.mark.parametrize("vocab", [2, 4, 65, 256, 50_257, 65_536])
+def test_real_uint16_streams_pass_the_split_check(vocab):
+    check_token_width(_zipf_ids(vocab).astype(np.uint16))
+    check_token_width(np.random.default_rng(1).integers(0, vocab, 100_000).astype(np.uint16))
+
+
 @pytest.mark.parametrize("tokens", [
     np.array([7, 0] * 63, np.uint16),  # 63 pairs: too few for the zero pattern to mean anything
     np.zeros(1_000, np.uint16),  # all zeros: no id at all to tell the widths apart

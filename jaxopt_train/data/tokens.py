@@ -59,13 +59,18 @@ _IMPLAUSIBLE_ID = 1 << 24  # no tokenizer has 16.7 M tokens; uint16 pairs read a
 # Distinct high 16-bit halves from which uint32 ids look paired: a real vocabulary of under
 # 2^18 ids has at most 4 (Gemma's 262,144), and a stream of 4 symbols (DNA) read paired has 4.
 _PAIRED_HIGH_VALUES = 4
+# uint32 ids past 65535 read as uint16 alternate (low half, high half): a high half below 256
+# (ids < 2^24) with few distinct values against the low halves' many. A real uint16 stream's
+# even and odd words are draws from one distribution, with about as many distinct values.
+_SPLIT_LOW_PER_HIGH = 8
 
 
 def check_token_width(tokens: np.ndarray, source: str = "tokens") -> None:
     """Refuses ids that were written with the other width of `TOKEN_FILE_DTYPES`.
 
     uint32 ids below 65536 read as uint16 come out as (id, 0, id, 0, ...): every second
-    16-bit word is zero. uint16 ids read as uint32 pair two ids into one,
+    16-bit word is zero; larger ids (Llama 3's 128,256) as (low half, high half), every
+    second word below 256 with a few distinct values where the others have many. uint16 ids read as uint32 pair two ids into one,
     id_0 + 65536 * id_1, which lands past 2^24 as soon as an id_1 is 256 or more.
     Both are checked on the first 2^20 ids. A small vocabulary (characters, ids < 256)
     stays below 2^24 when paired; its pairs show instead as high 16-bit halves that take
@@ -80,6 +85,15 @@ def check_token_width(tokens: np.ndarray, source: str = "tokens") -> None:
                 f"{source}: every second 16-bit word of the first {2 * pairs.shape[0]:,} is 0, "
                 "the layout of uint32 ids read as uint16; load it with dtype='uint32' "
                 "(jaxopt-train train: --token-dtype uint32)")
+        if pairs.shape[0] >= _MIN_PAIRS and int(pairs[:, 1].max()) < 256:
+            high, low = np.unique(pairs[:, 1]).size, np.unique(pairs[:, 0]).size
+            if low >= _SPLIT_LOW_PER_HIGH * high:
+                raise ValueError(
+                    f"{source}: every second 16-bit word of the first {2 * pairs.shape[0]:,} is "
+                    f"below 256 and takes {high} distinct values against {low} in the others, "
+                    "the layout of uint32 ids (a vocabulary past 65,536, below 2^24) read as "
+                    "uint16; load it with dtype='uint32' (jaxopt-train train: --token-dtype "
+                    "uint32)")
     elif sample.dtype == np.uint32 and sample.size:
         largest = int(sample.max())
         if largest >= _IMPLAUSIBLE_ID:
