@@ -1,5 +1,3 @@
-import sys
+from jaxopt_train.cli import run
 
-from jaxopt_train.cli import main
-
-sys.exit(main())
+run()

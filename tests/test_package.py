@@ -119,3 +119,51 @@ def test_cli_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys):
     monkeypatch.setattr(cli.importlib, "import_module", importing)
     assert main(["bench", "train"]) == 130
     assert capsys.readouterr().err == "jaxopt-train bench: interrupted\n"
+
+
+_CLI_SCRIPT = """
+import atexit, gc, importlib, signal, sys, time
+from jaxopt_train import cli
+mode = sys.argv[1]
+atexit.register(lambda: print("atexit ran"))
+if mode == "ignored":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell gives a background job
+
+def in_callback(phase, info):
+    if phase == "start":
+        signal.raise_signal(signal.SIGINT)  # its handler runs here, inside the callback
+        gc.callbacks.remove(in_callback)
+
+def command(argv):
+    print("started", end="")  # unflushed: it must still reach the pipe
+    if mode == "raise":
+        raise KeyboardInterrupt
+    gc.callbacks.append(in_callback)
+    gc.collect()
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+    print(" ran on")
+    return 0
+
+importlib.import_module("jaxopt_train.plot").main = command
+sys.argv = ["jaxopt-train", "plot", "x"]
+cli.run()
+"""
+
+
+@pytest.mark.parametrize("mode, code, stdout", [
+    ("raise", 130, "started"),
+    # A Ctrl-C inside a gc callback (JAX registers one) was printed as "Exception ignored"
+    # and dropped: the command ran on and exited 0.
+    ("gc_callback", 130, "started"),
+    ("ignored", 0, "started ran on\natexit ran\n"),
+])
+def test_cli_program_ends_at_once_on_ctrl_c(mode, code, stdout):
+    """`jaxopt-train` exits 130 straight after a Ctrl-C, stdio flushed and no atexit: an
+    interrupted `bench train` died of SIGSEGV (-11) in the teardown while XLA compiled."""
+    out = subprocess.run([sys.executable, "-c", _CLI_SCRIPT, mode], capture_output=True,
+                         text=True, timeout=120)
+    assert (out.returncode, out.stdout) == (code, stdout), out.stderr
+    assert "Exception ignored" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert ("jaxopt-train plot: interrupted" in out.stderr) == (code == 130), out.stderr
