@@ -470,11 +470,13 @@ def clear_run_dir(run_dir: str) -> None:
 
 
 def check_same_model(saved: dict[str, Any], current: dict[str, Any], run_dir: str) -> None:
-    """Raises RunDirError naming every model-shape field that differs from the saved run."""
+    """Raises RunDirError naming every model-shape field that differs from the saved run
+    (`TrainConfig.model_shape`: the shapes, the weights' and optimizer state's dtypes)."""
     keys = sorted(set(saved) | set(current))
     diffs = [f"{k}: saved {saved.get(k)!r}, now {current.get(k)!r}"
              for k in keys if saved.get(k) != current.get(k)]
     if diffs:
         raise RunDirError(
-            f"cannot resume run_dir={run_dir!r}: its checkpoints hold a model of another shape ("
+            f"cannot resume run_dir={run_dir!r}: its checkpoints hold a model of another "
+            "shape or dtype ("
             + "; ".join(diffs) + "). Use the original settings or a new --run-dir.")

@@ -165,6 +165,10 @@ def check_resume_shape(run_dir: str, cfg: TrainConfig, ckpt: Checkpointer,
         # Saved before the length was resolved: None meant the preset's.
         saved["seq_len"] = resolved_seq_len(saved["preset"], None)
     current = json.loads(json.dumps(cfg.model_shape(classes)))
+    if "opt_state_dtype" in saved or "opt_state_dtype" in current:
+        # model_shape leaves out the default, so a change to or from f32 read "now None"
+        saved.setdefault("opt_state_dtype", "f32")
+        current.setdefault("opt_state_dtype", "f32")
     if "param_dtype" not in saved:  # saved before it was recorded: cannot be checked
         current.pop("param_dtype")
     widths = _classes_to_compare(saved, current, cfg, known=classes is not None)
