@@ -246,15 +246,6 @@ def test_a_resume_behind_an_unreadable_config_json_changes_nothing(run_dir, monk
     assert _snapshot(run_dir) == before
 
 
-class _Meta:
-    """A checkpointer whose meta is `meta`."""
-
-    def __init__(self, meta):
-        self.meta = meta
-
-    def read_meta(self, step=None):  # noqa: ARG002
-        return self.meta
-
 
 @pytest.mark.parametrize("saved, now", [("bf16", "f32"), ("f32", "bf16")])
 def test_an_optimizer_state_dtype_change_names_both_dtypes(saved, now):
@@ -263,6 +254,6 @@ def test_an_optimizer_state_dtype_change_names_both_dtypes(saved, now):
     with pytest.raises(RunDirError, match=rf"another shape or dtype \(opt_state_dtype: saved "
                                           rf"'{saved}', now '{now}'\)"):
         resume.check_resume_shape("ckpts", TrainConfig(**TINY, opt_state_dtype=now),
-                                  _Meta({"model_shape": shape}))
+                                  _Meta(shape))
     resume.check_resume_shape("ckpts", TrainConfig(**TINY, opt_state_dtype=saved),
-                              _Meta({"model_shape": shape}))
+                              _Meta(shape))
