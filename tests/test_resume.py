@@ -10,6 +10,7 @@ data order is refused naming the file, and changes nothing.
 """
 
 import dataclasses
+import glob
 import json
 import os
 import shutil
@@ -257,3 +258,19 @@ def test_an_optimizer_state_dtype_change_names_both_dtypes(saved, now):
                                   _Meta(shape))
     resume.check_resume_shape("ckpts", TrainConfig(**TINY, opt_state_dtype=saved),
                               _Meta(shape))
+
+
+def test_a_corrupt_checkpoint_is_refused_naming_the_array_that_failed(run_dir):
+    """orbax's own message for a truncated array file is a bound method's repr and a page of
+    TensorStore spec; its cause names the array and what is wrong with it."""
+    files = glob.glob(os.path.join(run_dir, "checkpoints", "2", "state", "ocdbt.process_*",
+                                   "d", "*"))
+    assert files, os.listdir(os.path.join(run_dir, "checkpoints", "2", "state"))
+    for path in files:
+        with open(path, "r+b") as f:
+            f.truncate(100)
+    with pytest.raises(RunDirError, match=r"checkpoint at step 2 in .*: ValueError: [A-Z_]+: "
+                                          r"Error reading \"[^\"]+\.value/.*damaged or "
+                                          r"incomplete; no earlier checkpoint is kept") as info:
+        train(TrainConfig(run_dir=run_dir, resume=True, **{**TINY, "steps": 4}))
+    assert "bound method" not in str(info.value) and "TensorStore({" not in str(info.value)

@@ -70,6 +70,11 @@ def _damaged(ckpt: Checkpointer, err: Exception) -> RunDirError:
     hint = (f"to resume from step {earlier[-1]} (the previous checkpoint), move "
             f"{os.path.join(ckpt.directory, str(step))} out of {ckpt.directory}"
             if earlier else "no earlier checkpoint is kept")
+    # The innermost cause says what is wrong and where: orbax wraps a TensorStore read error
+    # ('OUT_OF_RANGE: Error reading "params...kernel.value/0.0" ...') in an Exception whose
+    # text is a bound method's repr and a page of TensorStore spec.
+    while err.__cause__ is not None:
+        err = err.__cause__
     reason = (str(err).strip().splitlines() or [""])[0][:300]
     return RunDirError(f"cannot restore the checkpoint at step {step} in {ckpt.directory}: "
                        f"{type(err).__name__}: {reason}. It is damaged or incomplete; {hint}, "
