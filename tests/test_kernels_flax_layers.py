@@ -192,7 +192,10 @@ def test_gpu_kernels_inside_shard_map_with_varying_axes_checked(backend):
     gpu = [d for d in jax.devices() if d.platform == "gpu"][:1]
     mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,), devices=gpu)
     kernel = make_dot_general(backend)
-    x = jax.random.normal(jax.random.key(0), (4, 256, 512), jnp.bfloat16)
+    # Placed as in_specs says: on an Explicit mesh, jax 0.11's shard_map refuses an input
+    # whose sharding is not the spec (it ran first on the GPU machine and failed there).
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (4, 256, 512), jnp.bfloat16),
+                       NamedSharding(mesh, P("data")))
 
     def grads(dot):
         layer = nnx.Linear(512, 384, dot_general=dot, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
