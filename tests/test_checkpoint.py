@@ -1,6 +1,7 @@
 """Checkpoints: round trip into typed targets, keep-last-N, atomicity, run-dir guards."""
 
 import os
+import shutil
 import re
 
 import jax
@@ -197,6 +198,23 @@ def test_prepare_run_dir_guards(tmp_path):
     os.makedirs(os.path.join(run, "profile", "plugins"))  # the old run's --profile-steps trace
     clear_run_dir(run)  # once the new run is built
     assert existing_checkpoint_steps(run) == [] and os.listdir(run) == ["notes.txt"]
+    # In tb/ and profile/ the run's events and traces go, the user's own files stay: the
+    # whole folders were deleted.
+    written = {"tb/events.out.tfevents.1764.host": "run", "tb/notes.md": "mine",
+               "profile/plugins/profile/2026_12_06/host.xplane.pb": "run",
+               "profile/plugins/profile/2026_12_06/host.trace.json.gz": "run",
+               "profile/notes.md": "mine", "profile/mine/a.txt": "mine"}
+    for name, text in written.items():
+        os.makedirs(os.path.dirname(os.path.join(run, name)), exist_ok=True)
+        with open(os.path.join(run, name), "w") as f:
+            f.write(text)
+    os.makedirs(os.path.join(run, "checkpoints", "3"))
+    clear_run_dir(run)
+    left = sorted(os.path.relpath(os.path.join(d, f), run) for d, _, fs in os.walk(run) for f in fs)
+    assert left == ["notes.txt", "profile/mine/a.txt", "profile/notes.md", "tb/notes.md"]
+    assert sorted(os.listdir(os.path.join(run, "profile"))) == ["mine", "notes.md"]
+    for name in ("tb", "profile"):
+        shutil.rmtree(os.path.join(run, name))
     # A run that died before its first checkpoint left metrics and a config: a new run
     # there must not append to them unless told to start over.
     for name in ("metrics.jsonl", "config.json"):

@@ -456,7 +456,9 @@ def clear_run_dir(run_dir: str) -> None:
     events, profiler traces): `--overwrite`, called once the new run is built. Other files
     stay, and so does a name of `RUN_FILES` of the other kind (a folder named metrics.jsonl,
     a file named profile): no run wrote it, and the new run refuses it before this
-    (`loop._check_output_paths`)."""
+    (`loop._check_output_paths`). In tb/ and profile/ only the event files and the
+    profiler's plugins/profile/ runs go: the whole folders were deleted, with a user's
+    notes in them."""
     if jax.process_index() != 0:
         return
     for name, folder in RUN_FILES.items():
@@ -464,9 +466,27 @@ def clear_run_dir(run_dir: str) -> None:
         if folder and os.path.islink(path):
             continue  # prepare_run_dir refused one whose folder is not empty
         if folder and os.path.isdir(path):
-            shutil.rmtree(path)
+            _clear_run_folder(name, path)
         elif not folder and os.path.isfile(path):
             os.remove(path)
+
+
+def _clear_run_folder(name: str, path: str) -> None:
+    if name == CHECKPOINT_SUBDIR:
+        shutil.rmtree(path)
+        return
+    if name == "profile":  # jax.profiler.trace writes plugins/profile/<run>/<host>.*
+        traces = os.path.join(path, "plugins", "profile")
+        if os.path.isdir(traces) and not os.path.islink(traces):
+            shutil.rmtree(traces)
+    else:  # tb: the EventFileWriter's events.out.tfevents.* files
+        for folder, _, files in os.walk(path):
+            for file in files:
+                if file.startswith("events.out.tfevents."):
+                    os.remove(os.path.join(folder, file))
+    for folder, _, _ in sorted(os.walk(path), key=lambda entry: -len(entry[0])):
+        if not os.listdir(folder):  # deepest first, so a parent emptied by its children goes too
+            os.rmdir(folder)
 
 
 def check_same_model(saved: dict[str, Any], current: dict[str, Any], run_dir: str) -> None:
