@@ -77,6 +77,29 @@ def test_text_folder_skips_bytecode_and_binary_files(tmp_path):
     assert load_text_corpus(tmp_path / "logo.png").size == 16
 
 
+@pytest.mark.parametrize("suffix, kind", [(".gz", "gzip"), (".bz2", "bzip2"), (".xz", "xz"),
+                                          (".zip", "zip")])
+def test_a_compressed_text_file_is_refused(tmp_path, suffix, kind):
+    """--data corpus.txt.gz trained on gzip's output bytes, exit 0."""
+    import bz2
+    import gzip
+    import lzma
+    import zipfile
+
+    text = b"to be or not to be\n" * 100
+    path = tmp_path / f"corpus.txt{suffix}"
+    if kind == "zip":
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("corpus.txt", text)
+    else:
+        path.write_bytes({"gzip": gzip, "bzip2": bz2, "xz": lzma}[kind].compress(text))
+    with pytest.raises(ValueError, match=rf"corpus\.txt\{suffix}' is {kind}-compressed; expected "
+                                         r"the text itself: decompress it first"):
+        load_text_corpus(path)
+    (tmp_path / "plain.txt").write_bytes(b"\x1f text that only starts like gzip")
+    assert bytes(load_text_corpus(tmp_path / "plain.txt")).startswith(b"\x1f text")
+
+
 def test_text_folder_with_token_files_is_refused_naming_them(tmp_path):
     """A nanoGPT data folder used to train on prepare.py alone, its .bin files skipped as binary."""
     np.arange(5000, dtype=np.uint16).tofile(tmp_path / "train.bin")

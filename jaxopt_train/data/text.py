@@ -51,11 +51,28 @@ def _is_binary(file: pathlib.Path) -> bool:
         return b"\0" in f.read(8192)
 
 
+# The first bytes of compressed files: a byte-level model would learn the compressor's output.
+_COMPRESSED_MAGIC = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz",
+                     b"\x28\xb5\x2f\xfd": "zstd", b"PK\x03\x04": "zip"}
+
+
+def _refuse_compressed(file: pathlib.Path) -> None:
+    """A single file is read as given, binary or not, except a compressed one: its bytes are
+    never the text it holds (`--data corpus.txt.gz` trained on gzip's output)."""
+    with open(file, "rb") as f:
+        head = f.read(8)
+    kind = next((name for magic, name in _COMPRESSED_MAGIC.items() if head.startswith(magic)), None)
+    if kind is not None:
+        raise ValueError(f"text corpus path={str(file)!r} is {kind}-compressed; expected the text "
+                         "itself: decompress it first and pass that file")
+
+
 def _text_files(path: pathlib.Path) -> list[pathlib.Path]:
     """The file itself, or a folder's text files, skipping hidden ones and ``__pycache__``."""
     if not path.exists():
         raise FileNotFoundError(f"text corpus path={str(path)!r} does not exist")
     if path.is_file():
+        _refuse_compressed(path)
         return [path]
     if not path.is_dir():  # a pipe (--data <(zcat ...)) was walked as a folder: "empty (0 files)"
         raise ValueError(f"text corpus path={str(path)!r} is neither a regular file nor a folder "
