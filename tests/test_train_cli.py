@@ -448,3 +448,26 @@ def test_no_multi_host_flag_leaves_jax_distributed_alone(monkeypatch):
     assert calls == [dict(coordinator_address="h:1234", num_processes=4, process_id=3,
                           initialization_timeout=30)]
     assert "distributed" not in {f.name for f in dataclasses.fields(TrainConfig)}  # not saved
+
+
+def test_a_relative_data_path_resumes_from_another_folder(tmp_path, monkeypatch, capsys):
+    """config.json kept --data as typed, so `--resume --run-dir /abs/run` from another
+    folder was refused ("does not exist") or read another file of that name."""
+    first, elsewhere, run_dir = tmp_path / "first", tmp_path / "elsewhere", str(tmp_path / "run")
+    (first / "d").mkdir(parents=True)
+    elsewhere.mkdir()
+    (first / "d" / "corpus.txt").write_text("to be or not to be, that is the question\n" * 200)
+    tiny = ["--model", "d_model=32", "--model", "n_layers=1", "--model", "n_heads=2",
+            "--seq-len", "32", "--batch-size", "8", "--eval-every", "0", "--eval-batches", "1",
+            "--log-every", "2", "--progress", "lines", "--run-dir", run_dir]
+    monkeypatch.chdir(first)
+    assert cli.main(["--data", "d/corpus.txt", "--steps", "2", *tiny]) == 0
+    with open(os.path.join(run_dir, "config.json")) as f:
+        assert json.load(f)["config"]["data"] == str(first / "d" / "corpus.txt")
+    monkeypatch.chdir(elsewhere)
+    assert cli.main(["--resume", "--run-dir", run_dir, "--steps", "4"]) == 0, capsys.readouterr().err
+    assert "stopped" not in capsys.readouterr().out
+    # The same relative path given again on the resume line is no change.
+    monkeypatch.chdir(first)
+    assert cli.main(["--resume", "--run-dir", run_dir, "--steps", "6", "--data", "d/corpus.txt"]) == 0
+    assert "--data" not in capsys.readouterr().err

@@ -241,6 +241,8 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
     args = parser.parse_args(argv)
     values = vars(args)
     values["model_overrides"] = _parse_overrides(parser, values.pop("model"))
+    if values["data"]:  # as config.json records it (loop._write_config): a resume compares alike
+        values["data"] = os.path.abspath(values["data"])
     if values["resume"] and values["run_dir"] is not None:
         values = _resumed_values(parser, values, _given_fields(argv))
     fields = {f.name for f in dataclasses.fields(TrainConfig)}

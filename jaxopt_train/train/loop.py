@@ -90,7 +90,12 @@ def _write_config(run_dir: str, cfg: TrainConfig, task: Task) -> None:
     """run_dir/config.json, replaced whole (a crash mid-write leaves the old file)."""
     if jax.process_index() != 0:
         return
-    record = {"config": cfg.to_dict(), "model_shape": cfg.model_shape(task.classes),
+    config = cfg.to_dict()
+    if isinstance(config["data"], str) and config["data"]:
+        # A relative path is the writer's working directory's: `--resume --run-dir /abs/run`
+        # from another folder read it as another file, or as none.
+        config["data"] = os.path.abspath(config["data"])
+    record = {"config": config, "model_shape": cfg.model_shape(task.classes),
               "task": task.description}
     replace_text(os.path.join(run_dir, "config.json"),
                  json.dumps(record, indent=2, sort_keys=True, default=str))
