@@ -54,7 +54,8 @@ def test_help_exits_zero(capsys):
     (["--seed", "-1"], "--seed: seed=-1 must be an integer >= 0"),
     # Ignored with --data (the file's images), yet saved in the model shape: it refused a resume.
     (["--preset", "cnn-small", "--data", "x.npz", "--image-size", "64"],
-     "image_size=64 sizes the synthetic images; with data='x.npz' the images are the file's own size"),
+     f"image_size=64 sizes the synthetic images; with data={os.path.abspath('x.npz')!r} the images "
+     "are the file's own size"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(argv, needle, capsys):
     code, err = _exit_code_and_err(argv, capsys)
