@@ -724,3 +724,22 @@ def test_frozen_collector_frees_garbage_first_and_unfreezes_on_exit():
                 1 / 0  # noqa: B018
         assert gc.get_freeze_count() >= frozen  # a nested exit leaves the outer block frozen
     assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize("precision, advice", [
+    ("fp16", r"or a precision with more range than fp16 \(bf16, fp32\)\.$"),
+    ("bf16", r"or, if the compute dtype is narrow, one with more range \(bf16, fp32\)\.$"),
+    ("fp32", r"or, if the compute dtype is narrow, one with more range \(bf16, fp32\)\.$"),
+])
+def test_nonfinite_stop_advice_fits_the_precision(precision, advice):
+    """An fp16 run was told to 'use a precision with a loss scaler (fp16)': it had one."""
+    from types import SimpleNamespace
+
+    from jaxopt_train.precision import get_policy
+
+    trainer = SimpleNamespace(state=SimpleNamespace(nonfinite_streak=np.int32(2)),
+                              policy=get_policy(precision))
+    with pytest.raises(NonFiniteError, match=rf"stopping at step 7: 2 consecutive .*{advice}"):
+        loop_lib.check_streak(TrainConfig(max_nonfinite_steps=2), trainer, 7)
+    trainer.state.nonfinite_streak = np.int32(1)
+    loop_lib.check_streak(TrainConfig(max_nonfinite_steps=2), trainer, 7)  # under the limit

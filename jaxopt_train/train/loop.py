@@ -490,12 +490,16 @@ def check_streak(cfg: TrainConfig, trainer: Trainer, step: int) -> None:
     run on past the limit."""
     streak = int(trainer.state.nonfinite_streak)
     if streak >= cfg.max_nonfinite_steps:
+        # fp16's loss scale already halves itself after each such step: the advice to use a
+        # loss scaler was given to runs that had one.
+        fp16 = np.dtype(trainer.policy.compute_dtype) == np.float16
+        other = ("or a precision with more range than fp16 (bf16, fp32)" if fp16 else
+                 "or, if the compute dtype is narrow, one with more range (bf16, fp32)")
         raise NonFiniteError(
             f"stopping at step {step}: {streak} consecutive steps had non-finite gradients "
             f"(max_nonfinite_steps={cfg.max_nonfinite_steps}); params were left unchanged on those "
             "steps and no checkpoint was written once the streak reached that limit. Lower --lr, "
-            "clip harder (a lower --clip-norm; 0 turns clipping off), or use a precision with a "
-            "loss scaler (fp16) or more range (bf16/fp32).")
+            f"clip harder (a lower --clip-norm; 0 turns clipping off), {other}.")
 
 
 def warmup_note(cfg: TrainConfig) -> str | None:
