@@ -472,3 +472,23 @@ def test_a_relative_data_path_resumes_from_another_folder(tmp_path, monkeypatch,
     monkeypatch.chdir(first)
     assert cli.main(["--resume", "--run-dir", run_dir, "--steps", "6", "--data", "d/corpus.txt"]) == 0
     assert "--data" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("precision", None, "precision=None"),
+    ("batch_size", "four", "batch_size='four'"),
+])
+def test_a_bad_value_in_a_resumed_runs_config_names_the_file_not_a_flag(tmp_path, capsys, field,
+                                                                        value, needle):
+    """A damaged config.json was blamed on a flag never passed ('--precision: precision=None')."""
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir)
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump({"config": {**TrainConfig().to_dict(), field: value}}, f)
+    code, err = _exit_code_and_err(["--run-dir", run_dir, "--resume"], capsys)
+    assert code == 2
+    assert (f"--resume: the run's settings in {os.path.join(run_dir, 'config.json')} hold "
+            f"{needle}") in err and "restore the file, pass the setting's flag" in err, err
+    # The flag given on the resume line replaces the saved value.
+    flag = {"precision": ["--precision", "fp32"], "batch_size": ["--batch-size", "8"]}[field]
+    assert getattr(cli.config_from_args(["--run-dir", run_dir, "--resume", *flag]), field) in ("fp32", 8)

@@ -243,14 +243,22 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
     values["model_overrides"] = _parse_overrides(parser, values.pop("model"))
     if values["data"]:  # as config.json records it (loop._write_config): a resume compares alike
         values["data"] = os.path.abspath(values["data"])
-    if values["resume"] and values["run_dir"] is not None:
-        values = _resumed_values(parser, values, _given_fields(argv))
+    given = _given_fields(argv)
+    resumed = values["resume"] and values["run_dir"] is not None
+    if resumed:
+        values = _resumed_values(parser, values, given)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     try:
         return TrainConfig(**{k: v for k, v in values.items() if k in fields})
     except (TypeError, ValueError) as err:
         message = str(err)
         field = message.split("=", 1)[0].strip() if "=" in message else ""
+        if resumed and field in fields and field not in given:
+            # The value is the saved run's, not a flag's: "--precision: precision=None" named
+            # a flag the user never passed.
+            saved = os.path.join(values["run_dir"], "config.json")
+            parser.error(f"--resume: the run's settings in {saved} hold {message}; restore "
+                         "the file, pass the setting's flag, or start a new --run-dir")
         flag = _flag_for_field(field) if field in fields else "a flag"
         parser.error(f"{flag}: {message}")
     raise AssertionError("unreachable")  # parser.error exits
