@@ -75,6 +75,11 @@ def test_text_folder_skips_bytecode_and_binary_files(tmp_path):
     assert bytes(corpus) == b"print('hi')\n"
     # a file named explicitly is read as given
     assert load_text_corpus(tmp_path / "logo.png").size == 16
+    # a folder of binary files only was "empty (0 files, 0 bytes)"
+    (tmp_path / "images").mkdir()
+    (tmp_path / "logo.png").rename(tmp_path / "images" / "logo.png")
+    with pytest.raises(ValueError, match=r"images' holds only binary files \(1: .*\) and no text"):
+        load_text_corpus(tmp_path / "images")
 
 
 @pytest.mark.parametrize("suffix, kind", [(".gz", "gzip"), (".bz2", "bzip2"), (".xz", "xz"),

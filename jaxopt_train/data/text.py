@@ -83,7 +83,14 @@ def _text_files(path: pathlib.Path) -> list[pathlib.Path]:
                                    for part in p.relative_to(path).parts)
     )
     _refuse_token_files(path, files)
-    return [p for p in files if not _is_binary(p)]
+    text = [p for p in files if not _is_binary(p)]
+    if files and not text:  # else reported as "empty (0 files, 0 bytes)"
+        raise ValueError(f"text corpus folder path={str(path)!r} holds only binary files "
+                         f"({len(files)}: a NUL byte in their first 8 KiB: images, archives, "
+                         "bytecode) "
+                         "and no text; give a folder with text files, or name one file to read "
+                         "its bytes as they are")
+    return text
 
 
 def _refuse_token_files(folder: pathlib.Path, files: list[pathlib.Path]) -> None:
