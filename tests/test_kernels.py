@@ -1254,6 +1254,9 @@ def test_autotune_cli_refuses_a_layout_the_backend_cannot_read(capsys):
     (["--backend", "interpret", "--shapes", "16x16x16", "--candidates", "/nope/c.json"], "cannot read"),
     (["--backend", "interpret", "--shapes", "16x16x16", "--candidates", "[{}]", "--quick"],
      "give one of them"),
+    # XLA aborted the process allocating the operands (exit 134, a C++ stack)
+    (["--backend", "interpret", "--shapes", "1000000x1000000x1000000", "--quick"],
+     "shape 1000000x1000000x1000000 needs ~"),
 ])
 def test_autotune_cli_refuses_bad_input(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -1357,6 +1360,11 @@ def test_autotune_refuses_bad_shapes_and_budget():
         autotune([(16, 16, 16)], backend="interpret", candidates=[], write_cache=False)
     with pytest.raises(ValueError, match="dtype=int8 is not a matmul input dtype"):
         autotune([(16, 16, 16)], jnp.int8, backend="interpret", write_cache=False)
+    # Refused before anything is allocated, naming what it needs and what there is.
+    with pytest.raises(ValueError, match=r"shape 16x1000000x1000000 needs ~.* for 4 operand set\(s\)"
+                                         r".* more than this host's memory \("):
+        autotune([(16, 16, 16), (16, 1_000_000, 1_000_000)], backend="interpret", write_cache=False,
+                 timer=lambda fn: pytest.fail("timed before the memory check"))
 
 
 def test_autotune_of_float32_tunes_the_bfloat16_entry_matmul_reads(tmp_path):

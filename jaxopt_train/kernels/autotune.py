@@ -21,6 +21,7 @@ import importlib
 import itertools
 import json
 import logging
+import os
 import pathlib
 import statistics
 import sys
@@ -201,6 +202,27 @@ def reference_tolerance(dtype) -> float:
     return 2e-2 if jnp.dtype(dtype) in (jnp.bfloat16, jnp.float32) else 5e-3
 
 
+def _check_fits_memory(shape: tuple[int, int, int], dtype, input_sets: int, device) -> None:
+    """Refuses a shape whose operands and reference cannot fit where they are made: XLA
+    aborted the process on 100000^3 ("Check failed: buffer_.IsConcrete()")."""
+    from jaxopt_train.train.step import device_pool_limit, format_bytes  # noqa: PLC0415
+
+    m, n, k = (int(x) for x in shape)
+    # The operand sets, one f32 draw before its cast, the f32 reference and one f32 output.
+    need = input_sets * (m * k + k * n) * jnp.dtype(dtype).itemsize + max(m * k, k * n) * 4 \
+        + 2 * m * n * 4
+    limit, where = device_pool_limit(device), f"the {device.device_kind} memory pool"
+    if limit is None:  # CPU: the operands live in this host's memory
+        try:
+            limit, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this host's memory"
+        except (AttributeError, OSError, ValueError):
+            return
+    if need > limit:
+        raise ValueError(f"shape {m}x{n}x{k} needs ~{format_bytes(need)} for {input_sets} operand "
+                         f"set(s), the reference and an output, more than {where} "
+                         f"({format_bytes(limit)}); tune a smaller shape, or fewer input sets")
+
+
 def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: str = "auto",
              candidates: Sequence[MatmulConfig | dict] | None = None, timer: Timer | None = None,
              write_cache: bool = True, seed: int = 0,
@@ -295,6 +317,8 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
     # Given candidates are swept as given: Triton's own error names a tile that does not fit.
     listed = given or _fitting_candidates(backend, default_candidates(backend, quick=quick),
                                           capability)
+    for shape in shapes:
+        _check_fits_memory(shape, dtype, input_sets, device)
     if write_cache:
         check_cache_writable()
     timer = timer or burst_timer
