@@ -73,7 +73,9 @@ def test_bad_dtype_exits_2(capsys):
 ])
 def test_bad_values_exit_2_with_the_reason(argv, message, capsys):
     assert bench.main(argv) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # With the usage and an "error:" prefix, as argparse's own refusals (they had neither).
+    assert err.startswith("usage: ") and f": error: {message}" in err, err
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -282,8 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(__doc__.split("\n")[0])
     args = parser.parse_args(argv)
     problem = flags.value_problem(args)
-    if problem:
-        print(problem, file=sys.stderr)
+    if problem:  # in argparse's form, as the other flag errors are
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: {problem}", file=sys.stderr)
         return 2
     flags.check_gpt_flags(parser, args)
     flags.check_sizes(parser, args.sizes, args.dtypes)
