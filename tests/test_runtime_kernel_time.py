@@ -66,6 +66,20 @@ def test_all_gpus_and_the_newest_trace(tmp_path):
     assert kernel_times(old) == [KernelTime("old", STREAM, 1.0, 0.001)]  # a file, read as given
 
 
+def test_an_empty_trace_file_is_refused_as_empty(tmp_path, capsys):
+    """A 0-byte .xplane.pb parsed as a trace with no planes: 'no GPU kernels (a trace of a
+    CPU run?)', exit 1."""
+    empty = tmp_path / "plugins/profile/a/h.xplane.pb"
+    empty.parent.mkdir(parents=True)
+    empty.write_bytes(b"")
+    for given in (empty, tmp_path):
+        with pytest.raises(ValueError, match=r"h\.xplane\.pb' is empty \(0 bytes\)"):
+            find_xplane(given)
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["kernels", str(tmp_path)])
+    assert exc.value.code == 2 and "is empty (0 bytes)" in capsys.readouterr().err
+
+
 def test_a_run_dir_with_glob_characters_is_a_folder_not_a_pattern(tmp_path):
     trace = write_xspace(tmp_path / "lr=[0.1]/profile/plugins/profile/t/h.xplane.pb",
                          {"/device:GPU:0": {STREAM: [("k", 1.0)]}})

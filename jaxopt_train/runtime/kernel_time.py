@@ -45,10 +45,11 @@ def find_xplane(trace: str | os.PathLike) -> str:
 
     Raises:
       FileNotFoundError: no such path, or a directory without a trace.
+      ValueError: the trace file (the newest, in a directory) is empty.
     """
     trace = os.fspath(trace)
     if os.path.isfile(trace):
-        return trace
+        return _non_empty(trace)
     if not os.path.isdir(trace):
         raise FileNotFoundError(f"no trace at {trace!r}: expected a jax.profiler log directory "
                                 f"or an .xplane.pb file")
@@ -60,7 +61,16 @@ def find_xplane(trace: str | os.PathLike) -> str:
     if not files:
         raise FileNotFoundError(f"no *.xplane.pb under {trace!r} (a jax.profiler trace writes one "
                                 f"under plugins/profile/<time>/)")
-    return max(files, key=os.path.getmtime)
+    return _non_empty(max(files, key=os.path.getmtime))
+
+
+def _non_empty(path: str) -> str:
+    # An empty file parses as a trace with no planes: it was reported as "no GPU kernels
+    # (a trace of a CPU run?)".
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"trace {path!r} is empty (0 bytes): a profile cut off before it was "
+                         "written? Trace the steps again")
+    return path
 
 
 def kernel_times(trace: str | os.PathLike, *, steps: int = 1,
