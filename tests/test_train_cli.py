@@ -492,3 +492,17 @@ def test_a_bad_value_in_a_resumed_runs_config_names_the_file_not_a_flag(tmp_path
     # The flag given on the resume line replaces the saved value.
     flag = {"precision": ["--precision", "fp32"], "batch_size": ["--batch-size", "8"]}[field]
     assert getattr(cli.config_from_args(["--run-dir", run_dir, "--resume", *flag]), field) in ("fp32", 8)
+
+
+def test_a_resume_flag_that_clashes_with_the_saved_settings_is_named(tmp_path, capsys):
+    """--preset cnn-small on a GPT run with model overrides was reported as the overrides'
+    fault ("--model: model_overrides=... only apply to GPT presets")."""
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir)
+    saved = TrainConfig(model_overrides={"d_model": 32}).to_dict()
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump({"config": saved}, f)
+    code, err = _exit_code_and_err(["--run-dir", run_dir, "--resume", "--preset", "cnn-small"], capsys)
+    assert code == 2
+    assert (f"error: --preset: model_overrides={{'d_model': 32}} only apply to GPT presets" in err
+            and f"(the other settings are the resumed run's, from {run_dir}/config.json)" in err), err

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 
 from jaxopt_train.train import config as config_lib
@@ -253,12 +254,19 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
     except (TypeError, ValueError) as err:
         message = str(err)
         field = message.split("=", 1)[0].strip() if "=" in message else ""
-        if resumed and field in fields and field not in given:
-            # The value is the saved run's, not a flag's: "--precision: precision=None" named
-            # a flag the user never passed.
+        if resumed:
+            # The values are the saved run's but for the flags given: "--precision:
+            # precision=None" named a flag never passed, and a --preset that clashes with the
+            # saved model was blamed on the saved model.
             saved = os.path.join(values["run_dir"], "config.json")
-            parser.error(f"--resume: the run's settings in {saved} hold {message}; restore "
-                         "the file, pass the setting's flag, or start a new --run-dir")
+            named = [name for name in fields if re.search(rf"\b{name}=", message)]
+            flagged = [name for name in named if name in given]
+            if flagged:
+                parser.error(f"{_flag_for_field(flagged[0])}: {message} (the other settings "
+                             f"are the resumed run's, from {saved})")
+            if field in fields:
+                parser.error(f"--resume: the run's settings in {saved} hold {message}; restore "
+                             "the file, pass the setting's flag, or start a new --run-dir")
         flag = _flag_for_field(field) if field in fields else "a flag"
         parser.error(f"{flag}: {message}")
     raise AssertionError("unreachable")  # parser.error exits
