@@ -63,6 +63,9 @@ def load_run(run_dir: str) -> list[dict[str, float]]:
     if not os.path.isdir(run_dir):
         raise ValueError(f"{run_dir!r} is not a directory; expected a run directory holding metrics.jsonl")
     path = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(path) and not os.path.isfile(path):  # it said "no metrics.jsonl"
+        raise ValueError(f"{path!r} is not a file (a folder?); expected the run's metrics.jsonl, "
+                         "one JSON object per line")
     if not os.path.isfile(path):
         raise ValueError(f"no metrics.jsonl in run directory {run_dir!r}; expected {path} "
                          f"(written by `jaxopt-train train --run-dir`)")

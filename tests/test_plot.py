@@ -109,6 +109,9 @@ def test_run_dir_without_metrics_exits_2(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     code, err = _plot_error([str(tmp_path / "run")], capsys)
     assert code == 2 and "no metrics.jsonl in run directory" in err and "metrics.jsonl" in err
+    (tmp_path / "run" / "metrics.jsonl").mkdir()  # was "no metrics.jsonl"
+    code, err = _plot_error([str(tmp_path / "run")], capsys)
+    assert code == 2 and "metrics.jsonl' is not a file (a folder?)" in err
     (tmp_path / "file").write_text("x")
     code, err = _plot_error([str(tmp_path / "file")], capsys)
     assert code == 2 and "is not a directory" in err
