@@ -133,5 +133,6 @@ def _swallows_exceptions(frame) -> bool:
         frame = frame.f_back
     return False
 
+
 if __name__ == "__main__":
     run()

@@ -214,7 +214,8 @@ def _check_fits_memory(shape: tuple[int, int, int], dtype, input_sets: int, devi
     limit, where = device_pool_limit(device), f"the {device.device_kind} memory pool"
     if limit is None:  # CPU: the operands live in this host's memory
         try:
-            limit, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this host's memory"
+            limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            where = "this host's memory"
         except (AttributeError, OSError, ValueError):
             return
     if need > limit:

@@ -491,10 +491,10 @@ def check_streak(cfg: TrainConfig, trainer: Trainer, step: int) -> None:
     streak = int(trainer.state.nonfinite_streak)
     if streak >= cfg.max_nonfinite_steps:
         # fp16's loss scale already halves itself after each such step: the advice to use a
-        # loss scaler was given to runs that had one.
+        # loss scaler was given to runs that had one. bf16 and fp32 share one range.
         fp16 = np.dtype(trainer.policy.compute_dtype) == np.float16
         other = ("or a precision with more range than fp16 (bf16, fp32)" if fp16 else
-                 "or, if the compute dtype is narrow, one with more range (bf16, fp32)")
+                 "or look for inputs or labels that make the loss overflow")
         raise NonFiniteError(
             f"stopping at step {step}: {streak} consecutive steps had non-finite gradients "
             f"(max_nonfinite_steps={cfg.max_nonfinite_steps}); params were left unchanged on those "
