@@ -192,6 +192,18 @@ def test_token_file_read_with_the_other_width_is_refused(tmp_path):
     np.testing.assert_array_equal(load_token_file(tmp_path / "big.bin", "uint32"), big)
 
 
+def test_a_text_file_named_bin_is_refused_as_text(tmp_path):
+    """It was read as uint16 ids, and the run asked for --model vocab_size=29817."""
+    path = tmp_path / "corpus.bin"
+    path.write_text("hello world, this is some text.\n" * 500)
+    with pytest.raises(ValueError, match=r"corpus\.bin' holds text \(100% of its first 16,000 "
+                                         r"bytes are printable ASCII\), not token ids"):
+        load_token_file(path)
+    # Real ids are far from that: a Zipf stream of GPT-2's vocabulary has ~15% such bytes.
+    _zipf_ids(50_257).astype(np.uint16).tofile(tmp_path / "ids.bin")
+    assert load_token_file(tmp_path / "ids.bin").size == 200_000
+
+
 @pytest.mark.parametrize("vocab", [65_537, 128_256, 262_144, 1 << 24])
 def test_uint32_ids_past_65535_read_as_uint16_are_refused(tmp_path, vocab):
     """A Llama-3 uint32 file read at the default uint16 trained on (low, high) halves: the

@@ -41,6 +41,7 @@ def load_token_file(path: str | os.PathLike, dtype: str | np.dtype = "uint16") -
     itemsize = np.dtype(name).itemsize
     if size == 0:
         raise ValueError(f"token file {str(path)!r} is empty")
+    _refuse_text(path)
     if size % itemsize:
         raise ValueError(
             f"token file {str(path)!r} has {size} bytes, not a multiple of {itemsize} "
@@ -49,6 +50,25 @@ def load_token_file(path: str | os.PathLike, dtype: str | np.dtype = "uint16") -
     tokens = np.memmap(path, dtype=np.dtype(name).newbyteorder("<"), mode="r")
     check_token_width(tokens, str(path))
     return tokens
+
+
+# Printable ASCII and the whitespace of text files: ids whose every byte falls there are rare
+# in a real token file (GPT-2's ids give well under 70% such bytes), and text is almost all.
+_TEXT_BYTES = np.zeros(256, bool)
+_TEXT_BYTES[0x20:0x7F] = _TEXT_BYTES[[0x09, 0x0A, 0x0D]] = True
+_TEXT_SAMPLE, _TEXT_SHARE = 1 << 16, 0.99
+
+
+def _refuse_text(path) -> None:
+    """A text file named .bin was read as token ids: the error then asked for a vocabulary
+    of ~30,000 (`--model vocab_size=29817`) for what is ASCII."""
+    with open(path, "rb") as f:
+        head = np.frombuffer(f.read(_TEXT_SAMPLE), np.uint8)
+    if head.size >= 256 and _TEXT_BYTES[head].mean() >= _TEXT_SHARE:
+        raise ValueError(f"token file {str(path)!r} holds text ({_TEXT_BYTES[head].mean():.0%} of "
+                         f"its first {head.size:,} bytes are printable ASCII), not token ids; "
+                         "give it a text file's name (e.g. .txt) to train on its bytes, or "
+                         "tokenise it into a .bin")
 
 
 # The raw file has no header, so a width mismatch reads without error as other ids.
