@@ -102,6 +102,11 @@ def test_resume_keeps_the_runs_own_settings_and_changes_only_the_flags_given(tmp
         cli.config_from_args(["--run-dir", run_dir, "--resume"])
     assert exit_info.value.code == 2
     assert "cannot read the run's settings" in capsys.readouterr().err
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        f.write("[1, 2]")  # was "TypeError: list indices must be integers or slices, not str"
+    with pytest.raises(SystemExit):
+        cli.config_from_args(["--run-dir", run_dir, "--resume"])
+    assert "(TypeError: expected a JSON object with a 'config' key, got a list)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kwargs, needle", [

@@ -192,7 +192,11 @@ def _resumed_values(parser, values: dict, given: set[str]) -> dict:
         return values
     try:
         with open(path, encoding="utf-8") as f:
-            saved = json.load(f)["config"]
+            record = json.load(f)
+        if not isinstance(record, dict):  # a list said "list indices must be integers"
+            raise TypeError(f"expected a JSON object with a 'config' key, got a "
+                            f"{type(record).__name__}")
+        saved = record["config"]
         if not isinstance(saved, dict):
             raise TypeError(f"expected an object under 'config', got {type(saved).__name__}")
     except (OSError, ValueError, KeyError, TypeError) as err:
