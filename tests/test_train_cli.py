@@ -385,8 +385,13 @@ def test_until_step_stops_early_and_a_resume_may_spell_out_the_presets_seq_len(
     assert cli.main(["--run-dir", run_dir, "--resume", "--seq-len", "128"]) == 0
     assert f"done: 4 steps in {run_dir}" in capsys.readouterr().out
     assert existing_checkpoint_steps(run_dir) == [2, 4]
+    # An --until-step past --steps ends at --steps, and says so (it was dropped silently).
+    assert cli.main(["--run-dir", run_dir, "--resume", "--steps", "6", "--until-step", "8"]) == 0
+    captured = capsys.readouterr()
+    assert "note: --until-step 8 is past --steps 6; the run ends at step 6" in captured.err
+    assert f"done: 6 steps in {run_dir}" in captured.out
     # Another length is still a change of shape.
-    assert cli.main(["--run-dir", run_dir, "--resume", "--steps", "6", "--seq-len", "64"]) == 2
+    assert cli.main(["--run-dir", run_dir, "--resume", "--steps", "8", "--seq-len", "64"]) == 2
     assert "seq_len: saved 128, now 64" in capsys.readouterr().err
 
 

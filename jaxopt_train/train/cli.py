@@ -368,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     if until_step is not None and (until_step < 1 or until_step % cfg.steps_per_dispatch):
         build_parser().error(f"--until-step {until_step}: expected a positive multiple of "
                              f"--steps-per-dispatch ({cfg.steps_per_dispatch})")
+    if until_step is not None and until_step > cfg.steps:  # it was dropped without a word
+        print(f"jaxopt-train train: note: --until-step {until_step} is past --steps {cfg.steps}; "
+              f"the run ends at step {cfg.steps}", file=sys.stderr)
     try:
         result = train(cfg, until_step=until_step)
     except RunDirError as err:
