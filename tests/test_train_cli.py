@@ -95,6 +95,9 @@ def test_resume_keeps_the_runs_own_settings_and_changes_only_the_flags_given(tmp
                                           model_overrides={"d_model": 32, "n_layers": 1})
     err = capsys.readouterr().err
     assert "resuming with the settings in" in err and "--steps 200 -> 400" in err
+    data = str(tmp_path / "x.txt")
+    cli.config_from_args(["--run-dir", run_dir, "--resume", "--data", data])
+    assert f"--data (the embedded corpus) -> {data!r}" in capsys.readouterr().err  # was "None"
     # An unreadable record is an error naming the file, not a silent fall-back to defaults.
     with open(os.path.join(run_dir, "config.json"), "w") as f:
         f.write("{not json")

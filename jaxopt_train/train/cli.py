@@ -215,13 +215,19 @@ def _resumed_values(parser, values: dict, given: set[str]) -> dict:
         merged[name] = ({**merged.get(name, {}), **values[name]} if name == "model_overrides"
                         else values[name])
     merged.update(resume=True, overwrite=False, run_dir=values["run_dir"])
-    changed = [f"{_flag_for_field(name)} {saved.get(name)!r} -> {merged[name]!r}"
+    changed = [f"{_flag_for_field(name)} {_shown(name, saved.get(name))} -> "
+               f"{_shown(name, merged[name])}"
                for name in sorted(given & fields - {"resume", "run_dir"})
                if saved.get(name) != merged[name]]
     print(f"jaxopt-train train: resuming with the settings in {path}"
           + (f"; changed by this command line: {', '.join(changed)}" if changed else ""),
           file=sys.stderr)
     return merged
+
+
+def _shown(name: str, value) -> str:
+    """A setting's value as the resume line prints it: `--data None` meant the corpus."""
+    return "(the embedded corpus)" if name == "data" and value is None else repr(value)
 
 
 def _move_owned_overrides(saved: dict, given: set[str]) -> None:
