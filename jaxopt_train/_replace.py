@@ -7,6 +7,7 @@ live run's plot, another process loading a cache) could see half a file.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -33,6 +34,10 @@ def replace_all_or_none(writers: Mapping[str | os.PathLike, Callable[[str], None
     # Keyed by the real path: two names of one file (--json DIR/x.json beside --out DIR)
     # write it once, the later writer's, as two plain writes in turn would have left it.
     by_file = {os.path.realpath(path): write for path, write in writers.items()}
+    folders = [path for path in writers if os.path.isdir(path)]
+    if folders:  # os.replace's error named the hidden staging file, after every writer ran
+        raise IsADirectoryError(errno.EISDIR, "is a folder, where a file is to be written "
+                                "(move or rename it)", os.fspath(folders[0]))
     staging_dirs: dict[str, str] = {}  # folder -> its staging folder
     try:
         staged = []

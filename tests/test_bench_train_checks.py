@@ -20,3 +20,12 @@ def test_json_naming_the_out_folder_or_its_report_is_refused(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []  # refused before any folder was made
     # --out's own JSON holds the same text: still fine.
     _checked(["--quick", "--out", str(out), "--json", str(out / "train_bench.json")])
+
+
+def test_a_folder_named_like_a_report_file_is_refused_before_the_run(tmp_path, capsys):
+    """os.replace failed on it after the whole run, naming the hidden staging file."""
+    out = tmp_path / "out"
+    (out / "train_bench.png").mkdir(parents=True)
+    for extra in ([], ["--overwrite"]):
+        err = _exit_2(capsys, _checked, ["--quick", "--out", str(out), *extra])
+        assert "holds a folder named train_bench.png, where the report writes a file" in err

@@ -122,3 +122,14 @@ def test_an_overwritten_json_survives_a_failed_write(tmp_path, monkeypatch, modu
         monkeypatch.setattr(module, "_time", lambda *a, **k: ([1e-3, 2e-3], 5e-3, 1.0))
     assert module.main([*argv, "--json", str(path), "--overwrite"]) == 0
     assert "previous" not in json.loads(path.read_text())
+
+
+def test_a_folder_at_a_final_path_is_named_before_any_writer_runs(tmp_path):
+    """os.replace's IsADirectoryError named the staging file (.loss.png.partial-.../loss.png)."""
+    (tmp_path / "loss.png").mkdir()
+    seen = []
+    with pytest.raises(IsADirectoryError, match=r"is a folder, where a file is to be written.*"
+                                                r"'[^']*/loss\.png'$"):
+        replace_all_or_none({tmp_path / "a.txt": _text_writer("a", seen),
+                             tmp_path / "loss.png": _text_writer("b", seen)})
+    assert seen == [] and sorted(p.name for p in tmp_path.iterdir()) == ["loss.png"]

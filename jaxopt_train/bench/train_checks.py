@@ -42,6 +42,10 @@ def check_outputs(parser, args) -> None:
     # The checks that create nothing first: a run refused for an existing --out report
     # must not leave --json's new folder behind.
     if args.out:
+        folders = [name for name in REPORT_FILES if os.path.isdir(os.path.join(args.out, name))]
+        if folders:  # found only when the reports were written, after the whole run
+            parser.error(f"--out {args.out!r} holds a folder named {folders[0]}, where the report "
+                         "writes a file: move it, or choose another --out folder")
         existing = [name for name in REPORT_FILES if os.path.exists(os.path.join(args.out, name))]
         if existing and not args.overwrite:
             parser.error(f"--out {args.out!r} already holds {', '.join(existing)}: pass "
