@@ -95,6 +95,11 @@ def test_token_ids_beyond_the_vocab_are_refused_naming_the_fix(tmp_path):
                                          r"vocab_size=256.*--model vocab_size=50257"):
         train(cfg)
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+    # An override too small is named as the override, not as the preset's vocabulary.
+    small = dataclasses.replace(cfg, model_overrides={**cfg.model_overrides, "vocab_size": 300})
+    with pytest.raises(ValueError, match=r"token ids up to 50256 but --model vocab_size has "
+                                         r"vocab_size=300"):
+        train(small)
 
 
 @pytest.mark.parametrize("name", ["bytes.bin", "TRAIN.BIN"])

@@ -59,7 +59,10 @@ def gpt_model_config(cfg: TrainConfig, policy: Policy, vocab_size: int | None = 
     overrides.update(cfg.model_overrides)
     model_cfg = _prefer_cudnn_attention(get_gpt_config(cfg.preset, **overrides))
     if vocab_size is not None and vocab_size > model_cfg.vocab_size:
-        raise ValueError(f"the data has token ids up to {vocab_size - 1} but preset={cfg.preset!r} "
+        # Whose vocabulary: "preset='gpt-tiny' has vocab_size=10" blamed the preset for an override.
+        owner = ("--model vocab_size" if "vocab_size" in cfg.model_overrides
+                 else f"preset={cfg.preset!r}")
+        raise ValueError(f"the data has token ids up to {vocab_size - 1} but {owner} "
                          f"has vocab_size={model_cfg.vocab_size}; use a preset with a larger "
                          f"vocabulary or override it with --model vocab_size={vocab_size} "
                          f"(model_overrides={{'vocab_size': {vocab_size}}})")
