@@ -23,7 +23,8 @@ def test_a_switch_that_is_not_a_bool_is_refused_not_read_as_truthy(name, value):
 
 
 def test_a_switch_that_is_not_a_bool_exits_2_naming_its_flag_on_resume(tmp_path, capsys):
-    """A hand-edited config.json ("tensorboard": "false") is refused by flag on --resume."""
+    """A hand-edited config.json ("tensorboard": "false") is refused on --resume, naming the
+    file that holds it (the flag was not given) and the flag that would override it."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     record = {"config": {**TrainConfig().to_dict(), "tensorboard": "false"}}
@@ -31,7 +32,9 @@ def test_a_switch_that_is_not_a_bool_exits_2_naming_its_flag_on_resume(tmp_path,
     with pytest.raises(SystemExit) as exit_info:
         cli.config_from_args(["--run-dir", str(run_dir), "--resume"])
     assert exit_info.value.code == 2
-    assert "--tensorboard: tensorboard='false' must be True or False" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert (f"--resume: the run's settings in {run_dir / 'config.json'} hold tensorboard='false' "
+            "must be True or False") in err and "pass the setting's flag" in err, err
 
 
 def test_path_objects_are_taken_as_paths_and_stored_as_str(tmp_path):
