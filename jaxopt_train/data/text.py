@@ -87,9 +87,8 @@ def _text_files(path: pathlib.Path) -> list[pathlib.Path]:
     if files and not text:  # else reported as "empty (0 files, 0 bytes)"
         raise ValueError(f"text corpus folder path={str(path)!r} holds only binary files "
                          f"({len(files)}: a NUL byte in their first 8 KiB: images, archives, "
-                         "bytecode) "
-                         "and no text; give a folder with text files, or name one file to read "
-                         "its bytes as they are")
+                         "bytecode) and no text; give a folder with text files, or name one "
+                         "file to read its bytes as they are")
     return text
 
 

@@ -22,9 +22,9 @@ def load_token_file(path: str | os.PathLike, dtype: str | np.dtype = "uint16") -
 
     Raises:
       FileNotFoundError: no such file.
-      ValueError: a folder or other non-regular file, an illegal dtype, a file size that is
-        not a whole number of tokens, or ids whose layout says the file holds the other width
-        (`check_token_width`).
+      ValueError: a folder or other non-regular file, a text file (`_refuse_text`), an
+        illegal dtype, a file size that is not a whole number of tokens, or ids whose layout
+        says the file holds the other width (`check_token_width`).
     """
     name = np.dtype(dtype).name if _is_dtype_like(dtype) else repr(dtype)
     if name not in TOKEN_FILE_DTYPES:
@@ -52,8 +52,8 @@ def load_token_file(path: str | os.PathLike, dtype: str | np.dtype = "uint16") -
     return tokens
 
 
-# Printable ASCII and the whitespace of text files: ids whose every byte falls there are rare
-# in a real token file (GPT-2's ids give well under 70% such bytes), and text is almost all.
+# Printable ASCII and the whitespace of text files: text is almost all such bytes, token ids
+# far from it (GPT-2's vocabulary: ~15% of a Zipf stream's bytes, ~44% of uniform ids).
 _TEXT_BYTES = np.zeros(256, bool)
 _TEXT_BYTES[0x20:0x7F] = _TEXT_BYTES[[0x09, 0x0A, 0x0D]] = True
 _TEXT_SAMPLE, _TEXT_SHARE = 1 << 16, 0.99
@@ -90,8 +90,8 @@ def check_token_width(tokens: np.ndarray, source: str = "tokens") -> None:
 
     uint32 ids below 65536 read as uint16 come out as (id, 0, id, 0, ...): every second
     16-bit word is zero; larger ids (Llama 3's 128,256) as (low half, high half), every
-    second word below 256 with a few distinct values where the others have many. uint16 ids read as uint32 pair two ids into one,
-    id_0 + 65536 * id_1, which lands past 2^24 as soon as an id_1 is 256 or more.
+    second word below 256 with a few distinct values where the others have many. uint16
+    ids read as uint32 pair two ids into one, id_0 + 65536 * id_1, which lands past 2^24 as soon as an id_1 is 256 or more.
     Both are checked on the first 2^20 ids. A small vocabulary (characters, ids < 256)
     stays below 2^24 when paired; its pairs show instead as high 16-bit halves that take
     as many distinct values as the low halves (the same stream, shifted by one), where a
