@@ -247,7 +247,6 @@ def test_a_resume_behind_an_unreadable_config_json_changes_nothing(run_dir, monk
     assert _snapshot(run_dir) == before
 
 
-
 @pytest.mark.parametrize("saved, now", [("bf16", "f32"), ("f32", "bf16")])
 def test_an_optimizer_state_dtype_change_names_both_dtypes(saved, now):
     """--opt-state-dtype f32 on a bf16 run was refused as 'saved 'bf16', now None'."""
