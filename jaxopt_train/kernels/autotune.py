@@ -41,6 +41,7 @@ from jaxopt_train.kernels.configs import (BACKENDS, TRANSPOSING_BACKENDS, Matmul
                                           as_config, default_config, shared_memory_per_block,
                                           triton_shared_memory_bytes)
 from jaxopt_train.runtime._backend import compute_capability
+from jaxopt_train.runtime.memory import device_pool_limit, format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -205,8 +206,6 @@ def reference_tolerance(dtype) -> float:
 def _check_fits_memory(shape: tuple[int, int, int], dtype, input_sets: int, device) -> None:
     """Refuses a shape whose operands and reference cannot fit where they are made: XLA
     aborted the process on 100000^3 ("Check failed: buffer_.IsConcrete()")."""
-    from jaxopt_train.train.step import device_pool_limit, format_bytes  # noqa: PLC0415
-
     m, n, k = (int(x) for x in shape)
     # The operand sets, one f32 draw before its cast, the f32 reference and one f32 output.
     need = input_sets * (m * k + k * n) * jnp.dtype(dtype).itemsize + max(m * k, k * n) * 4 \

@@ -487,3 +487,20 @@ def fits(fn_or_lowered: Any, args: Sequence[Any] = (), budget: int | str = 0,
         budget_bytes=budget_bytes,
     )
 
+
+def device_pool_limit(device) -> int | None:
+    """The most bytes `device`'s allocator may hold (its `bytes_limit`: the GPU pool, after
+    any `limit_memory` cap); None where the backend does not report one (CPU)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - CPU and some plugins raise
+        return None
+    limit = (stats or {}).get("bytes_limit")
+    return int(limit) if limit else None
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"

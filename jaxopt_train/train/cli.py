@@ -254,8 +254,8 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
     values["model_overrides"] = _parse_overrides(parser, values.pop("model"))
     if values["data"]:  # as config.json records it (loop._write_config): a resume compares alike
         values["data"] = os.path.abspath(values["data"])
-    given = _given_fields(argv)
     resumed = values["resume"] and values["run_dir"] is not None
+    given = _given_fields(argv) if resumed else set()  # argv parsed again: only a resume asks
     if resumed:
         values = _resumed_values(parser, values, given)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}

@@ -28,6 +28,9 @@ from jaxopt_train.accumulation import (accumulate_gradients, batch_weight, mean_
 from jaxopt_train.collectives import all_reduce_tree, init_error_feedback
 from jaxopt_train import stochastic_round as sr
 from jaxopt_train.precision import NoOpLossScale, all_finite, select_tree
+# device_pool_limit is a name of this module too: smallest_pool looks it up here, where
+# tests replace it, and bench/train_remat imports it from here.
+from jaxopt_train.runtime.memory import device_pool_limit, format_bytes
 from jaxopt_train.train.state import TrainState, global_norm_f32
 
 AXIS = "data"
@@ -367,17 +370,6 @@ def memory_summary(compiled) -> str:
     return f"compiled step memory per device: {', '.join(parts)}; total ~{format_bytes(total)}"
 
 
-def device_pool_limit(device) -> int | None:
-    """The most bytes `device`'s allocator may hold (its `bytes_limit`: the GPU pool, after
-    any `limit_memory` cap); None where the backend does not report one (CPU)."""
-    try:
-        stats = device.memory_stats()
-    except Exception:  # noqa: BLE001 - CPU and some plugins raise
-        return None
-    limit = (stats or {}).get("bytes_limit")
-    return int(limit) if limit else None
-
-
 def smallest_pool(devices) -> int | None:
     """The smallest memory pool (`device_pool_limit`) of this process's devices among
     `devices`, and with several processes the smallest of every process's, so that all
@@ -411,10 +403,3 @@ def agreed_needed_bytes(needed: int | None) -> int | None:
     every = np.asarray(multihost_utils.process_allgather(
         np.int64(-1 if needed is None else needed))).ravel()
     return None if (every < 0).any() else int(every.max())
-
-
-def format_bytes(n: float) -> str:
-    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
