@@ -75,6 +75,19 @@ def main(argv: list[str] | None = None) -> int:
         # SIGINT. (A training loop catches it itself and saves a checkpoint first.)
         print(f"jaxopt-train {command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except (AssertionError, RuntimeError):
+        from jaxopt_train.runtime._backend import backend_start_failure  # noqa: PLC0415
+
+        reason = backend_start_failure()
+        if reason is None:
+            raise
+        # JAX_PLATFORMS=cuda without the CUDA plugin ends in a bare AssertionError deep in
+        # jax: say what failed and where to look, not a page of jax's frames.
+        print(f"jaxopt-train {command}: error: JAX could not start a backend: {reason}\n"
+              f"  a platform named in JAX_PLATFORMS needs its plugin (CUDA: pip install -e "
+              f"'.[gpu]'); unset JAX_PLATFORMS to let JAX choose; `jaxopt-train doctor` "
+              f"checks the setup", file=sys.stderr)
+        return 1
 
 
 def run() -> NoReturn:

@@ -121,6 +121,61 @@ def test_cli_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys):
     assert capsys.readouterr().err == "jaxopt-train bench: interrupted\n"
 
 
+
+def test_cli_backend_that_cannot_start_is_one_error_line_not_a_traceback(monkeypatch, capsys):
+    # JAX_PLATFORMS=cuda without the CUDA plugin: jax.devices() raises a bare AssertionError
+    # from deep inside xla_bridge, wherever the command first touches the backend.
+    import importlib
+
+    import jax
+
+    from jaxopt_train.cli import main
+
+    def no_backend(*args, **kwargs):
+        raise AssertionError
+    plot = importlib.import_module("jaxopt_train.plot")
+    monkeypatch.setattr(plot, "main", lambda argv: jax.devices())
+    monkeypatch.setattr(jax, "devices", no_backend)
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    assert main(["plot", "runs/x"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("jaxopt-train plot: error: JAX could not start a backend: "
+                          "AssertionError with JAX_PLATFORMS='cuda'\n"), err
+    assert "unset JAX_PLATFORMS" in err and "jaxopt-train doctor" in err
+
+
+def test_cli_other_assertion_and_runtime_errors_still_raise(monkeypatch):
+    # The backend starts, so the command's own error is a bug to see in full, not hidden.
+    import importlib
+
+    from jaxopt_train.cli import main
+
+    plot = importlib.import_module("jaxopt_train.plot")
+    for error in (AssertionError("a bug of ours"), RuntimeError("another")):
+        def failing(argv, error=error):
+            raise error
+        monkeypatch.setattr(plot, "main", failing)
+        with pytest.raises(type(error), match=str(error)):
+            main(["plot", "runs/x"])
+
+
+def test_cli_train_with_cuda_platform_but_no_cuda_exits_1_without_a_traceback(tmp_path):
+    import os
+
+    from jaxopt_train.runtime import doctor
+
+    if doctor._jax_cuda_plugins():
+        pytest.skip("a JAX CUDA plugin is installed here")
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cuda"
+    out = subprocess.run([sys.executable, "-m", "jaxopt_train", "train", "--steps", "1",
+                          "--run-dir", str(tmp_path / "run")], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "error: JAX could not start a backend" in out.stderr
+    assert not (tmp_path / "run").exists()
+
 _CLI_SCRIPT = """
 import atexit, gc, importlib, signal, sys, time
 from jaxopt_train import cli

@@ -1,7 +1,10 @@
 """Facts about JAX's backend: whether it has started (settings read at start-up must come
-before it), and a device's CUDA compute capability."""
+before it), why it could not start, and a device's CUDA compute capability."""
 
 from __future__ import annotations
+
+import os
+import sys
 
 
 def backend_started() -> bool:
@@ -11,8 +14,6 @@ def backend_started() -> bool:
     exactly once, when the backend starts; changing them later silently does nothing.
     Only looks at JAX's backend cache, so it never starts a backend itself.
     """
-    import sys
-
     xla_bridge = sys.modules.get("jax._src.xla_bridge")
     if xla_bridge is None:  # jax not imported yet: nothing can have started
         return False
@@ -37,6 +38,26 @@ def require_backend_not_started(what: str) -> None:
             "the setting would be silently ignored. Call it at the top of your script, "
             "before any JAX computation, or set the environment variable in the shell."
         )
+
+
+def backend_start_failure() -> str | None:
+    """Why JAX cannot start a backend in this process, or None when it can (or when jax
+    was never imported: then nothing tried to start one).
+
+    Starts the backend if it has not started. JAX_PLATFORMS naming a platform whose
+    plugin is missing (`cuda` without jax[cuda]) ends in a bare AssertionError inside
+    jax's xla_bridge, with no text: the reason given then names JAX_PLATFORMS.
+    """
+    if "jax" not in sys.modules:
+        return None
+    import jax
+
+    try:
+        jax.devices()
+    except Exception as err:  # noqa: BLE001 - any start-up failure is the answer
+        platforms = os.environ.get("JAX_PLATFORMS")
+        return str(err) or f"{type(err).__name__} with JAX_PLATFORMS={platforms!r}"
+    return None
 
 
 def compute_capability(device) -> tuple[int, int]:

@@ -201,14 +201,13 @@ def check_backend() -> tuple[list[Check], list]:
     """Starts the JAX backend; returns the checks and the devices."""
     import jax
 
-    try:
-        devices = jax.devices()
-    except Exception as err:  # noqa: BLE001
-        # Not only RuntimeError: JAX_PLATFORMS=cuda without a CUDA plugin ends in an
-        # AssertionError inside xla_bridge.backends; the doctor must report it, not crash.
-        detail = str(err) or f"{type(err).__name__} with JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r}"
+    from jaxopt_train.runtime._backend import backend_start_failure  # noqa: PLC0415
+
+    detail = backend_start_failure()  # the doctor must report a failed start, not crash
+    if detail is not None:
         return [Check("backend", FAIL, f"JAX could not start a backend: {detail}",
                       "check JAX_PLATFORMS and the jax[cuda] install")], []
+    devices = jax.devices()
     kinds = sorted({d.device_kind for d in devices})
     detail = f"{jax.default_backend()}: {len(devices)} x {', '.join(kinds)}"
     checks = []
