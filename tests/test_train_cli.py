@@ -38,6 +38,9 @@ def test_help_exits_zero(capsys):
     (["--grad-sync", "carrier-pigeon"], "--grad-sync"),
     (["--resume", "--overwrite"], "not allowed with argument"),
     (["--resume"], "resume=True needs run_dir"),
+    # TrainConfig's "must be a non-empty path or None": None is no value a flag can take.
+    (["--run-dir", ""], "--run-dir: expected a folder path, got ''; leave --run-dir out"),
+    (["--run-dir", "", "--resume"], "--run-dir: expected a folder path, got ''"),
     (["--model", "d_model"], "FIELD=VALUE"),
     (["--profile-steps", "5:2"], "--profile-steps"),
     (["--steps", "8", "--profile-steps", "100:110"], "--profile-steps: profile_steps='100:110' starts at"),

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import glob
 import json
 import numbers
 import os
@@ -26,6 +25,7 @@ import re
 import sys
 
 from jaxopt_train._replace import replace_text
+from jaxopt_train.runtime._trace_files import newest_file_below
 
 _SUFFIX = re.compile(r"(?:[._]\d+)+$")
 
@@ -53,15 +53,7 @@ def find_xplane(trace: str | os.PathLike) -> str:
     if not os.path.isdir(trace):
         raise FileNotFoundError(f"no trace at {trace!r}: expected a jax.profiler log directory "
                                 f"or an .xplane.pb file")
-    # Escaped: a run dir named "lr=[0.1]" is a folder, not a glob pattern.
-    files = glob.glob(os.path.join(glob.escape(trace), "**", "*.xplane.pb"), recursive=True)
-    # A broken symlink (or a folder) of that name failed getmtime below with a bare
-    # FileNotFoundError, though a readable trace sat beside it.
-    files = [f for f in files if os.path.isfile(f)]
-    if not files:
-        raise FileNotFoundError(f"no *.xplane.pb under {trace!r} (a jax.profiler trace writes one "
-                                f"under plugins/profile/<time>/)")
-    return _non_empty(max(files, key=os.path.getmtime))
+    return _non_empty(newest_file_below(trace, ".xplane.pb"))
 
 
 def _non_empty(path: str) -> str:

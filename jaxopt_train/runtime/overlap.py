@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import glob
 import gzip
 import json
 import numbers
 import os
 import re
+
+from jaxopt_train.runtime._trace_files import newest_file_below
 
 _COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _PEER_COPY = re.compile(r"memcpy.*(p2p|ptop|peer)", re.IGNORECASE)
@@ -82,12 +83,7 @@ def _intersection(a, b) -> float:
 
 def find_trace_file(logdir: str) -> str:
     """The newest `*.trace.json.gz` under `logdir` (what `jax.profiler.trace` writes)."""
-    # Escaped: a logdir such as "lr=[0.1]" is a name, not a pattern.
-    paths = glob.glob(os.path.join(glob.escape(logdir), "**", "*.trace.json.gz"), recursive=True)
-    if not paths:
-        raise FileNotFoundError(f"no *.trace.json.gz under {logdir=}; expected the directory given to "
-                                f"jax.profiler.trace (it writes plugins/profile/<run>/<host>.trace.json.gz)")
-    return max(paths, key=os.path.getmtime)
+    return newest_file_below(logdir, ".trace.json.gz")
 
 
 @dataclasses.dataclass(frozen=True)

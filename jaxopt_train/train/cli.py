@@ -252,6 +252,9 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
     args = parser.parse_args(argv)
     values = vars(args)
     values["model_overrides"] = _parse_overrides(parser, values.pop("model"))
+    if values["run_dir"] == "":  # TrainConfig's "or None" is no flag value: None is leaving it out
+        parser.error("--run-dir: expected a folder path, got ''; leave --run-dir out for the "
+                     "default runs/<preset>-<date>-<time>")
     if values["data"]:  # as config.json records it (loop._write_config): a resume compares alike
         values["data"] = os.path.abspath(values["data"])
     resumed = values["resume"] and values["run_dir"] is not None
