@@ -41,6 +41,12 @@ def test_help_exits_zero(capsys):
     # TrainConfig's "must be a non-empty path or None": None is no value a flag can take.
     (["--run-dir", ""], "--run-dir: expected a folder path, got ''; leave --run-dir out"),
     (["--run-dir", "", "--resume"], "--run-dir: expected a folder path, got ''"),
+    (["--devices", "0"], "--devices 0: expected a count >= 1"),
+    (["--devices", "-2"], "--devices -2: expected a count >= 1"),
+    (["--devices", "two"], "argument --devices: invalid int value: 'two'"),
+    pytest.param(["--devices", "99"], "--devices 99: only 8 cpu device(s) are visible; on CPU, "
+                 "XLA_FLAGS=--xla_force_host_platform_device_count=99",
+                 marks=pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU is here")),
     (["--model", "d_model"], "FIELD=VALUE"),
     (["--profile-steps", "5:2"], "--profile-steps"),
     (["--steps", "8", "--profile-steps", "100:110"], "--profile-steps: profile_steps='100:110' starts at"),
@@ -149,7 +155,7 @@ def test_the_largest_seed_is_int64s():
 def test_file_system_errors_exit_2_in_one_line(error, needle, monkeypatch, capsys):
     from jaxopt_train.train import loop
 
-    def failing_train(cfg, until_step=None):
+    def failing_train(cfg, until_step=None, devices=None):
         raise error
 
     monkeypatch.setattr(loop, "train", failing_train)
@@ -188,7 +194,7 @@ def test_memory_limit_is_set_preallocated_before_the_run_and_not_saved(monkeypat
         calls.append(("limit", kwargs))
         return {"XLA_CLIENT_MEM_FRACTION": "0.1140", "XLA_PYTHON_CLIENT_PREALLOCATE": "true"}
 
-    def fake_train(cfg, until_step=None):
+    def fake_train(cfg, until_step=None, devices=None):
         calls.append(("train", cfg))
         return loop.TrainResult(run_dir=cfg.run_dir, step=cfg.steps, final_loss=None, eval_loss=None,
                                 interrupted=False, trainer=None)
@@ -209,7 +215,7 @@ def test_memory_limit_takes_a_share_of_the_gpu_too(monkeypatch, capsys):
 
     calls = []
     monkeypatch.setattr(memory, "limit_memory", lambda **kw: calls.append(kw) or {"X": "1"})
-    monkeypatch.setattr(loop, "train", lambda cfg, until_step=None: loop.TrainResult(
+    monkeypatch.setattr(loop, "train", lambda cfg, until_step=None, devices=None: loop.TrainResult(
         run_dir="r", step=1, final_loss=None, eval_loss=None, interrupted=False, trainer=None))
     assert cli.main(["--memory-limit", "0.5", "--steps", "1"]) == 0
     assert cli.main(["--memory-limit", "2", "--steps", "1"]) == 0  # above 1: bytes
@@ -522,3 +528,31 @@ def test_a_resume_flag_that_clashes_with_the_saved_settings_is_named(tmp_path, c
     assert code == 2
     assert (f"error: --preset: model_overrides={{'d_model': 32}} only apply to GPT presets" in err
             and f"(the other settings are the resumed run's, from {run_dir}/config.json)" in err), err
+
+
+def test_devices_picks_the_first_n_devices_and_is_not_saved_with_the_run(monkeypatch, tmp_path):
+    """`--devices N` is the command-line twin of `train(devices=...)` (the Trainer's data mesh);
+    a process setting like --memory-limit, so config.json (and a resume) does not hold it."""
+    from jaxopt_train.train import loop
+
+    seen = []
+
+    def fake_train(cfg, until_step=None, devices=None):
+        seen.append(devices)
+        return loop.TrainResult(run_dir=cfg.run_dir, step=cfg.steps, final_loss=None, eval_loss=None,
+                                interrupted=False, trainer=None)
+
+    monkeypatch.setattr(loop, "train", fake_train)
+    run_dir = str(tmp_path / "run")
+    assert cli.main(["--devices", "2", "--steps", "3", "--run-dir", run_dir]) == 0
+    assert cli.main(["--steps", "3", "--run-dir", run_dir]) == 0
+    assert seen == [jax.devices()[:2], None]  # None: the trainer takes every device
+    assert "devices" not in {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def test_devices_is_refused_in_a_multi_process_job(monkeypatch, capsys):
+    """jax.devices() lists the whole job's devices: its first N could all be another host's."""
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    code, err = _exit_code_and_err(["--devices", "1", "--steps", "1"], capsys)
+    assert code == 2
+    assert "--devices 1: picks devices within one process, but this job has 2 processes" in err

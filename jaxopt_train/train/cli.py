@@ -126,12 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--profile-steps", default=None, metavar="START:STOP",
                    help="trace these steps with jax.profiler into RUN_DIR/profile")
     r.add_argument("--progress", choices=("auto", "bar", "lines"), default=d.progress)
-    # A setting of this process, not of the run: not saved in config.json, so a resumed run on
-    # a bigger or shared GPU is not bound by it.
+    # Settings of this process, not of the run: not saved in config.json, so a resumed run on
+    # a bigger or shared GPU (or on more or fewer devices) is not bound by them.
     r.add_argument("--memory-limit", default=None, metavar="SIZE",
                    help="cap each GPU's memory pool at SIZE (e.g. 16GiB, or 0.5 for half the "
                         "GPU), reserved at start-up as one region, as on a GPU of that size "
                         "(runtime.limit_memory)")
+    r.add_argument("--devices", type=int, default=None, metavar="N",
+                   help="train data-parallel on the first N devices (default: all); one "
+                        "process only (a multi-host job uses each process's visible devices)")
     # Settings of this process too (not saved): which process of a multi-host job it is.
     h = p.add_argument_group(
         "multi-host (jax.distributed)",
@@ -323,6 +326,31 @@ def _no_gpu_note() -> str:
     return " (no NVIDIA GPU found: the cap has no effect on this machine)"
 
 
+def selected_devices(argv: list[str] | None = None) -> list | None:
+    """--devices N in argv: the first N devices (None without the flag: the trainer takes all),
+    or exit 2 saying why not. Starts the backend: call it after apply_distributed."""
+    parser = build_parser()
+    count = parser.parse_args(argv).devices
+    if count is None:
+        return None
+    if count < 1:
+        parser.error(f"--devices {count}: expected a count >= 1")
+    import jax  # noqa: PLC0415
+
+    if jax.process_count() > 1:
+        # jax.devices() is the whole job's: its first N could all be another host's.
+        parser.error(f"--devices {count}: picks devices within one process, but this job has "
+                     f"{jax.process_count()} processes; each trains on the devices it sees "
+                     "(choose them per process with CUDA_VISIBLE_DEVICES)")
+    visible = jax.devices()
+    if count > len(visible):
+        hint = (f"; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={count} before "
+                "the command emulates more" if jax.default_backend() == "cpu" else "")
+        parser.error(f"--devices {count}: only {len(visible)} {jax.default_backend()} "
+                     f"device(s) are visible{hint}")
+    return visible[:count]
+
+
 def apply_distributed(argv: list[str] | None = None) -> None:
     """--distributed (or --coordinator, --num-processes and --process-id) in argv: joins the
     job with jax.distributed.initialize() before the backend starts, or exits 2 saying why
@@ -370,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_memory_limit(argv)
     apply_distributed(argv)
     cfg = config_from_args(argv)
+    devices = selected_devices(argv)
     from jaxopt_train.train.checkpoint import RunDirError  # noqa: PLC0415
     from jaxopt_train.train.loop import NonFiniteError, train  # noqa: PLC0415
 
@@ -381,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxopt-train train: note: --until-step {until_step} is past --steps {cfg.steps}; "
               f"the run ends at step {cfg.steps}", file=sys.stderr)
     try:
-        result = train(cfg, until_step=until_step)
+        result = train(cfg, until_step=until_step, devices=devices)
     except RunDirError as err:
         print(f"jaxopt-train train: error: {err}", file=sys.stderr)
         return 2
