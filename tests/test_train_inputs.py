@@ -62,6 +62,30 @@ def test_labels_above_num_classes_still_widen_the_classifier(tmp_path):
     assert out_bias, "expected a 12-class output layer"
 
 
+def test_a_one_class_classifier_is_refused(tmp_path, capsys):
+    """One class gave a loss of exactly 0 at every step (log_softmax of one logit) and a run
+    that exited 0 having learned nothing: synthetic images with --num-classes 1, or a data
+    file whose labels are all 0 with --num-classes 1 (a lower bound the labels widen)."""
+    with pytest.raises(ValueError, match=r"num_classes=1 with synthetic images: a classifier over "
+                                         r"one class has a loss of 0 whatever it predicts; expected >= 2"):
+        TrainConfig(preset="cnn-small", num_classes=1)
+    zeros = _images_npz(tmp_path / "zeros.npz", [0] * 16)
+    with pytest.raises(ValueError, match=r"every label of .*zeros.npz' is 0 and num_classes=1"):
+        build_task(TrainConfig(preset="cnn-small", data=zeros, num_classes=1, batch_size=8),
+                   get_policy("fp32"))
+    # A lower bound still: labels 0 and 1 with --num-classes 1 train a 2-way classifier.
+    two = _images_npz(tmp_path / "two.npz", [i % 2 for i in range(16)])
+    task = build_task(TrainConfig(preset="cnn-small", data=two, num_classes=1, batch_size=8),
+                      get_policy("fp32"))
+    assert [x for x in jax.tree.leaves(task.fns.params) if x.shape == (2,)]
+    run_dir = tmp_path / "run"
+    assert cli.main(["--preset", "cnn-small", "--data", zeros, "--num-classes", "1", "--steps", "1",
+                     "--batch-size", "8", "--progress", "lines", "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "every label of" in err and "Traceback" not in err
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
 def _linear_classifier_loss(w, labels):
     images = jnp.ones((len(labels), 4), jnp.float32)
     batch = {"images": images, "labels": jnp.asarray(labels, jnp.int32)}

@@ -255,6 +255,12 @@ class TrainConfig:
             if not self.is_vision and getattr(self, name) != _DEFAULTS[name]:
                 raise ValueError(f"{name}={getattr(self, name)!r} only applies to vision presets "
                                  f"{VISION_PRESETS}, not preset={self.preset!r}; drop it")
+        if self.is_vision and self.data is None and self.num_classes < 2:
+            # The synthetic labels are then all 0 and log_softmax over one logit is 0: a run
+            # that logged loss 0.0000 at every step and learned nothing. (With data it is a lower
+            # bound the labels widen; the task refuses labels of one class.)
+            raise ValueError(f"num_classes={self.num_classes} with synthetic images: a classifier "
+                             "over one class has a loss of 0 whatever it predicts; expected >= 2")
         if self.is_vision and self.data is not None and self.image_size != _DEFAULTS["image_size"]:
             # It sizes synthetic images only: with --data the run trained on the file's images,
             # while the flag went into the checkpoint's model shape and refused a resume.
