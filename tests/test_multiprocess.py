@@ -240,6 +240,7 @@ def test_the_train_cli_joins_a_two_process_job_from_its_flags(tmp_path):
     done = []
     for i, (output, rc) in enumerate(outputs):
         assert rc == 0, output[-3000:]
+        assert f"joining the job as process {i} of 2 via " in output
         assert f"process {i} of 2 (jax.distributed)" in output
         done += [line for line in output.splitlines() if line.startswith("done: 4 steps")]
     assert len(done) == 2 and done[0] == done[1]  # the same eval loss on both processes

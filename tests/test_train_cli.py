@@ -461,15 +461,19 @@ def test_bad_multi_host_flags_exit_2_naming_them(argv, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
-def test_no_multi_host_flag_leaves_jax_distributed_alone(monkeypatch):
+def test_no_multi_host_flag_leaves_jax_distributed_alone(monkeypatch, capsys):
     calls = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
     cli.apply_distributed(["--steps", "2"])
-    assert calls == []
+    assert calls == [] and capsys.readouterr().err == ""
     cli.apply_distributed(["--coordinator", "h:1234", "--num-processes", "4", "--process-id", "3",
                            "--distributed-timeout", "30"])
     assert calls == [dict(coordinator_address="h:1234", num_processes=4, process_id=3,
                           initialization_timeout=30)]
+    # Said before initialize(): a peer that never joins makes JAX abort the process with
+    # SIGABRT and a C++ stack trace, nothing of ours.
+    assert ("joining the job as process 3 of 4 via h:1234; waiting up to 30 s for every process "
+            "(if one never joins, JAX aborts this process)") in capsys.readouterr().err
     assert "distributed" not in {f.name for f in dataclasses.fields(TrainConfig)}  # not saved
 
 

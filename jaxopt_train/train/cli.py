@@ -383,6 +383,13 @@ def apply_distributed(argv: list[str] | None = None) -> None:
                       process_id=args.process_id)
     import jax  # noqa: PLC0415
 
+    # Said before joining: a process that never joins makes JAX abort this one (SIGABRT, exit
+    # 134) from C++ with a stack trace and not a word of ours.
+    job = (f"as process {args.process_id} of {args.num_processes} via {args.coordinator}" if given
+           else "that JAX detects (SLURM, Open MPI)")
+    print(f"jaxopt-train train: joining the job {job}; waiting up to {args.distributed_timeout} s "
+          "for every process (if one never joins, JAX aborts this process)",
+          file=sys.stderr, flush=True)
     try:
         jax.distributed.initialize(**kwargs)
     except (RuntimeError, ValueError) as err:  # no job detected, started backend, bad address
