@@ -121,7 +121,6 @@ def test_cli_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys):
     assert capsys.readouterr().err == "jaxopt-train bench: interrupted\n"
 
 
-
 def test_cli_backend_that_cannot_start_is_one_error_line_not_a_traceback(monkeypatch, capsys):
     # JAX_PLATFORMS=cuda without the CUDA plugin: jax.devices() raises a bare AssertionError
     # from deep inside xla_bridge, wherever the command first touches the backend.
@@ -175,6 +174,7 @@ def test_cli_train_with_cuda_platform_but_no_cuda_exits_1_without_a_traceback(tm
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert "error: JAX could not start a backend" in out.stderr
     assert not (tmp_path / "run").exists()
+
 
 _CLI_SCRIPT = """
 import atexit, gc, importlib, signal, sys, time

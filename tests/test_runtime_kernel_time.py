@@ -10,9 +10,6 @@ from jax.profiler import ProfileData
 
 from jaxopt_train.cli import main as cli_main
 from jaxopt_train.runtime import KernelTime, kernel_time, kernel_times
-from jaxopt_train.runtime import _trace_files as trace_files
-from jaxopt_train.runtime import overlap
-from jaxopt_train.runtime._trace_files import newest_file_below
 from jaxopt_train.runtime.kernel_time import compare, find_xplane
 
 
@@ -206,22 +203,3 @@ def test_kernels_json_failed_write_keeps_the_earlier_file(tmp_path, monkeypatch)
     assert cli_main(["kernels", trace, "--json", str(out), "--overwrite"]) == 0
     assert json.loads(out.read_text())[0]["name"] == "k"
 
-
-def test_the_trace_search_is_bounded_in_depth_and_in_folders(tmp_path, monkeypatch, capsys):
-    """`jaxopt-train kernels /` read the whole file system (a recursive glob) before
-    answering: the walk now stops MAX_DEPTH folders down and after MAX_FOLDERS folders."""
-    deep = write_xspace(tmp_path / "deep/a/b/c/d/e/f/g/h.xplane.pb", {"/device:GPU:0": {STREAM: [("k", 1.0)]}})
-    with pytest.raises(FileNotFoundError, match=r"no \*\.xplane\.pb under .* \(looked 6 folders deep"):
-        find_xplane(tmp_path / "deep")
-    assert find_xplane(tmp_path / "deep/a/b") == deep  # 6 folders below: found
-    assert newest_file_below(str(tmp_path / "deep"), ".xplane.pb", max_depth=8) == deep
-    for i in range(12):
-        (tmp_path / "many" / f"run{i}" / "profile").mkdir(parents=True)
-    with pytest.raises(ValueError, match=r"more than 10 folders under .*many.* name that"):
-        newest_file_below(str(tmp_path / "many"), ".xplane.pb", max_folders=10)
-    monkeypatch.setattr(trace_files, "MAX_FOLDERS", 10)
-    with pytest.raises(SystemExit) as exc:
-        cli_main(["kernels", str(tmp_path / "many")])
-    assert exc.value.code == 2 and "more than 10 folders under" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="more than 10 folders"):
-        overlap.find_trace_file(str(tmp_path / "many"))
