@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer steps per compiled call")
     x.add_argument("--peak-tflops", type=float, default=None,
                    help="per-device peak TFLOP/s for MFU (default: table by device kind)")
+    # A setting of this process, not of the run (not saved, like --memory-limit): a run may
+    # resume on more or fewer devices.
+    x.add_argument("--devices", type=int, default=None, metavar="N",
+                   help="train data-parallel on the first N devices (default: all); one "
+                        "process only (a multi-host job uses each process's visible devices)")
     r = p.add_argument_group("run directory, logging, checkpoints")
     r.add_argument("--run-dir", default=None, help="default: runs/<preset>-<date>-<time>")
     res = r.add_mutually_exclusive_group()
@@ -126,15 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--profile-steps", default=None, metavar="START:STOP",
                    help="trace these steps with jax.profiler into RUN_DIR/profile")
     r.add_argument("--progress", choices=("auto", "bar", "lines"), default=d.progress)
-    # Settings of this process, not of the run: not saved in config.json, so a resumed run on
-    # a bigger or shared GPU (or on more or fewer devices) is not bound by them.
+    # A setting of this process, not of the run: not saved in config.json, so a resumed run on
+    # a bigger or shared GPU is not bound by it.
     r.add_argument("--memory-limit", default=None, metavar="SIZE",
                    help="cap each GPU's memory pool at SIZE (e.g. 16GiB, or 0.5 for half the "
                         "GPU), reserved at start-up as one region, as on a GPU of that size "
                         "(runtime.limit_memory)")
-    r.add_argument("--devices", type=int, default=None, metavar="N",
-                   help="train data-parallel on the first N devices (default: all); one "
-                        "process only (a multi-host job uses each process's visible devices)")
     # Settings of this process too (not saved): which process of a multi-host job it is.
     h = p.add_argument_group(
         "multi-host (jax.distributed)",
