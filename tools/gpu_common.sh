@@ -41,6 +41,13 @@ finish() {  # finish ARCHIVE [TAIL [TAR_OPTION...]]: total time; $OUT/summary.tx
   echo "total $(( $(date +%s) - t0 ))s" | tee -a "$R/steps.log"
   local f; for f in "$R"/*.log; do echo "----- $f"; tail -n "$tail_n" "$f"; done > "$OUT/summary.txt"
   tar czf "$OUT/$archive.tar.gz" "$@" -C "$(dirname "$R")" "$(basename "$R")"
+  # Printed last, so the reply's output tail always holds every step's outcome: in session 42
+  # the first step's pytest count scrolled out of it, and the fetched files were then lost.
+  echo "===== recap"; cat "$R/steps.log"
+  for f in "$R"/*.log; do
+    local counts; counts=$(grep -hE "[0-9]+ (passed|failed|error)" "$f" | tail -n 1)
+    if [ -n "$counts" ]; then echo "$(basename "$f" .log): $counts"; fi
+  done
 }
 install_whl() {  # install_whl: the carried .whl/ wheels (jax-triton) into /tmp/site, which the
                  # caller puts on PYTHONPATH; without .whl/ a line in steps.log says Triton will skip
