@@ -93,9 +93,9 @@ def _series(records: list[dict[str, float]], name: str) -> tuple[list[float], li
     """`name`'s (steps, values) in step order, as the run's latest history has them."""
     points: dict[float, float] = {}  # step -> value; a later record of a step replaces it
     for record in _latest_history(records):
-        value = record.get(name)
-        if _is_number(value) and math.isfinite(value):
-            points[record["step"]] = float(value)
+        value, step = _as_float(record.get(name)), _as_float(record["step"])
+        if value is not None and math.isfinite(value) and math.isfinite(step):
+            points[step] = value
     steps = sorted(points)
     return steps, [points[step] for step in steps]
 
@@ -141,11 +141,23 @@ def _is_non_finite(value) -> bool:
     # JsonlSink writes NaN as NaN; the training loop's JsonlWriter writes the string "nan".
     if isinstance(value, str):
         return value.strip().lower() in ("nan", "inf", "-inf", "infinity", "-infinity")
-    return _is_number(value) and not math.isfinite(value)
+    return _is_number(value) and not math.isfinite(_as_float(value))
 
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _as_float(value) -> float | None:
+    """A number as a float (an int past float's range, which JSON allows, as +-inf), else None.
+
+    float(10**400) raises OverflowError: one such value in metrics.jsonl crashed the plot."""
+    if not _is_number(value):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def _run_names(run_dirs: list[str]) -> list[str]:

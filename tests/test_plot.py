@@ -358,3 +358,17 @@ def test_plot_draws_a_bytes_per_second_rate_as_throughput_not_memory(tmp_path):
         for panel, (_, pattern, _) in plot.PANELS.items()}
     assert curves["throughput"] == ["hbm_bytes_per_s"]
     assert curves["memory"] == ["peak_memory_gib"]
+
+
+def test_an_integer_past_floats_range_is_reported_as_inf_not_a_crash(tmp_path, capsys):
+    """JSON allows any integer: float(10**400) raised OverflowError out of the plot."""
+    run = tmp_path / "huge"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(
+        '{"step": 1, "loss": 1%s}\n{"step": 2, "loss": 2.5, "tokens_per_s": -1%s}\n'
+        '{"step": 1%s, "loss": 2.0}\n' % ("0" * 400, "0" * 400, "0" * 400))
+    written = plot.plot_runs([str(run)], str(tmp_path / "out"))
+    out = capsys.readouterr().out
+    assert [os.path.basename(p) for p in written] == ["loss.png"]
+    assert "plot: loss: 'loss' has 1 of 3 records NaN or inf, from step 1; drawn without them" in out
+    assert plot._series(plot.load_run(str(run)), "loss") == ([2.0], [2.5])
