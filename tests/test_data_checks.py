@@ -137,6 +137,7 @@ def _image_splits(num_examples, **kwargs):
     return [ImageDataset(images, labels, split=split, **kwargs) for split in ("train", "val")]
 
 
+@pytest.mark.filterwarnings("ignore:float images hold values")  # ids as pixels
 @pytest.mark.parametrize("num_examples, num_val", [(2, 1), (9, 1), (10, 1), (25, 2)])
 def test_small_image_sets_keep_one_val_example(num_examples, num_val):
     """val_fraction=0.1 (fixed in the trainer) used to leave 'val' empty, and refuse, below 10 examples."""
@@ -151,6 +152,7 @@ def test_small_image_sets_keep_one_val_example(num_examples, num_val):
     assert val.batch(0, 4)["images"].shape == (4, 4, 4, 3)  # a batch wraps round one example
 
 
+@pytest.mark.filterwarnings("ignore:float images hold values")  # ids as pixels
 def test_image_val_split_is_a_seeded_shuffle_not_the_last_examples():
     """A set sorted by class used to hold out its last 10%: one class, never seen in training."""
     num_examples = 200
@@ -493,3 +495,22 @@ def test_shard_batch_over_a_tuple_of_axes_says_it_needs_one_axis_name():
     mesh = jax.make_mesh((2, 4), ("model", "data"))
     with pytest.raises(ValueError, match="name of one mesh axis"):
         shard_batch({"x": np.arange(8)}, mesh, ("model", "data"))
+
+
+def test_float_images_in_0_to_255_get_a_warning_and_are_kept_as_stored(tmp_path, recwarn):
+    """Float images go in as stored (only uint8 is scaled by 1/255): 0..255 floats trained on
+    inputs 255x the usual scale without a word. Warned, not refused: a range may be meant."""
+    pixels = np.random.default_rng(0).integers(0, 256, (20, 4, 4, 3))
+    labels = np.arange(20, dtype=np.int32) % 2
+    with pytest.warns(UserWarning, match=r"float images hold values up to 255 \(0\.\.255 pixel "
+                                         r"values\?\); .* divide by 255"):
+        ds = ImageDataset(pixels.astype(np.float32), labels)
+    assert ds.batch(0, 4)["images"].max() > 1.0  # as stored
+    np.savez(tmp_path / "f.npz", images=pixels.astype(np.float32), labels=labels)
+    with pytest.warns(UserWarning, match="float images hold values up to 255"):
+        load_image_npz(str(tmp_path / "f.npz"))
+    recwarn.clear()
+    ImageDataset((pixels / 255.0).astype(np.float32), labels)  # [0, 1]
+    ImageDataset(((pixels / 255.0 - 0.45) / 0.225).astype(np.float32), labels)  # mean/std
+    ImageDataset(pixels.astype(np.uint8), labels)  # uint8 is scaled per batch
+    assert not [w for w in recwarn if "float images hold" in str(w.message)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import warnings
 import zipfile
 import zlib
 
@@ -136,6 +137,8 @@ def _check_range(labels: np.ndarray, low: int, high: int, source: str, rule: str
 
 # Channel counts of real images (grey, grey+alpha, RGB, RGBA).
 _CHANNELS = (1, 2, 3, 4)
+# Float pixels above this look like 0..255 values (mean/std-normalised ones stay within ~3).
+_FLOAT_PIXEL_WARN = 16.0
 
 
 def check_image_arrays(images: np.ndarray, labels: np.ndarray) -> None:
@@ -171,14 +174,24 @@ def _check_finite(images: np.ndarray, chunk: int = 1024) -> None:
     # chunk at a time: a memory-mapped file is read once, not copied whole.
     bad_images = 0
     first = None
+    largest = -np.inf
     for start in range(0, images.shape[0], chunk):
-        finite = np.isfinite(images[start:start + chunk]).all(axis=(1, 2, 3))
+        block = images[start:start + chunk]
+        finite = np.isfinite(block).all(axis=(1, 2, 3))
         bad_images += int((~finite).sum())
         if first is None and not finite.all():
             first = start + int(np.flatnonzero(~finite)[0])
+        if finite.any():
+            largest = max(largest, float(np.abs(block[finite]).max()))
     if bad_images:
         raise ValueError(f"{bad_images} of {images.shape[0]} images hold NaN or inf pixels (first "
                          f"at index {first}); expected finite pixel values")
+    if largest > _FLOAT_PIXEL_WARN:
+        # Float images go in as stored (only uint8 is scaled by 1/255): 0..255 floats trained
+        # on inputs 255x the usual scale. Not refused: a range of one's own may be meant.
+        warnings.warn(f"float images hold values up to {largest:g} (0..255 pixel values?); float "
+                      "images are used as stored and only uint8 ones are scaled to [0, 1]: store "
+                      "them as uint8 or divide by 255, unless this range is meant", stacklevel=3)
 
 
 def _val_size(num_examples: int, val_fraction: float) -> int:
