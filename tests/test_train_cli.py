@@ -560,3 +560,17 @@ def test_devices_is_refused_in_a_multi_process_job(monkeypatch, capsys):
     code, err = _exit_code_and_err(["--devices", "1", "--steps", "1"], capsys)
     assert code == 2
     assert "--devices 1: picks devices within one process, but this job has 2 processes" in err
+
+
+def test_an_unknown_xla_flag_aborts_before_the_run_folder_is_made(tmp_path):
+    """XLA aborts the process (SIGABRT) on an unknown flag in XLA_FLAGS when the backend
+    starts; that came after train() had made the run folder, left empty behind."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_no_such_flag_here=1"}
+    out = subprocess.run([sys.executable, "-m", "jaxopt_train", "train", "--steps", "1",
+                          "--run-dir", str(tmp_path / "run")], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=tmp_path)
+    assert out.returncode != 0 and "xla_no_such_flag_here" in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "run").exists()

@@ -408,6 +408,11 @@ def main(argv: list[str] | None = None) -> int:
     apply_distributed(argv)
     cfg = config_from_args(argv)
     devices = selected_devices(argv)
+    import jax  # noqa: PLC0415
+
+    # The backend starts here, before train() makes the run folder: XLA aborts the process
+    # on an unknown flag in XLA_FLAGS, which left an empty run folder behind.
+    jax.devices()
     from jaxopt_train.train.checkpoint import RunDirError  # noqa: PLC0415
     from jaxopt_train.train.loop import NonFiniteError, train  # noqa: PLC0415
 
