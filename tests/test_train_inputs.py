@@ -73,6 +73,10 @@ def test_a_one_class_classifier_is_refused(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"every label of .*zeros.npz' is 0 and num_classes=1"):
         build_task(TrainConfig(preset="cnn-small", data=zeros, num_classes=1, batch_size=8),
                    get_policy("fp32"))
+    negative = _images_npz(tmp_path / "negative.npz", [0, -100] * 8)  # not "every label is 0"
+    with pytest.raises(ValueError, match=r"8 of 16 labels are out of range \(values -100"):
+        build_task(TrainConfig(preset="cnn-small", data=negative, num_classes=1, batch_size=8),
+                   get_policy("fp32"))
     # A lower bound still: labels 0 and 1 with --num-classes 1 train a 2-way classifier.
     two = _images_npz(tmp_path / "two.npz", [i % 2 for i in range(16)])
     task = build_task(TrainConfig(preset="cnn-small", data=two, num_classes=1, batch_size=8),

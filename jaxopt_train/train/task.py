@@ -169,11 +169,11 @@ def _vision_task(cfg: TrainConfig, policy: Policy) -> Task:
         # The classifier widens to the largest label, so --num-classes is a lower bound;
         # what remains to refuse is a negative id (e.g. an ignore index of -100).
         num_classes = max(cfg.num_classes, int(np.max(arrays["labels"])) + 1)
+        check_labels(arrays["labels"], num_classes, f"labels of {cfg.data!r}")  # negatives first
         if num_classes < 2:
             raise ValueError(f"every label of {cfg.data!r} is 0 and num_classes={cfg.num_classes}: "
                              "a classifier over one class has a loss of 0 whatever it predicts; "
                              "expected labels of two classes or more")
-        check_labels(arrays["labels"], num_classes, f"labels of {cfg.data!r}")
         train_ds = ImageDataset(arrays["images"], arrays["labels"], split="train", seed=cfg.seed)
         val_ds = ImageDataset(arrays["images"], arrays["labels"], split="val", seed=cfg.seed)
         _, height, width, channels = arrays["images"].shape  # not train_ds.images: a copy
