@@ -41,6 +41,18 @@ def test_help_exits_zero(capsys):
     # TrainConfig's "must be a non-empty path or None": None is no value a flag can take.
     (["--run-dir", ""], "--run-dir: expected a folder path, got ''; leave --run-dir out"),
     (["--run-dir", "", "--resume"], "--run-dir: expected a folder path, got ''"),
+    # The model's own check named its dtype= argument, not the --precision that sets it.
+    (["--attention", "cudnn"], "--attention: attention='cudnn' needs a bf16 or fp16 compute dtype "
+                               "(cuDNN's fused attention) but precision='fp32' computes in float32; "
+                               "use --precision bf16 (or fp16), or attention='auto' or 'xla'"),
+    # A vision run took it without a word: it has no attention.
+    (["--preset", "cnn-small", "--attention", "cudnn"],
+     "--attention: attention='cudnn' only applies to GPT presets"),
+    # The collective's own error, from inside the trainer, said "use method='ring' or 'psum'".
+    pytest.param(["--grad-sync", "peer"], "--grad-sync peer: the peer all-reduce is a Mosaic GPU "
+                 "kernel and needs CUDA GPUs; the default backend here is 'cpu' (use --grad-sync "
+                 "ring or psum)",
+                 marks=pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU is here")),
     (["--devices", "0"], "--devices 0: expected a count >= 1"),
     (["--devices", "-2"], "--devices -2: expected a count >= 1"),
     (["--devices", "two"], "argument --devices: invalid int value: 'two'"),
@@ -574,3 +586,22 @@ def test_an_unknown_xla_flag_aborts_before_the_run_folder_is_made(tmp_path):
                          timeout=120, env=env, cwd=tmp_path)
     assert out.returncode != 0 and "xla_no_such_flag_here" in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "run").exists()
+
+
+def test_grad_sync_peer_needs_exactly_two_devices_named_by_flag(monkeypatch, capsys):
+    """Past the platform check (faked here), the device count is the CLI's to check: 8 devices
+    ran into the collective's "axis 'data' has 8 (use method='ring' ...)" inside the trainer."""
+    from jaxopt_train.collectives import peer
+    from jaxopt_train.train import loop
+
+    monkeypatch.setattr(peer, "check_platform", lambda **kwargs: None)
+    code, err = _exit_code_and_err(["--grad-sync", "peer", "--steps", "1"], capsys)
+    assert code == 2
+    assert (f"--grad-sync peer exchanges between exactly 2 devices; this run has "
+            f"{jax.device_count()} (pass --devices 2, or another --grad-sync)") in err
+    seen = []
+    monkeypatch.setattr(loop, "train", lambda cfg, until_step=None, devices=None: seen.append(
+        devices) or loop.TrainResult(run_dir="r", step=1, final_loss=None, eval_loss=None,
+                                     interrupted=False, trainer=None))
+    assert cli.main(["--grad-sync", "peer", "--devices", "2", "--steps", "1"]) == 0
+    assert seen == [jax.devices()[:2]]

@@ -88,12 +88,6 @@ def check_backends(parser, args, devices) -> None:
         except ValueError as err:
             parser.error(f"--compare-matmul {matmul}: {err} (or leave it out of --compare-matmul)")
     if args.grad_sync == "peer":
-        from jaxopt_train.collectives.peer import check_platform  # noqa: PLC0415
+        from jaxopt_train.train.cli import refuse_unusable_peer_sync  # noqa: PLC0415
 
-        try:
-            check_platform()
-        except (ValueError, NotImplementedError) as err:
-            parser.error(f"--grad-sync peer: {err}")
-        if len(devices) != 2:
-            parser.error(f"--grad-sync peer exchanges between exactly 2 devices; this run "
-                            f"has {len(devices)} (pass --devices 2, or another --grad-sync)")
+        refuse_unusable_peer_sync(parser, devices)

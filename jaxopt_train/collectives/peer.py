@@ -40,12 +40,14 @@ DEFAULT_TILE = 1024  # elements per tile; 512-2048 measured, 1024 best
 DEFAULT_CTAS_PER_SM = 4
 
 
-def check_platform() -> None:
-    """Raises unless this process drives CUDA GPUs of compute capability >= 9.0 on its own."""
+def check_platform(*, instead: str = "method='ring' or 'psum'") -> None:
+    """Raises unless this process drives CUDA GPUs of compute capability >= 9.0 on its own.
+
+    `instead`: what the message offers in its place (a command line names its flag)."""
     backend = jax.default_backend()
     if backend != "gpu":
         raise ValueError(f"the peer all-reduce is a Mosaic GPU kernel and needs CUDA GPUs; "
-                         f"the default backend here is {backend!r} (use method='ring' or 'psum')")
+                         f"the default backend here is {backend!r} (use {instead})")
     from jaxopt_train.runtime._backend import compute_capability  # noqa: PLC0415
 
     if compute_capability(jax.devices()[0]) < (9, 0):
@@ -56,7 +58,7 @@ def check_platform() -> None:
         raise NotImplementedError(
             f"the peer all-reduce needs one process driving both GPUs; this run has "
             f"{jax.process_count()} processes (XLA could not map a peer buffer across processes "
-            f"in jax 0.11.2); use method='ring' or 'psum'")
+            f"in jax 0.11.2); use {instead}")
 
 
 def _check_axis(axis_name: AxisName) -> None:

@@ -353,6 +353,21 @@ def selected_devices(argv: list[str] | None = None) -> list | None:
     return visible[:count]
 
 
+def refuse_unusable_peer_sync(parser: argparse.ArgumentParser, devices: list) -> None:
+    """Exits 2 (`parser.error`) unless `--grad-sync peer` can run on `devices`: exactly two
+    Hopper GPUs driven by this process. Before the run folder or the model is built; shared
+    with `bench train`, whose flags are the same."""
+    from jaxopt_train.collectives.peer import check_platform  # noqa: PLC0415
+
+    try:
+        check_platform(instead="--grad-sync ring or psum")
+    except (ValueError, NotImplementedError) as err:
+        parser.error(f"--grad-sync peer: {err}")
+    if len(devices) != 2:
+        parser.error(f"--grad-sync peer exchanges between exactly 2 devices; this run has "
+                     f"{len(devices)} (pass --devices 2, or another --grad-sync)")
+
+
 def apply_distributed(argv: list[str] | None = None) -> None:
     """--distributed (or --coordinator, --num-processes and --process-id) in argv: joins the
     job with jax.distributed.initialize() before the backend starts, or exits 2 saying why
@@ -412,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # The backend starts here, before train() makes the run folder: XLA aborts the process
     # on an unknown flag in XLA_FLAGS, which left an empty run folder behind.
+    if cfg.grad_sync == "peer":  # the collective's own error named method='ring', no flag
+        refuse_unusable_peer_sync(build_parser(), devices or jax.devices())
     jax.devices()
     from jaxopt_train.train.checkpoint import RunDirError  # noqa: PLC0415
     from jaxopt_train.train.loop import NonFiniteError, train  # noqa: PLC0415

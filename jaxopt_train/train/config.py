@@ -246,7 +246,7 @@ class TrainConfig:
             raise ValueError(f"model_overrides={self.model_overrides} only apply to GPT presets "
                              f"{GPT_PRESETS}, not preset={self.preset!r}")
         # Taken silently before, by a vision run that has no sequence and no layers to scan.
-        for name, unset in (("seq_len", None), ("scan_layers", False)):
+        for name, unset in (("seq_len", None), ("scan_layers", False), ("attention", "auto")):
             if self.is_vision and getattr(self, name) != unset:
                 raise ValueError(f"{name}={getattr(self, name)!r} only applies to GPT presets "
                                  f"{GPT_PRESETS}, not preset={self.preset!r}; drop it")
@@ -280,20 +280,29 @@ class TrainConfig:
                                  f"pick a range that starts below {self.steps}")
         if self.matmul != "xla":
             self._check_matmul()
+        if self.attention == "cudnn":
+            self._check_compute_dtype_for("attention", "cuDNN's fused attention")
 
     def _check_matmul(self) -> None:
         if self.is_vision:
             raise ValueError(f"matmul={self.matmul!r} applies to GPT presets {GPT_PRESETS}, not "
                              f"preset={self.preset!r}; use matmul='xla'")
+        self._check_compute_dtype_for("matmul", "the kernels' operand types")
+        matmul_dot_general(self.matmul)  # fails now, not at the first step, if unavailable
+
+    def _check_compute_dtype_for(self, field: str, why: str) -> None:
+        """A kernel choice (`field`, not its default) that needs bf16 or fp16 operands."""
         from jaxopt_train.precision import get_policy  # noqa: PLC0415
 
         compute = jnp_dtype_name(get_policy(self.precision).compute_dtype)
         if compute not in _KERNEL_COMPUTE_DTYPES:
+            # attention='cudnn' under fp32 reached the model's own check, which named its
+            # dtype= argument, not the --precision that sets it.
+            fallback = {"matmul": "'xla'", "attention": "'auto' or 'xla'"}[field]
             raise ValueError(
-                f"matmul={self.matmul!r} needs a bf16 or fp16 compute dtype (the kernels' operand "
-                f"types) but precision={self.precision!r} computes in {compute}; use "
-                "--precision bf16 (or fp16), or matmul='xla'")
-        matmul_dot_general(self.matmul)  # fails now, not at the first step, if unavailable
+                f"{field}={getattr(self, field)!r} needs a bf16 or fp16 compute dtype ({why}) "
+                f"but precision={self.precision!r} computes in {compute}; use --precision bf16 "
+                f"(or fp16), or {field}={fallback}")
 
     @property
     def is_vision(self) -> bool:
