@@ -427,9 +427,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # The backend starts here, before train() makes the run folder: XLA aborts the process
     # on an unknown flag in XLA_FLAGS, which left an empty run folder behind.
+    visible = jax.devices()
     if cfg.grad_sync == "peer":  # the collective's own error named method='ring', no flag
-        refuse_unusable_peer_sync(build_parser(), devices or jax.devices())
-    jax.devices()
+        refuse_unusable_peer_sync(build_parser(), devices or visible)
     from jaxopt_train.train.checkpoint import RunDirError  # noqa: PLC0415
     from jaxopt_train.train.loop import NonFiniteError, train  # noqa: PLC0415
 

@@ -281,24 +281,24 @@ class TrainConfig:
         if self.matmul != "xla":
             self._check_matmul()
         if self.attention == "cudnn":
-            self._check_compute_dtype_for("attention", "cuDNN's fused attention")
+            self._check_compute_dtype_for("attention", "cuDNN's fused attention", "'auto' or 'xla'")
 
     def _check_matmul(self) -> None:
         if self.is_vision:
             raise ValueError(f"matmul={self.matmul!r} applies to GPT presets {GPT_PRESETS}, not "
                              f"preset={self.preset!r}; use matmul='xla'")
-        self._check_compute_dtype_for("matmul", "the kernels' operand types")
+        self._check_compute_dtype_for("matmul", "the kernels' operand types", "'xla'")
         matmul_dot_general(self.matmul)  # fails now, not at the first step, if unavailable
 
-    def _check_compute_dtype_for(self, field: str, why: str) -> None:
-        """A kernel choice (`field`, not its default) that needs bf16 or fp16 operands."""
+    def _check_compute_dtype_for(self, field: str, why: str, fallback: str) -> None:
+        """A kernel choice (`field`, not its default) that needs bf16 or fp16 operands;
+        `fallback` is the value the message offers that takes any precision."""
         from jaxopt_train.precision import get_policy  # noqa: PLC0415
 
         compute = jnp_dtype_name(get_policy(self.precision).compute_dtype)
         if compute not in _KERNEL_COMPUTE_DTYPES:
             # attention='cudnn' under fp32 reached the model's own check, which named its
             # dtype= argument, not the --precision that sets it.
-            fallback = {"matmul": "'xla'", "attention": "'auto' or 'xla'"}[field]
             raise ValueError(
                 f"{field}={getattr(self, field)!r} needs a bf16 or fp16 compute dtype ({why}) "
                 f"but precision={self.precision!r} computes in {compute}; use --precision bf16 "
