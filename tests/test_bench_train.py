@@ -428,7 +428,7 @@ def test_bad_flags_exit(argv):
 @pytest.mark.parametrize("argv, message", [
     (["--devices", "0"], "--devices=0 must be >= 1"),
     (["--devices", "99"], "--devices=99, but only 8 cpu device(s) are visible"),
-    (["--memory-budget", "12XB"], "--memory-budget: cannot read a byte count from value='12XB'"),
+    (["--memory-budget", "12XB"], "cannot read a byte count from --memory-budget='12XB'"),
     (["--memory-budget", "0GiB"], "--memory-budget '0GiB' must be more than 0 bytes"),
     # Read only to pick a GPT remat policy under --remat auto: elsewhere silently ignored.
     (["--memory-budget", "1GiB", "--remat", "dots"], "--remat dots is fixed, so it would be ignored"),

@@ -118,6 +118,9 @@ def test_memory_env_bytes_without_nvml_says_what_to_do(monkeypatch):
     ({"bytes": "1GiB", "total_bytes": 0}, "total_bytes must be > 0"),
     ({"fraction": 0.5, "allocator": "magic"}, "allocator must be one of"),
     ({"fraction": 0.5, "total_bytes": "80GiB"}, "total_bytes= only converts bytes= into a fraction"),
+    # A byte count that cannot be read names the argument it came in (was "value=").
+    ({"bytes": -1, "total_bytes": "80GiB"}, "a byte count must be >= 0, got bytes=-1$"),
+    ({"bytes": "1GiB", "total_bytes": "lots"}, "cannot read a byte count from total_bytes='lots'"),
 ])
 def test_memory_env_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -442,3 +445,8 @@ def test_parse_bytes_says_why_a_numpy_number_is_refused():
 def test_memory_env_numpy_fraction_keeps_the_share_asked_for(fraction, written):
     # Through float(), np.float32(0.9) is 0.89999997 and was written 0.8999.
     assert memory_env(fraction=fraction) == {"XLA_CLIENT_MEM_FRACTION": written}
+
+
+def test_fits_names_the_budget_it_cannot_read():
+    with pytest.raises(ValueError, match="cannot read a byte count from budget='lots'"):
+        fits(lambda x: x * 2, (_SPEC,), "lots")

@@ -216,7 +216,7 @@ def test_memory_limit_is_set_preallocated_before_the_run_and_not_saved(monkeypat
     run_dir = str(tmp_path / "run")
     assert cli.main(["--memory-limit", "16GiB", "--steps", "3", "--run-dir", run_dir]) == 0
     assert [kind for kind, _ in calls] == ["limit", "train"]  # the cap comes first
-    assert calls[0][1] == {"bytes": "16GiB", "preallocate": True}
+    assert calls[0][1] == {"bytes": 16 * 2**30, "preallocate": True}
     assert calls[1][1] == cli.config_from_args(["--steps", "3", "--run-dir", run_dir])
     assert "GPU memory capped at 16GiB: XLA_CLIENT_MEM_FRACTION=0.1140" in capsys.readouterr().err
 
@@ -231,7 +231,7 @@ def test_memory_limit_takes_a_share_of_the_gpu_too(monkeypatch, capsys):
         run_dir="r", step=1, final_loss=None, eval_loss=None, interrupted=False, trainer=None))
     assert cli.main(["--memory-limit", "0.5", "--steps", "1"]) == 0
     assert cli.main(["--memory-limit", "2", "--steps", "1"]) == 0  # above 1: bytes
-    assert calls == [{"fraction": 0.5, "preallocate": True}, {"bytes": "2", "preallocate": True}]
+    assert calls == [{"fraction": 0.5, "preallocate": True}, {"bytes": 2, "preallocate": True}]
     # Where NVML finds no GPU (this CPU machine, or a fake NVML with none) it says the cap does nothing.
     from jaxopt_train.runtime import nvml as nvml_lib
 
@@ -257,7 +257,7 @@ def test_memory_limit_without_nvml_says_to_give_a_share(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("value, needle", [
-    ("lots", "--memory-limit lots: cannot read a byte count from value='lots'"),
+    ("lots", "cannot read a byte count from --memory-limit='lots'"),
     ("-0.5", "--memory-limit -0.5: fraction must be a number in (0, 1], got fraction=-0.5"),
     ("0GiB", "--memory-limit 0GiB: bytes=0 is 0.000 of the device's"),
     ("16GiB", "--memory-limit 16GiB: limit_memory() must run before the JAX backend starts"),

@@ -211,9 +211,9 @@ def _parse(argv):
         from jaxopt_train.runtime import parse_bytes  # noqa: PLC0415
 
         try:
-            budget = parse_bytes(args.memory_budget)
+            budget = parse_bytes(args.memory_budget, name="--memory-budget")
         except ValueError as err:
-            parser.error(f"--memory-budget: {err}")
+            parser.error(str(err))
         if budget <= 0:
             parser.error(f"--memory-budget {args.memory_budget!r} must be more than 0 bytes")
     args.matmuls = [m.strip() for m in args.compare_matmul.split(",")] if args.compare_matmul else []

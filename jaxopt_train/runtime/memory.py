@@ -35,15 +35,17 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(value: int | float | str) -> int:
+def parse_bytes(value: int | float | str, *, name: str = "value") -> int:
     """Bytes from an int or a string such as "16GiB", "80 GB", "512MiB", "1.5GiB".
+
+    `name` is the argument the caller took `value` as; errors name it (`bytes=-1`).
 
     Raises:
       ValueError: for a negative or non-finite number, an unknown unit, or an amount that
         is not a whole number of bytes ("0.3KiB" is 307.2: refused, not truncated).
     """
     if isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", "") == "b":
-        raise TypeError(f"expected a byte count (int or str like '16GiB'), got {value=}")
+        raise TypeError(f"expected a byte count (int or str like '16GiB'), got {name}={value!r}")
     if isinstance(value, numbers.Integral):
         # Exact, without float(): 10**400 raised OverflowError, np.int64(-3) was "cannot read".
         number, unit = int(value), ""
@@ -52,20 +54,20 @@ def parse_bytes(value: int | float | str) -> int:
         # while np.float32(1024.0) was read.
         number, unit = float(value), ""
         if not math.isfinite(number):
-            raise ValueError(f"a byte count must be a finite number, got {value=}")
+            raise ValueError(f"a byte count must be a finite number, got {name}={value!r}")
     else:
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
         if match is None or match.group(2).lower() not in _UNITS:
-            raise ValueError(f"cannot read a byte count from {value=}; expected e.g. 17179869184, "
+            raise ValueError(f"cannot read a byte count from {name}={value!r}; expected e.g. 17179869184, "
                              f"'16GiB' or '80GB' (units: {sorted(u for u in _UNITS if u)})")
         number, unit = match.group(1), match.group(2).lower()
         if not math.isfinite(float(number) * _UNITS[unit]):
-            raise ValueError(f"a byte count must be a finite number, got {value=}")
+            raise ValueError(f"a byte count must be a finite number, got {name}={value!r}")
     count = fractions.Fraction(number) * _UNITS[unit]  # exact: float("0.3") * 1024 is not 307.2
     if count < 0:
-        raise ValueError(f"a byte count must be >= 0, got {value=}")
+        raise ValueError(f"a byte count must be >= 0, got {name}={value!r}")
     if count.denominator != 1:
-        raise ValueError(f"a byte count must be a whole number of bytes; {value=} comes to "
+        raise ValueError(f"a byte count must be a whole number of bytes; {name}={value!r} comes to "
                          f"{float(count)} bytes")
     return int(count)
 
@@ -117,8 +119,8 @@ def memory_env(*, fraction: float | None = None, bytes: int | str | None = None,
     if fraction is not None and total_bytes is not None:  # it would be silently ignored
         raise ValueError(f"total_bytes= only converts bytes= into a fraction; got it with {fraction=}")
     if fraction is None:
-        limit = parse_bytes(bytes)
-        total = parse_bytes(total_bytes) if total_bytes is not None else _gpu_total_bytes()
+        limit = parse_bytes(bytes, name="bytes")
+        total = parse_bytes(total_bytes, name="total_bytes") if total_bytes is not None else _gpu_total_bytes()
         if total <= 0:
             raise ValueError(f"total_bytes must be > 0, got {total_bytes=}")
         fraction = limit / total
@@ -458,7 +460,7 @@ def fits(fn_or_lowered: Any, args: Sequence[Any] = (), budget: int | str = 0,
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise TypeError(f"fits(kwargs=...) takes a dict of keyword arguments; "
                         f"got {type(kwargs).__name__}: {kwargs!r}")
-    budget_bytes = parse_bytes(budget)
+    budget_bytes = parse_bytes(budget, name="budget")
     if budget_bytes <= 0:
         raise ValueError(f"budget must be a positive byte count, got {budget=}")
     compiled = fn_or_lowered

@@ -298,13 +298,19 @@ def apply_memory_limit(argv: list[str] | None = None) -> None:
     value = build_parser().parse_args(argv).memory_limit
     if value is None:
         return
-    from jaxopt_train.runtime.memory import limit_memory  # noqa: PLC0415
+    from jaxopt_train.runtime.memory import limit_memory, parse_bytes  # noqa: PLC0415
 
     try:
         share = float(value)
     except ValueError:
         share = None  # a size such as 16GiB
-    amount = {"fraction": share} if share is not None and share <= 1 else {"bytes": value}
+    if share is not None and share <= 1:
+        amount = {"fraction": share}
+    else:
+        try:  # here, so that the message names the flag, not limit_memory's bytes=
+            amount = {"bytes": parse_bytes(value, name="--memory-limit")}
+        except ValueError as err:
+            build_parser().error(str(err))
     try:
         # Preallocated: a pool that grows on demand is made of regions, and no buffer spans
         # two of them, so a step whose temporaries fill most of the cap would not fit in it
