@@ -179,6 +179,54 @@ def test_forward_mode_is_refused_clearly():
         jax.jvp(layer, (x,), (x,))
 
 
+def test_kernel_outputs_vary_as_their_operands_inside_shard_map(monkeypatch):
+    """The GPU kernels' outputs come back from their custom calls with no varying axes, though
+    each device computed its own; the backward then returned an invariant dA for a per-device
+    `a`, which the custom VJP refused (on the GPU: "the manual axis types do not match"). Here
+    a pure_callback stand-in for the Triton kernel drops the varying axes the same way, on
+    two CPU devices, under a loss summed over them (psum), against lax.dot_general."""
+    import importlib
+
+    from jaxopt_train.kernels import triton_kernel
+
+    def stand_in(a, b, bias, *, activation, out_dtype, config, transpose_a=False,
+                 transpose_b=False, save_preactivation=False):
+        assert bias is None and activation is None and not save_preactivation
+
+        def host(a, b):
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            return ((a.T if transpose_a else a) @ (b.T if transpose_b else b)).astype(out_dtype)
+
+        m, n = a.shape[1 if transpose_a else 0], b.shape[0 if transpose_b else 1]
+        return jax.pure_callback(host, jax.ShapeDtypeStruct((m, n), out_dtype), a, b)
+
+    for name in ("matmul", "dot_general"):  # the modules: the package's names are functions
+        module = importlib.import_module(f"jaxopt_train.kernels.{name}")
+        monkeypatch.setattr(module, "resolve_backend", lambda backend: backend)
+    monkeypatch.setattr(triton_kernel, "triton_matmul", stand_in)
+    jax.clear_caches()  # each launch is a jit: a cached trace would not call the stand-in
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (4, 8, 16), jnp.bfloat16),
+                       NamedSharding(mesh, P("data")))
+
+    def grads(dot):
+        layer = nnx.Linear(16, 24, dot_general=dot, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
+                           param_dtype=jnp.float32)
+        graph, params = nnx.split(layer)
+
+        def local(params, x):
+            def loss(p, x):  # summed over the devices: typed invariant, each device's counted once
+                return lax.psum(_square_sum(nnx.merge(graph, p)(x)), "data")
+            return loss(params, x), jax.grad(loss, (0, 1))(params, x)
+
+        fn = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")),
+                           out_specs=(P(), (P(), P("data"))))
+        return jax.jit(fn)(params, x)
+
+    got, want = grads(make_dot_general("triton")), grads(highest)
+    _assert_trees_close(got, want, jnp.bfloat16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["mosaic_gpu", "triton"])
 def test_gpu_kernels_inside_shard_map_with_varying_axes_checked(backend):

@@ -276,6 +276,19 @@ def _launch(a, b, bias, *, activation, out_dtype, backend, config, transposed=No
     `transposed` "a" / "b" (Mosaic GPU and Triton) A is `a.T` / B is `b.T`, read as stored.
     `save_preactivation` (Triton, and Mosaic GPU untransposed): returns (act(Z), Z) from
     one kernel."""
+    out = _kernel_call(a, b, bias, activation=activation, out_dtype=out_dtype, backend=backend,
+                       config=config, transposed=transposed, save_preactivation=save_preactivation)
+    # Inside shard_map with varying-axes checking, the GPU kernels' outputs come back typed
+    # invariant (Mosaic GPU's pallas_call and jax-triton's custom call set no varying axes),
+    # though each device computed its own: typed so, a later psum would count one device's
+    # value n times, and the custom VJP refused dA for a per-device `a` ("the manual axis
+    # types do not match", on the GPU). They vary as their operands do. A no-op elsewhere.
+    return to_varying(out, varying_axes_of_tree((a, b, bias)))
+
+
+def _kernel_call(a, b, bias, *, activation, out_dtype, backend, config, transposed,
+                 save_preactivation):
+    """`_launch`'s kernel, untyped: see `_launch`."""
     flags = dict(transpose_a=transposed == "a", transpose_b=transposed == "b")
     if save_preactivation:
         if backend == "triton":
