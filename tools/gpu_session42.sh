@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Prepared in the forty-second session and NOT yet run: every start of a machine was refused that
-# session. One call (~9 min on one H100/H200), in order of need:
+# Prepared in the forty-second session, when every start of a machine was refused; run in the
+# forty-fourth (one H100: BENCHMARKS.md). One call (~9 min on one H100/H200), in order of need:
 #   1. the GPU tests of the Flax-layer kernel file (session 40's shard_map test, fixed in session
 #      41 and not yet run on a GPU) and of autotune (its memory check changed in session 41);
 #   2. bench matmul: the four large shapes and the fused bias+gelu epilogue, Mosaic GPU and Triton
