@@ -179,6 +179,23 @@ def test_forward_mode_is_refused_clearly():
         jax.jvp(layer, (x,), (x,))
 
 
+def _linear_loss_and_grads_in_shard_map(dot, mesh, x, features):
+    """((loss, (d params, dx)), jaxpr) of an nnx.Linear on `dot` inside jax.shard_map over the
+    mesh's "data" axis, varying axes checked (its default); the loss is summed over the devices
+    (psum: typed invariant, so each device's share must be typed varying to count once)."""
+    layer = nnx.Linear(x.shape[-1], features, dot_general=dot, rngs=nnx.Rngs(0),
+                       dtype=jnp.bfloat16, param_dtype=jnp.float32)
+    graph, params = nnx.split(layer)
+
+    def local(params, x):
+        def loss(p, x):
+            return lax.psum(_square_sum(nnx.merge(graph, p)(x)), "data")
+        return loss(params, x), jax.grad(loss, (0, 1))(params, x)
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), (P(), P("data"))))
+    return jax.jit(fn)(params, x), str(jax.make_jaxpr(fn)(params, x))
+
+
 def test_kernel_outputs_vary_as_their_operands_inside_shard_map(monkeypatch):
     """The GPU kernels' outputs come back from their custom calls with no varying axes, though
     each device computed its own; the backward then returned an invariant dA for a per-device
@@ -209,21 +226,8 @@ def test_kernel_outputs_vary_as_their_operands_inside_shard_map(monkeypatch):
     x = jax.device_put(jax.random.normal(jax.random.key(0), (4, 8, 16), jnp.bfloat16),
                        NamedSharding(mesh, P("data")))
 
-    def grads(dot):
-        layer = nnx.Linear(16, 24, dot_general=dot, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
-                           param_dtype=jnp.float32)
-        graph, params = nnx.split(layer)
-
-        def local(params, x):
-            def loss(p, x):  # summed over the devices: typed invariant, each device's counted once
-                return lax.psum(_square_sum(nnx.merge(graph, p)(x)), "data")
-            return loss(params, x), jax.grad(loss, (0, 1))(params, x)
-
-        fn = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")),
-                           out_specs=(P(), (P(), P("data"))))
-        return jax.jit(fn)(params, x)
-
-    got, want = grads(make_dot_general("triton")), grads(highest)
+    (got, _), (want, _) = (_linear_loss_and_grads_in_shard_map(dot, mesh, x, 24)
+                           for dot in (make_dot_general("triton"), highest))
     _assert_trees_close(got, want, jnp.bfloat16)
 
 
@@ -245,18 +249,7 @@ def test_gpu_kernels_inside_shard_map_with_varying_axes_checked(backend):
     x = jax.device_put(jax.random.normal(jax.random.key(0), (4, 256, 512), jnp.bfloat16),
                        NamedSharding(mesh, P("data")))
 
-    def grads(dot):
-        layer = nnx.Linear(512, 384, dot_general=dot, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
-                           param_dtype=jnp.float32)
-        graph, params = nnx.split(layer)
-
-        def local(params, x):
-            loss = lambda p, x: _square_sum(nnx.merge(graph, p)(x))  # noqa: E731
-            return jax.grad(loss, (0, 1))(params, x)
-
-        fn = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P("data")))
-        return jax.jit(fn)(params, x), str(jax.make_jaxpr(fn)(params, x))
-
-    (got, jaxpr), (want, _) = grads(kernel), grads(highest)
+    (got, jaxpr), (want, _) = (_linear_loss_and_grads_in_shard_map(dot, mesh, x, 384)
+                               for dot in (kernel, highest))
     _assert_trees_close(got, want, jnp.bfloat16)
     assert "pallas_call" in jaxpr or "triton" in jaxpr, jaxpr[:2000]
