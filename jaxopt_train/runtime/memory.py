@@ -58,8 +58,8 @@ def parse_bytes(value: int | float | str, *, name: str = "value") -> int:
     else:
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
         if match is None or match.group(2).lower() not in _UNITS:
-            raise ValueError(f"cannot read a byte count from {name}={value!r}; expected e.g. 17179869184, "
-                             f"'16GiB' or '80GB' (units: {sorted(u for u in _UNITS if u)})")
+            raise ValueError(f"cannot read a byte count from {name}={value!r}; expected e.g. "
+                             f"17179869184, '16GiB' or '80GB' (units: {sorted(u for u in _UNITS if u)})")
         number, unit = match.group(1), match.group(2).lower()
         if not math.isfinite(float(number) * _UNITS[unit]):
             raise ValueError(f"a byte count must be a finite number, got {name}={value!r}")
@@ -120,7 +120,8 @@ def memory_env(*, fraction: float | None = None, bytes: int | str | None = None,
         raise ValueError(f"total_bytes= only converts bytes= into a fraction; got it with {fraction=}")
     if fraction is None:
         limit = parse_bytes(bytes, name="bytes")
-        total = parse_bytes(total_bytes, name="total_bytes") if total_bytes is not None else _gpu_total_bytes()
+        total = (parse_bytes(total_bytes, name="total_bytes") if total_bytes is not None
+                 else _gpu_total_bytes())
         if total <= 0:
             raise ValueError(f"total_bytes must be > 0, got {total_bytes=}")
         fraction = limit / total
