@@ -966,7 +966,7 @@ def test_a_baseline_out_of_memory_costs_its_row_and_the_ratios_only(tmp_path, mo
     text = (out / "train_bench.md").read_text()
     assert ("baseline: no row, the run failed (RuntimeError: RESOURCE_EXHAUSTED: Out of memory while "
             "trying to allocate 28.70GiB); speed-up and mem ratio need it: a smaller --global-batch, "
-            "or a larger allocator pool (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 of the GPU unless set), "
+            "or a larger allocator pool (XLA_CLIENT_MEM_FRACTION, 0.75 of the GPU unless set), "
             "may let it fit") in text
     assert "+donate: no row, the run failed (RuntimeError" in text
     optimised_line = next(line for line in text.splitlines() if line.startswith("| optimised |"))

@@ -68,3 +68,32 @@ def test_comparison_ratios_are_in_the_json_and_memory_is_labelled_per_device(tmp
     assert "| 1.60x |" in text and "| 1.250x |" in text
     assert "peak mem and swing are one device's (the first of 2)" in text
     assert "TFLOP/s are all 2 devices' together" in text
+
+
+def test_a_baseline_out_of_memory_in_a_grown_pool_says_to_preallocate(tmp_path, monkeypatch):
+    """gpt-1b's f32 baseline on an 80 GB H100 ran out of memory on one 28.7 GiB buffer with
+    XLA_PYTHON_CLIENT_PREALLOCATE=false: a pool grown in regions, none of which holds it. The
+    hint named only the pool's size, and that by the deprecated XLA_PYTHON_CLIENT_MEM_FRACTION
+    (jaxlib refuses to start with both spellings set)."""
+    def measure(self, run, workload=None, devices=None, runner=None, peak_window=None):
+        if run.name == "baseline":
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 28.70GiB")
+        return _fake_measure(self, run, workload, devices)
+
+    monkeypatch.setattr(train.Bench, "measure", measure)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
+    out = tmp_path / "out"
+    assert train.main(["--quick", "--devices", "1", "--xla-preset", "none", "--out", str(out)]) == 0
+    result = json.loads((out / "train_bench.json").read_text())
+    assert result["allocator_env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    grown = ("this run grew its pool on demand (XLA_PYTHON_CLIENT_PREALLOCATE=false), in regions "
+             "no buffer spans two of: unset it (or set true) to reserve the pool as one")
+    text = (out / "train_bench.md").read_text()
+    assert "a larger allocator pool (XLA_CLIENT_MEM_FRACTION, 0.75 of the GPU unless set)" in text
+    assert grown in text
+    # Preallocated, or a JSON written before allocator_env: the size hint alone.
+    for env in ({"XLA_PYTHON_CLIENT_PREALLOCATE": "true"}, None):
+        old = {k: v for k, v in result.items() if k != "allocator_env"}
+        rendered = train_report.render(old if env is None else {**result, "allocator_env": env})
+        assert "may let it fit" in rendered and "grew its pool" not in rendered

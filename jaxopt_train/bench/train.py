@@ -445,6 +445,7 @@ def run_bench(args, xla_report) -> dict:
 
     from jaxopt_train.bench import train_report, train_steps  # noqa: PLC0415
     from jaxopt_train.precision import get_policy  # noqa: PLC0415
+    from jaxopt_train.runtime.memory import allocator_env  # noqa: PLC0415
     from jaxopt_train.train.mfu import matmul_dtype_name, resolve_peak_tflops  # noqa: PLC0415
 
     devices = run_devices(args)
@@ -502,7 +503,8 @@ def run_bench(args, xla_report) -> dict:
         "matmul_dtype": matmul_dtype,
         "grad_sync_collective": _grad_sync_collective(optimised, len(devices)),
         "dataset_items": bench.dataset_items, "gpu_hour_usd": args.gpu_hour_usd,
-        "xla_flags": xla_report, "memory_budget_bytes": budget, "remat_trials": remat_trials,
+        "xla_flags": xla_report, "allocator_env": allocator_env(),
+        "memory_budget_bytes": budget, "remat_trials": remat_trials,
         "grad_sync_ms": sync_times, "rows": rows, "ablations_skipped": skipped,
         "plain_failed": plain_failed, "rows_failed": failed,
         "args": {**vars(args), "defaulted": sorted(args.defaulted)},  # a set has no JSON form

@@ -72,6 +72,13 @@ def parse_bytes(value: int | float | str, *, name: str = "value") -> int:
     return int(count)
 
 
+def allocator_env() -> dict[str, str]:
+    """The XLA client allocator variables set in this process's environment, by name: what
+    a report needs to explain an out-of-memory error (XLA reads them when the backend starts)."""
+    names = (_FRACTION_VAR, _DEPRECATED_FRACTION_VAR, _PREALLOCATE_VAR, _ALLOCATOR_VAR)
+    return {name: os.environ[name] for name in names if name in os.environ}
+
+
 def _gpu_total_bytes() -> int:
     """Smallest total memory over the visible GPUs, read through NVML."""
     from jaxopt_train.runtime.nvml import device_handles, nvml_session
