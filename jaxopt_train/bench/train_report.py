@@ -269,15 +269,17 @@ def render(result) -> str:
 
 def _baseline_hint(result) -> str:
     """What may let a baseline that failed fit: the ratios need its row."""
+    from jaxopt_train.runtime.memory import grows_on_demand  # noqa: PLC0415
+
     hint = ("; speed-up and mem ratio need it: a smaller --global-batch, or a larger allocator "
             "pool (XLA_CLIENT_MEM_FRACTION, 0.75 of the GPU unless set), may let it fit")
-    # Older JSON has no allocator_env. jaxlib grows the pool on demand only for these spellings.
-    if result.get("allocator_env", {}).get("XLA_PYTHON_CLIENT_PREALLOCATE") in ("false", "False", "0"):
-        # Grown on demand, the pool is made of regions and no buffer spans two: gpt-1b's f32
-        # baseline on an 80 GB H100 (forty-fourth session) failed on one 28.7 GiB buffer so.
+    env = result.get("allocator_env", {})  # older JSON has none
+    if grows_on_demand(env):
+        # gpt-1b's f32 baseline on an 80 GB H100 (forty-fourth session) failed on one 28.7 GiB
+        # buffer so.
         hint += ("; this run grew its pool on demand (XLA_PYTHON_CLIENT_PREALLOCATE="
-                 f"{result['allocator_env']['XLA_PYTHON_CLIENT_PREALLOCATE']}), in regions no "
-                 "buffer spans two of: unset it (or set true) to reserve the pool as one")
+                 f"{env['XLA_PYTHON_CLIENT_PREALLOCATE']}), in regions no buffer spans two of: "
+                 "unset it (or set true) to reserve the pool as one")
     return hint
 
 

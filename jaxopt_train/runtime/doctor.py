@@ -21,6 +21,7 @@ import sys
 from types import ModuleType
 
 from jaxopt_train.runtime import nvml as nvml_lib
+from jaxopt_train.runtime.memory import PREALLOCATE_OFF
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 
@@ -188,8 +189,8 @@ def check_xla_env() -> tuple[list[Check], bool]:
     else:
         checks.append(Check("memory settings", PASS, shown))
     preallocate = env.get("XLA_PYTHON_CLIENT_PREALLOCATE")
-    # jaxlib turns preallocation off only for these spellings; "no" or "FALSE" turn it on.
-    if preallocate is not None and preallocate not in ("false", "False", "0", "true", "True", "1"):
+    # jaxlib turns preallocation off only for PREALLOCATE_OFF's spellings; "no" or "FALSE" turn it on.
+    if preallocate is not None and preallocate not in PREALLOCATE_OFF + ("true", "True", "1"):
         checks.append(Check("memory preallocation", WARN,
                             f"XLA_PYTHON_CLIENT_PREALLOCATE={preallocate!r} means preallocate: jaxlib "
                             "turns preallocation off only for 'false', 'False' or '0'",

@@ -28,6 +28,8 @@ _FRACTION_VAR = "XLA_CLIENT_MEM_FRACTION"
 # jaxlib >= 0.10 reads the name above and refuses start-up when both are set.
 _DEPRECATED_FRACTION_VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 _PREALLOCATE_VAR = "XLA_PYTHON_CLIENT_PREALLOCATE"
+# The only spellings jaxlib reads as "off"; any other value preallocates ("no", "FALSE" too).
+PREALLOCATE_OFF = ("false", "False", "0")
 _ALLOCATOR_VAR = "XLA_PYTHON_CLIENT_ALLOCATOR"
 ALLOCATORS = ("default", "platform", "bfc", "cuda_async", "vmm")
 
@@ -77,6 +79,13 @@ def allocator_env() -> dict[str, str]:
     a report needs to explain an out-of-memory error (XLA reads them when the backend starts)."""
     names = (_FRACTION_VAR, _DEPRECATED_FRACTION_VAR, _PREALLOCATE_VAR, _ALLOCATOR_VAR)
     return {name: os.environ[name] for name in names if name in os.environ}
+
+
+def grows_on_demand(env: Mapping[str, str]) -> bool:
+    """Whether `env` (e.g. `allocator_env()`) has XLA grow its GPU pool on demand: in
+    regions, no buffer of which spans two, so a large buffer may not fit where preallocated
+    it would."""
+    return env.get(_PREALLOCATE_VAR) in PREALLOCATE_OFF
 
 
 def _gpu_total_bytes() -> int:
