@@ -73,6 +73,32 @@ def cpu_devices():
     return devices
 
 
+# The primitives our matmul kernels trace to: pallas_call (interpret on CPU, Mosaic on TPU);
+# core_map for Mosaic GPU's plgpu.kernel (mpmd_map on jax 0.10), which has no pallas_call (a
+# check for "pallas_call" alone failed on the GPU machine in sessions 13 and 45); and
+# jax-triton's custom call.
+KERNEL_PRIMITIVES = frozenset({"pallas_call", "core_map", "mpmd_map", "triton_kernel_call"})
+
+
+def _primitive_names(jaxpr, out):
+    for eqn in jaxpr.eqns:
+        out.add(eqn.primitive.name)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
+                if inner is not None and hasattr(inner, "eqns"):
+                    _primitive_names(inner, out)
+    return out
+
+
+@pytest.fixture
+def kernel_in_jaxpr():
+    """`kernel_in_jaxpr(closed_jaxpr)`: whether it calls one of our matmul kernels, nested
+    jaxprs included (walked rather than read from the printed text, whose layout changes
+    between jax versions: 0.11 prints a jit's body apart from the equation that calls it)."""
+    return lambda closed: bool(_primitive_names(closed.jaxpr, set()) & KERNEL_PRIMITIVES)
+
+
 @pytest.fixture
 def private_autotune_cache(tmp_path, monkeypatch):
     """An empty autotune cache in the test's own directory (and no entries read before)."""

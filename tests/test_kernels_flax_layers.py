@@ -114,7 +114,7 @@ def _data_mesh():
 
 
 @pytest.mark.parametrize("check_vma", [False, True])
-def test_nnx_linear_inside_shard_map(check_vma):
+def test_nnx_linear_inside_shard_map(check_vma, kernel_in_jaxpr):
     """Under shard_map's default check_vma=True the BlockSpec kernel's pallas_call raised
     "`manual_axis_type` on `jax.ShapeDtypeStruct` must not be `None`" where lax.dot_general
     works: the drop-in now leaves that case to XLA (check_vma=False keeps the kernel)."""
@@ -132,11 +132,11 @@ def test_nnx_linear_inside_shard_map(check_vma):
 
         fn = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P("data")),
                            check_vma=check_vma)
-        return jax.jit(fn)(params, x), str(jax.make_jaxpr(fn)(params, x))
+        return jax.jit(fn)(params, x), jax.make_jaxpr(fn)(params, x)
 
     (got, jaxpr), (want, _) = grads(KERNEL), grads(highest)
     _assert_trees_close(got, want, jnp.bfloat16)
-    assert ("pallas_call" in jaxpr) == (not check_vma)
+    assert kernel_in_jaxpr(jaxpr) == (not check_vma)
     if check_vma:  # fused_dense, which models call with the same function, says "not here"
         w, bias = jnp.ones((7, 5), jnp.bfloat16), jnp.zeros((5,), jnp.bfloat16)
         fused = []
@@ -193,10 +193,11 @@ def _linear_loss_and_grads_in_shard_map(dot, mesh, x, features):
         return loss(params, x), jax.grad(loss, (0, 1))(params, x)
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), (P(), P("data"))))
-    return jax.jit(fn)(params, x), str(jax.make_jaxpr(fn)(params, x))
+    return jax.jit(fn)(params, x), jax.make_jaxpr(fn)(params, x)
 
 
-def test_kernel_outputs_vary_as_their_operands_inside_shard_map(monkeypatch, request, cpu_devices):
+def test_kernel_outputs_vary_as_their_operands_inside_shard_map(monkeypatch, request, cpu_devices,
+                                                                kernel_in_jaxpr):
     """The GPU kernels' outputs come back from their custom calls with no varying axes, though
     each device computed its own; the backward then returned an invariant dA for a per-device
     `a`, which the custom VJP refused (on the GPU: "the manual axis types do not match"). Here
@@ -229,14 +230,15 @@ def test_kernel_outputs_vary_as_their_operands_inside_shard_map(monkeypatch, req
     with jax.default_device(cpu_devices[0]):  # the layer's parameters too, also on a GPU machine
         x = jax.device_put(jax.random.normal(jax.random.key(0), (4, 8, 16), jnp.bfloat16),
                            NamedSharding(mesh, P("data")))
-        (got, _), (want, _) = (_linear_loss_and_grads_in_shard_map(dot, mesh, x, 24)
-                               for dot in (make_dot_general("triton"), highest))
+        (got, jaxpr), (want, _) = (_linear_loss_and_grads_in_shard_map(dot, mesh, x, 24)
+                                   for dot in (make_dot_general("triton"), highest))
     _assert_trees_close(got, want, jnp.bfloat16)
+    assert "pure_callback" in str(jaxpr)  # the stand-in ran, not XLA's dot
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["mosaic_gpu", "triton"])
-def test_gpu_kernels_inside_shard_map_with_varying_axes_checked(backend):
+def test_gpu_kernels_inside_shard_map_with_varying_axes_checked(backend, kernel_in_jaxpr):
     """The drop-in leaves only the BlockSpec backends to XLA under check_vma=True; the GPU
     kernels stay in: they must run there and agree with lax.dot_general."""
     if backend == "triton":
@@ -255,4 +257,4 @@ def test_gpu_kernels_inside_shard_map_with_varying_axes_checked(backend):
     (got, jaxpr), (want, _) = (_linear_loss_and_grads_in_shard_map(dot, mesh, x, 384)
                                for dot in (kernel, highest))
     _assert_trees_close(got, want, jnp.bfloat16)
-    assert "pallas_call" in jaxpr or "triton" in jaxpr, jaxpr[:2000]
+    assert kernel_in_jaxpr(jaxpr), str(jaxpr)[:2000]
