@@ -75,7 +75,7 @@ def cpu_devices():
 
 # The primitives our matmul kernels trace to: pallas_call (interpret on CPU, Mosaic on TPU);
 # core_map for Mosaic GPU's plgpu.kernel (mpmd_map on jax 0.10), which has no pallas_call (a
-# check for "pallas_call" alone failed on the GPU machine in sessions 13 and 45); and
+# check for "pallas_call" alone failed on the GPU machine, in two tests); and
 # jax-triton's custom call.
 KERNEL_PRIMITIVES = frozenset({"pallas_call", "core_map", "mpmd_map", "triton_kernel_call"})
 
