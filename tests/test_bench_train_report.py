@@ -74,7 +74,8 @@ def test_a_baseline_out_of_memory_in_a_grown_pool_says_to_preallocate(tmp_path, 
     """gpt-1b's f32 baseline on an 80 GB H100 ran out of memory on one 28.7 GiB buffer with
     XLA_PYTHON_CLIENT_PREALLOCATE=false: a pool grown in regions, none of which holds it. The
     hint named only the pool's size, and that by the deprecated XLA_PYTHON_CLIENT_MEM_FRACTION
-    (jaxlib refuses to start with both spellings set)."""
+    (jaxlib refuses to start with both spellings set). A failure of another kind got the same
+    memory advice; it now gets none."""
     def measure(self, run, workload=None, devices=None, runner=None, peak_window=None):
         if run.name == "baseline":
             raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 28.70GiB")
@@ -97,3 +98,9 @@ def test_a_baseline_out_of_memory_in_a_grown_pool_says_to_preallocate(tmp_path, 
         old = {k: v for k, v in result.items() if k != "allocator_env"}
         rendered = train_report.render(old if env is None else {**result, "allocator_env": env})
         assert "may let it fit" in rendered and "grew its pool" not in rendered
+    # A baseline that failed for another reason gets no memory advice.
+    failed = [{"name": "baseline", "reason": "ValueError: no kernel for this shape"}]
+    rendered = train_report.render({**result, "rows_failed": failed})
+    assert ("baseline: no row, the run failed (ValueError: no kernel for this shape); speed-up "
+            "and mem ratio need it\n") in rendered + "\n"
+    assert "may let it fit" not in rendered and "grew its pool" not in rendered

@@ -249,7 +249,7 @@ def render(result) -> str:
         lines.append(f"ablation {skip['name']} skipped: {skip['reason']}")
     for fail in result.get("rows_failed", ()):
         lines.append(f"{fail['name']}: no row, the run failed ({fail['reason']})"
-                     + (_baseline_hint(result) if fail["name"] == "baseline" else ""))
+                     + (_baseline_hint(result, fail["reason"]) if fail["name"] == "baseline" else ""))
     for fail in result.get("plain_failed", ()):
         lines.append(f"{fail['name']}: no row, the run failed ({fail['reason']})")
     if "scaling" in result:
@@ -267,16 +267,24 @@ def render(result) -> str:
     return "\n".join(lines)
 
 
-def _baseline_hint(result) -> str:
-    """What may let a baseline that failed fit: the ratios need its row."""
+def _out_of_memory(reason: str) -> bool:
+    """Whether a failure's one-line reason is the allocator's (XLA says RESOURCE_EXHAUSTED)."""
+    return "RESOURCE_EXHAUSTED" in reason or "out of memory" in reason.lower()
+
+
+def _baseline_hint(result, reason: str) -> str:
+    """What may let a baseline that failed run: the ratios need its row. The memory advice only
+    for a failure that was out of memory; any other says what is missing, and nothing more."""
     from jaxopt_train.runtime.memory import grows_on_demand  # noqa: PLC0415
 
+    if not _out_of_memory(reason):
+        return "; speed-up and mem ratio need it"
     hint = ("; speed-up and mem ratio need it: a smaller --global-batch, or a larger allocator "
             "pool (XLA_CLIENT_MEM_FRACTION, 0.75 of the GPU unless set), may let it fit")
     env = result.get("allocator_env", {})  # older JSON has none
     if grows_on_demand(env):
         # gpt-1b's f32 baseline on an 80 GB H100 (forty-fourth session) failed on one 28.7 GiB
-        # buffer so.
+        # buffer so; preallocated at 0.95 of the card, it ran (forty-fifth).
         hint += ("; this run grew its pool on demand (XLA_PYTHON_CLIENT_PREALLOCATE="
                  f"{env['XLA_PYTHON_CLIENT_PREALLOCATE']}), in regions no buffer spans two of: "
                  "unset it (or set true) to reserve the pool as one")
