@@ -196,8 +196,7 @@ def _linear_loss_and_grads_in_shard_map(dot, mesh, x, features):
     return jax.jit(fn)(params, x), jax.make_jaxpr(fn)(params, x)
 
 
-def test_kernel_outputs_vary_as_their_operands_inside_shard_map(monkeypatch, request, cpu_devices,
-                                                                kernel_in_jaxpr):
+def test_kernel_outputs_vary_as_their_operands_inside_shard_map(monkeypatch, request, cpu_devices):
     """The GPU kernels' outputs come back from their custom calls with no varying axes, though
     each device computed its own; the backward then returned an invariant dA for a per-device
     `a`, which the custom VJP refused (on the GPU: "the manual axis types do not match"). Here
