@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxopt_train.bench import train, train_steps
 
-pytestmark = pytest.mark.usefixtures("jax_compile_cache")  # cheapest XLA effort: ~10% faster compiles
+pytestmark = pytest.mark.usefixtures("jax_compile_cache")
 
 N = 2
 STEPS = 2
