@@ -103,6 +103,20 @@ def kernel_in_jaxpr():
 
 
 @pytest.fixture
+def fresh_kernel_launches():
+    """Evicts the matmul kernels' launch jit (its traces and executables) before and after the
+    test. A test that swaps a kernel for a stand-in must not reuse a launch traced with the real
+    one, nor leave one traced with the stand-in (on a GPU machine the next test would run it).
+    jax.clear_caches() did this too, but also dropped every program the worker had compiled."""
+    import importlib  # noqa: PLC0415
+
+    launch = importlib.import_module("jaxopt_train.kernels.matmul")._launch
+    launch.clear_cache()
+    yield
+    launch.clear_cache()
+
+
+@pytest.fixture
 def private_autotune_cache(tmp_path, monkeypatch):
     """An empty autotune cache in the test's own directory (and no entries read before)."""
     from jaxopt_train.kernels import autotune_cache  # noqa: PLC0415

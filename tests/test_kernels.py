@@ -214,7 +214,7 @@ def test_triton_operands_get_16_byte_rows_and_the_strides_that_address_them(m, n
 @pytest.mark.parametrize("transpose_b", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_triton_writes_the_preactivation_from_its_forward_launch(transpose_b, with_bias,
-                                                                monkeypatch):
+                                                                monkeypatch, fresh_kernel_launches):
     """On triton, `save_preactivation` takes act(Z) and Z from the forward kernel's one
     launch (its two-output epilogue), also for the tied head's transposed B; the backward
     then launches dA and dB only. The Triton kernel needs a GPU: here a jnp stand-in with
@@ -238,8 +238,7 @@ def test_triton_writes_the_preactivation_from_its_forward_launch(transpose_b, wi
         out = apply_epilogue(z, None, activation).astype(out_dtype)
         return (out, z.astype(out_dtype)) if save_preactivation else out
 
-    monkeypatch.setattr(triton_kernel, "triton_matmul", stand_in)
-    jax.clear_caches()  # each launch is a jit: a cached trace would not call the stand-in
+    monkeypatch.setattr(triton_kernel, "triton_matmul", stand_in)  # fresh_kernel_launches: traced anew
     a, b, bias = _operands((2, 19), 33, 21, jnp.bfloat16, seed=5)
     b = b.T if transpose_b else b
     bias = bias if with_bias else None

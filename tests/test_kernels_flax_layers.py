@@ -196,7 +196,8 @@ def _linear_loss_and_grads_in_shard_map(dot, mesh, x, features):
     return jax.jit(fn)(params, x), jax.make_jaxpr(fn)(params, x)
 
 
-def test_kernel_outputs_vary_as_their_operands_inside_shard_map(monkeypatch, request, cpu_devices):
+def test_kernel_outputs_vary_as_their_operands_inside_shard_map(monkeypatch, cpu_devices,
+                                                                fresh_kernel_launches):
     """The GPU kernels' outputs come back from their custom calls with no varying axes, though
     each device computed its own; the backward then returned an invariant dA for a per-device
     `a`, which the custom VJP refused (on the GPU: "the manual axis types do not match"). Here
@@ -220,11 +221,7 @@ def test_kernel_outputs_vary_as_their_operands_inside_shard_map(monkeypatch, req
     for name in ("matmul", "dot_general"):  # the modules: the package's names are functions
         module = importlib.import_module(f"jaxopt_train.kernels.{name}")
         monkeypatch.setattr(module, "resolve_backend", lambda backend: backend)
-    monkeypatch.setattr(triton_kernel, "triton_matmul", stand_in)
-    # Each launch is a jit: a cached trace would not call the stand-in, nor the real kernel
-    # (on a GPU machine) a trace cached with it.
-    jax.clear_caches()
-    request.addfinalizer(jax.clear_caches)
+    monkeypatch.setattr(triton_kernel, "triton_matmul", stand_in)  # fresh_kernel_launches: traced anew
     mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Explicit,), devices=cpu_devices[:2])
     with jax.default_device(cpu_devices[0]):  # the layer's parameters too, also on a GPU machine
         x = jax.device_put(jax.random.normal(jax.random.key(0), (4, 8, 16), jnp.bfloat16),
