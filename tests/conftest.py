@@ -83,23 +83,32 @@ def cpu_devices():
 KERNEL_PRIMITIVES = frozenset({"pallas_call", "core_map", "mpmd_map", "triton_kernel_call"})
 
 
-def _primitive_names(jaxpr, out):
+def _primitives(jaxpr, in_scan=False, out=None):
+    """(primitive name, inside a scan?) of every equation, nested jaxprs included."""
+    out = [] if out is None else out
     for eqn in jaxpr.eqns:
-        out.add(eqn.primitive.name)
+        out.append((eqn.primitive.name, in_scan))
         for param in eqn.params.values():
             for sub in param if isinstance(param, (list, tuple)) else [param]:
                 inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
                 if inner is not None and hasattr(inner, "eqns"):
-                    _primitive_names(inner, out)
+                    _primitives(inner, in_scan or eqn.primitive.name == "scan", out)
     return out
+
+
+@pytest.fixture
+def jaxpr_primitives():
+    """`jaxpr_primitives(closed_jaxpr)`: (primitive name, inside a scan?) of every equation,
+    nested jaxprs included (walked rather than read from the printed text, whose layout changes
+    between jax versions: 0.11 prints a jit's body apart from the equation that calls it)."""
+    return lambda closed: _primitives(closed.jaxpr)
 
 
 @pytest.fixture
 def kernel_in_jaxpr():
     """`kernel_in_jaxpr(closed_jaxpr)`: whether it calls one of our matmul kernels, nested
-    jaxprs included (walked rather than read from the printed text, whose layout changes
-    between jax versions: 0.11 prints a jit's body apart from the equation that calls it)."""
-    return lambda closed: bool(_primitive_names(closed.jaxpr, set()) & KERNEL_PRIMITIVES)
+    jaxprs included (see `jaxpr_primitives`)."""
+    return lambda closed: any(name in KERNEL_PRIMITIVES for name, _ in _primitives(closed.jaxpr))
 
 
 @pytest.fixture

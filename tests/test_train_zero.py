@@ -151,19 +151,6 @@ def test_config_rejects_unsupported_zero_combinations(kwargs, needle):
         TrainConfig(**kwargs)
 
 
-def _primitives(jaxpr, in_scan=False, out=None):
-    """(primitive name, inside a scan?) of every equation, nested jaxprs included."""
-    out = [] if out is None else out
-    for eqn in jaxpr.eqns:
-        out.append((eqn.primitive.name, in_scan))
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else [param]:
-                inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
-                if inner is not None and hasattr(inner, "eqns"):
-                    _primitives(inner, in_scan or eqn.primitive.name == "scan", out)
-    return out
-
-
 # Per-leaf stages 1 and 3 ----------------------------------------------------
 # hidden=32 MLP: l1.kernel (5, 32), l1.bias (32,), l2.kernel (32, 3) are sharded
 # on 2 and 4 devices; l2.bias (3,) is sharded on neither (3 % 2 != 0).
@@ -295,7 +282,8 @@ _COLLECTIVE = re.compile(r"=\s+(\([^()]*\)|\S+)\s+(all-reduce|reduce-scatter|all
 
 
 @pytest.mark.parametrize("zero", [1, 3])
-def test_zero_hlo_one_collective_per_sharded_leaf_and_no_gradient_all_reduce(zero):
+def test_zero_hlo_one_collective_per_sharded_leaf_and_no_gradient_all_reduce(zero,
+                                                                             jaxpr_primitives):
     trainer, _, _ = _leaf_run(zero, 4, 0.1)
     found = Counter((op, shape.split("{")[0])
                     for shape, op in _COLLECTIVE.findall(trainer._compiled.as_text()))
@@ -314,7 +302,7 @@ def test_zero_hlo_one_collective_per_sharded_leaf_and_no_gradient_all_reduce(zer
     # The collectives run outside the micro-batch scan, once per optimizer step (stage 3
     # gathers before it, for the forward; both reduce-scatter after it).
     jaxpr = jax.make_jaxpr(trainer._train_step)(trainer.state, trainer._stage(_batches(1)[0]))
-    prims = _primitives(jaxpr.jaxpr)
+    prims = jaxpr_primitives(jaxpr)
     assert ("scan", False) in prims
     for name in ("reduce_scatter", "all_gather"):
         assert [p for p in prims if p[0] == name] == [(name, False)] * 3
