@@ -5,10 +5,18 @@ a laptop or CI box; strict dtype promotion turns silent up-casts into errors.
 """
 
 import os
+import re
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from jaxopt_train.runtime.doctor import _jax_cuda_plugins  # noqa: E402 (starts no backend)
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+    from importlib.metadata import version  # noqa: PLC0415 (jaxlib itself is not imported)
+
+    return tuple(int(part) for part in re.findall(r"\d+", version("jaxlib"))[:3])
+
 
 # The suite's programs are tiny, so its CPU time is mostly XLA compiling them, and
 # most of that is LLVM optimising code that then runs for milliseconds. LLVM at -O0
@@ -17,10 +25,22 @@ from jaxopt_train.runtime.doctor import _jax_cuda_plugins  # noqa: E402 (starts 
 # test passing at unchanged tolerances (fast-math stays off, XLA CPU's default, at any
 # level). Not on a GPU machine: there the flag would also lower the optimisation of the
 # GPU kernels the GPU tests check.
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "") \
-        and not _jax_cuda_plugins():
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_backend_optimization_level=0").strip()
+#
+# XLA CPU's older elemental emitters instead of its MLIR fusion emitters: most of the suite's
+# compiles are tiny eager ops (a random draw or a divide per new shape, 60-250 ms each), and
+# these compile ~40% faster with the older emitters, whole programs ~20% (tests/test_models.py
+# with tests/test_bench_precision.py: 175 -> 107 s on 2 cores; the suite 24 -> 17 minutes).
+# They round differently: two programs computing the same values may land a few ulps apart,
+# and their tanh is less exact far from zero (the four tests that compared bit for bit, or
+# against a tanh in f32, say so). XLA aborts the process on a flag it does not know, so this
+# one is set only on jaxlib versions checked to have it.
+_CPU_TEST_FLAGS = {"--xla_backend_optimization_level": "0"}
+if _jaxlib_version()[:2] == (0, 10):
+    _CPU_TEST_FLAGS["--xla_cpu_use_fusion_emitters"] = "false"
+if not _jax_cuda_plugins():
+    for _flag, _value in _CPU_TEST_FLAGS.items():
+        if _flag not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}={_value}".strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -74,7 +74,9 @@ def test_an_fp16_step_is_the_float32_step_with_the_scale_taken_out(sgd, changes)
     ref_changes = {k: v for k, v in changes.items() if k not in ("grad_dtype", "compute_copy")}
     ref_before, ref_after, ref_loss, _ = _one_step(train_steps.RunConfig("f32", **ref_changes),
                                                    devices)
-    jax.tree.map(np.testing.assert_array_equal, before, ref_before)  # the same init
+    # The same init. Bit for bit under XLA CPU's default emitters; the suite's older ones
+    # (tests/conftest.py) round the normal draw an ulp apart in the two runners' programs.
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=0), before, ref_before)
     want = _update(ref_before, ref_after)
     assert sum(np.abs(u).sum() for u in jax.tree.leaves(want)) > 0
     steps = run.steps_per_dispatch

@@ -478,17 +478,6 @@ def test_stage_must_be_an_int_in_the_allowed_set(mesh, stage):
         make_zero_step(_loss, optax.sgd(0.1), params, mesh, stage=stage)
 
 
-@pytest.mark.parametrize("specs", [None, "per-leaf"])
-def test_a_schedule_free_optimizer_is_accepted(specs):
-    # Its updates are differences of params, which the whole-tree and per-shard programs
-    # round an ulp of the params apart (1.2e-7 against updates of 7.8e-4): refused at rtol
-    # 1e-4 at XLA's default optimisation level (the suite's -O0 happens to round both alike).
-    params = {"w": jnp.zeros((64, 32), jnp.float32)}
-    tx = optax.contrib.schedule_free_adamw(1e-3)
-    leaf = None if specs is None else leaf_specs(params, N)
-    assert elementwise_mismatch(tx, params, N, leaf) is None
-
-
 _TREE = {"w": jnp.zeros((64, 32), jnp.float32), "b": jnp.zeros((32,), jnp.float32),
          "c": jnp.zeros((3,), jnp.float32)}
 
@@ -523,13 +512,17 @@ def test_elementwise_mismatch_over_more_steps_still_accepts_elementwise_optimize
 def test_elementwise_mismatch_accepts_schedule_free_at_xla_default_optimisation_level():
     """Before: refused in a run without the suite's -O0 (every real run), the whole-tree and
     the shard program rounding its param differences (params ~1e3) an ulp apart:
-    'update 2 of leaf ['w'] differs by up to 0.000122 (updates up to 0.000763)'."""
+    'update 2 of leaf ['w'] differs by up to 0.000122 (updates up to 0.000763)'. Checked in a
+    process with a real run's XLA flags (both layouts): the suite's older CPU emitters
+    (tests/conftest.py) round the two programs apart again, as a user who chose them would."""
     code = ("import jax.numpy as jnp, optax\n"
             "from jaxopt_train.zero import elementwise_mismatch, leaf_specs\n"
             "p = {'w': jnp.zeros((64, 32)), 'b': jnp.zeros((32,)), 'c': jnp.zeros((3,))}\n"
             "tx = optax.contrib.schedule_free_adamw(1e-3)\n"
             "print(elementwise_mismatch(tx, p, 8), elementwise_mismatch(tx, p, 8, leaf_specs(p, 8)))\n")
-    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "")
+    flags = " ".join(flag for flag in os.environ.get("XLA_FLAGS", "").split()  # the suite's speed-ups
+                     if not flag.startswith(("--xla_backend_optimization_level",
+                                             "--xla_cpu_use_fusion_emitters")))
     env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=300)
