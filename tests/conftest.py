@@ -29,11 +29,11 @@ def _jaxlib_version() -> tuple[int, ...]:
 # XLA CPU's older elemental emitters instead of its MLIR fusion emitters: most of the suite's
 # compiles are tiny eager ops (a random draw or a divide per new shape, 60-250 ms each), and
 # these compile ~40% faster with the older emitters, whole programs ~20% (tests/test_models.py
-# with tests/test_bench_precision.py: 175 -> 107 s on 2 cores; the suite 24 -> 17 minutes).
+# with tests/test_bench_precision.py: 175 -> 107 s on 2 cores; the suite 24 -> 16 minutes).
 # They round differently: two programs computing the same values may land a few ulps apart,
-# and their tanh is less exact far from zero (the four tests that compared bit for bit, or
-# against a tanh in f32, say so). XLA aborts the process on a flag it does not know, so this
-# one is set only on jaxlib versions checked to have it.
+# and their tanh is less exact far from zero (the tests whose checks this changed say so where
+# they check). XLA aborts the process on a flag it does not know, so this one is set only on
+# jaxlib versions checked to have it.
 _CPU_TEST_FLAGS = {"--xla_backend_optimization_level": "0"}
 if _jaxlib_version()[:2] == (0, 10):
     _CPU_TEST_FLAGS["--xla_cpu_use_fusion_emitters"] = "false"
