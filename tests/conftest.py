@@ -5,18 +5,11 @@ a laptop or CI box; strict dtype promotion turns silent up-casts into errors.
 """
 
 import os
-import re
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from jaxopt_train.runtime.doctor import _jax_cuda_plugins  # noqa: E402 (starts no backend)
-
-
-def _jaxlib_version() -> tuple[int, ...]:
-    from importlib.metadata import version  # noqa: PLC0415 (jaxlib itself is not imported)
-
-    return tuple(int(part) for part in re.findall(r"\d+", version("jaxlib"))[:3])
-
+# (doctor starts no backend: it reads the installed distributions' metadata)
+from jaxopt_train.runtime.doctor import _jax_cuda_plugins, _release, _version  # noqa: E402
 
 # The suite's programs are tiny, so its CPU time is mostly XLA compiling them, and
 # most of that is LLVM optimising code that then runs for milliseconds. LLVM at -O0
@@ -33,9 +26,9 @@ def _jaxlib_version() -> tuple[int, ...]:
 # They round differently: two programs computing the same values may land a few ulps apart,
 # and their tanh is less exact far from zero (the tests whose checks this changed say so where
 # they check). XLA aborts the process on a flag it does not know, so this one is set only on
-# jaxlib versions checked to have it.
+# jaxlib versions checked to have it (0.11.2 aborts on it).
 _CPU_TEST_FLAGS = {"--xla_backend_optimization_level": "0"}
-if _jaxlib_version()[:2] == (0, 10):
+if _release(_version("jaxlib") or "")[:2] == (0, 10):
     _CPU_TEST_FLAGS["--xla_cpu_use_fusion_emitters"] = "false"
 if not _jax_cuda_plugins():
     for _flag, _value in _CPU_TEST_FLAGS.items():
@@ -86,6 +79,14 @@ def jax_compile_cache(tmp_path_factory):
     yield
     for name, value in old.items():
         jax.config.update(name, value)
+
+
+@pytest.fixture
+def real_run_xla_flags():
+    """XLA_FLAGS without the suite's own CPU flags (above): for a subprocess that must compile
+    as a user's run does."""
+    return " ".join(flag for flag in os.environ.get("XLA_FLAGS", "").split()
+                    if flag.split("=")[0] not in _CPU_TEST_FLAGS)
 
 
 @pytest.fixture

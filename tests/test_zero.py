@@ -509,7 +509,8 @@ def test_elementwise_mismatch_over_more_steps_still_accepts_elementwise_optimize
     assert elementwise_mismatch(make(), _TREE, N, leaf) is None, name
 
 
-def test_elementwise_mismatch_accepts_schedule_free_at_xla_default_optimisation_level():
+def test_elementwise_mismatch_accepts_schedule_free_at_xla_default_optimisation_level(
+        real_run_xla_flags):
     """Before: refused in a run without the suite's -O0 (every real run), the whole-tree and
     the shard program rounding its param differences (params ~1e3) an ulp apart:
     'update 2 of leaf ['w'] differs by up to 0.000122 (updates up to 0.000763)'. Checked in a
@@ -520,10 +521,7 @@ def test_elementwise_mismatch_accepts_schedule_free_at_xla_default_optimisation_
             "p = {'w': jnp.zeros((64, 32)), 'b': jnp.zeros((32,)), 'c': jnp.zeros((3,))}\n"
             "tx = optax.contrib.schedule_free_adamw(1e-3)\n"
             "print(elementwise_mismatch(tx, p, 8), elementwise_mismatch(tx, p, 8, leaf_specs(p, 8)))\n")
-    flags = " ".join(flag for flag in os.environ.get("XLA_FLAGS", "").split()  # the suite's speed-ups
-                     if not flag.startswith(("--xla_backend_optimization_level",
-                                             "--xla_cpu_use_fusion_emitters")))
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": real_run_xla_flags, "JAX_PLATFORMS": "cpu"}
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
