@@ -509,13 +509,38 @@ def test_elementwise_mismatch_over_more_steps_still_accepts_elementwise_optimize
     assert elementwise_mismatch(make(), _TREE, N, leaf) is None, name
 
 
+@pytest.mark.parametrize("specs", [None, "per-leaf"])
+def test_a_schedule_free_optimizer_is_accepted_under_the_suites_older_cpu_emitters(specs):
+    """Before: refused here (jaxlib 0.10, the suite's `--xla_cpu_use_fusion_emitters=false`),
+    as for any user running those emitters: 'update 2 of leaf ['w'] differs by up to 0.000122
+    (updates up to 0.000732)', flat layout. The check now pins the fusion emitters itself."""
+    params = {"w": jnp.zeros((64, 32), jnp.float32)}
+    tx = optax.contrib.schedule_free_adamw(1e-3)
+    leaf = None if specs is None else leaf_specs(params, N)
+    assert elementwise_mismatch(tx, params, N, leaf) is None
+
+
+def test_the_emitter_option_is_left_out_where_jaxlib_does_not_know_it(monkeypatch):
+    """jaxlib 0.11 has no `xla_cpu_use_fusion_emitters` and refuses a compile option it does not
+    know by name: the check then runs at -O0 alone, and still judges."""
+    from jaxopt_train.zero import elementwise  # noqa: PLC0415
+
+    monkeypatch.setattr(elementwise, "_EMITTER_OPTION", {"xla_no_such_option_here": True})
+    elementwise._compiler_options.cache_clear()
+    try:
+        assert elementwise._compiler_options() == elementwise._COMPILER_OPTIONS
+        assert elementwise_mismatch(optax.adam(1e-3), _TREE, N) is None
+        assert "differs" in (elementwise_mismatch(optax.contrib.prodigy(1.0), _TREE, N) or "")
+    finally:
+        elementwise._compiler_options.cache_clear()  # the next caller probes the real option
+
+
 def test_elementwise_mismatch_accepts_schedule_free_at_xla_default_optimisation_level(
         real_run_xla_flags):
     """Before: refused in a run without the suite's -O0 (every real run), the whole-tree and
     the shard program rounding its param differences (params ~1e3) an ulp apart:
     'update 2 of leaf ['w'] differs by up to 0.000122 (updates up to 0.000763)'. Checked in a
-    process with a real run's XLA flags (both layouts): the suite's older CPU emitters
-    (tests/conftest.py) round the two programs apart again, as a user who chose them would."""
+    process with a real run's XLA flags (both layouts), without the suite's (tests/conftest.py)."""
     code = ("import jax.numpy as jnp, optax\n"
             "from jaxopt_train.zero import elementwise_mismatch, leaf_specs\n"
             "p = {'w': jnp.zeros((64, 32)), 'b': jnp.zeros((32,)), 'c': jnp.zeros((3,))}\n"
