@@ -521,8 +521,8 @@ def test_a_schedule_free_optimizer_is_accepted_under_the_suites_older_cpu_emitte
 
 
 def test_the_emitter_option_is_left_out_where_jaxlib_does_not_know_it(monkeypatch):
-    """jaxlib 0.11 has no `xla_cpu_use_fusion_emitters` and refuses a compile option it does not
-    know by name: the check then runs at -O0 alone, and still judges."""
+    """A jaxlib without `xla_cpu_use_fusion_emitters` (0.11.2 does not know the flag) refuses a
+    compile option it does not know by name: the check then runs at -O0 alone, and still judges."""
     from jaxopt_train.zero import elementwise  # noqa: PLC0415
 
     monkeypatch.setattr(elementwise, "_EMITTER_OPTION", {"xla_no_such_option_here": True})

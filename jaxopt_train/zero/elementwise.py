@@ -57,7 +57,8 @@ _COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 # XLA:CPU's fusion emitters too, where this jaxlib still has the older elemental ones as an
 # option (0.10's `--xla_cpu_use_fusion_emitters=false`, which the test suite runs with): those
 # round the two programs' param differences an ulp apart again (schedule_free_adamw, params of
-# ~1e3: update 2 differed by 1.2e-4). jaxlib 0.11 has no such option and refuses it by name.
+# ~1e3: update 2 differed by 1.2e-4). jaxlib 0.11.2 does not know the flag (XLA_FLAGS aborts on
+# it); a jaxlib that refuses the compile option by name runs the check at -O0 alone.
 _EMITTER_OPTION = {"xla_cpu_use_fusion_emitters": True}
 
 
