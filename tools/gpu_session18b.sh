@@ -8,6 +8,11 @@
 # TRITON=1 adds the Triton kernel tests as a fourth process (~190 s; nineteenth session).
 # OTHERS_FIRST=1 runs the other modules' GPU tests before the kernel tests (limit $OTHERS_S,
 # default 90 s), so the deadline cannot cut them (thirty-ninth session: OTHERS_S=150).
+# OTHERS_PARALLEL=1 runs them beside the kernel tests instead, and MAIN_PARTS=N (default 2)
+# splits the main kernel tests N ways: the forty-seventh session's pass on one H100 took 540 s
+# with others first (235 s) and the main halves cut at 289 s, then 174 s for the 44 left in three
+# processes; all at once, in three parts, should fit one call (not yet measured):
+#   OTHERS_PARALLEL=1 MAIN_PARTS=3 TRITON=1 bash tools/gpu_session18b.sh
 # First it prints XLA_FLAGS as tests/conftest.py leaves them: no CPU -O0 flag on a GPU machine.
 set -u
 OUT=${OUT:-/tmp/s18b_out}; R=/tmp/s18b; mkdir -p "$R" "$OUT"
@@ -19,17 +24,23 @@ export PYTHONPATH=/tmp/site:$PYTHONPATH CUDA_VISIBLE_DEVICES=0
 T="$PY -m pytest -q -rfE -m gpu -p no:cacheprovider"
 $T --collect-only tests/test_kernels_gpu.py -k "not triton and not options" 2>/dev/null \
   | grep '::' > "$R/main_ids.txt"
-awk 'NR % 2 == 1' "$R/main_ids.txt" > "$R/main_a.txt"
-awk 'NR % 2 == 0' "$R/main_ids.txt" > "$R/main_b.txt"
+PARTS=${MAIN_PARTS:-2}; PART_NAMES=(a b c d e f g h)
+if [ "$PARTS" -lt 1 ] || [ "$PARTS" -gt ${#PART_NAMES[@]} ]; then
+  echo "MAIN_PARTS=$PARTS: expected 1 to ${#PART_NAMES[@]}" >&2; exit 2
+fi
+for i in $(seq 0 $((PARTS - 1))); do  # part a gets ids 1, 1+N, ...: with N=2 the halves as before
+  awk -v n="$PARTS" -v i="$i" '(NR - 1) % n == i' "$R/main_ids.txt" > "$R/main_${PART_NAMES[$i]}.txt"
+done
 echo "main tests: $(wc -l < "$R/main_ids.txt")" | tee -a "$R/steps.log"
 $PY -c "import os, runpy; runpy.run_path('tests/conftest.py'); print('conftest XLA_FLAGS:', repr(os.environ.get('XLA_FLAGS')))" \
   2>&1 | tail -1 | tee -a "$R/steps.log"
 others() { STEP_TAIL=6 step others "${OTHERS_S:-90}" $T tests --ignore=tests/test_kernels_gpu.py; }
-if [ "${OTHERS_FIRST:-0}" = 1 ]; then others; fi
+if [ "${OTHERS_FIRST:-0}" = 1 ]; then others; elif [ "${OTHERS_PARALLEL:-0}" = 1 ]; then others & fi
 if [ "${TRITON:-0}" = 1 ]; then STEP_TAIL=4 step k_triton 500 $T tests/test_kernels_gpu.py -k triton & fi
-STEP_TAIL=4 step k_main_a 500 $T $(cat "$R/main_a.txt") &
-STEP_TAIL=4 step k_main_b 500 $T $(cat "$R/main_b.txt") &
+for i in $(seq 0 $((PARTS - 1))); do
+  STEP_TAIL=4 step "k_main_${PART_NAMES[$i]}" 500 $T $(cat "$R/main_${PART_NAMES[$i]}.txt") &
+done
 STEP_TAIL=4 step k_options 500 $T tests/test_kernels_gpu.py -k "options and not triton" &
 wait
-if [ "${OTHERS_FIRST:-0}" != 1 ]; then others; fi
+if [ "${OTHERS_FIRST:-0}" != 1 ] && [ "${OTHERS_PARALLEL:-0}" != 1 ]; then others; fi
 finish s18b 12
