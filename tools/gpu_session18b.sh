@@ -12,7 +12,7 @@
 # splits the main kernel tests N ways: the forty-seventh session's pass on one H100 took 540 s
 # with others first (235 s) and the main halves cut at 289 s, then 174 s for the 44 left in three
 # processes; all at once, in three parts, should fit one call (not yet measured):
-#   OTHERS_PARALLEL=1 MAIN_PARTS=3 TRITON=1 bash tools/gpu_session18b.sh
+#   OTHERS_PARALLEL=1 OTHERS_S=400 MAIN_PARTS=3 TRITON=1 bash tools/gpu_session18b.sh
 # First it prints XLA_FLAGS as tests/conftest.py leaves them: no CPU -O0 flag on a GPU machine.
 set -u
 OUT=${OUT:-/tmp/s18b_out}; R=/tmp/s18b; mkdir -p "$R" "$OUT"
