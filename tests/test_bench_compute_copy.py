@@ -1,8 +1,9 @@
 """`bench train --compute-copy`: the params' bf16 copy kept in the state, written by the update.
 
 The step must be the same computation as casting the f32 params at the step's start,
-only reordered: the same losses and params (bit-equal on CPU at XLA's default emitters), on one device and with
-per-leaf ZeRO-1 on 2 of the 8 emulated devices, over a scan of 2 steps per dispatch.
+only reordered: the same losses and params (bit-equal on CPU at XLA's default emitters), on
+one device and with per-leaf ZeRO-1 on 2 of the 8 emulated devices, over a scan of 2 steps
+per dispatch.
 """
 
 from __future__ import annotations

@@ -66,3 +66,21 @@ cap_memory() {  # cap_memory GIB: XLA's allocator pool on GPU 0 capped at GIB Gi
     "XLA_PYTHON_CLIENT_PREALLOCATE=$XLA_PYTHON_CLIENT_PREALLOCATE" \
     | tee -a "$R/steps.log"
 }
+parts_ok() {  # parts_ok N: true if N is a part count run_id_parts takes (1 to 8), else says so
+  case "$1" in [1-8]) return 0 ;; esac
+  echo "$1 parts: expected a number from 1 to 8" >&2; return 1
+}
+run_id_parts() {  # run_id_parts NAME IDS_FILE N LIMIT: the pytest node ids in IDS_FILE (blank lines
+                  # skipped) split N ways (part a: ids 1, 1+N, ...; N <= 8), each part a background
+                  # `step NAME_<a..h> LIMIT $T <ids>` with its ids in $R/NAME_<a..h>.txt; the
+                  # caller sets T (its pytest command) and waits
+  local name=$1 ids=$2 n=$3 limit=$4 letters=(a b c d e f g h) i part
+  parts_ok "$n" || return 2
+  for i in $(seq 0 $((n - 1))); do
+    part="${name}_${letters[$i]}"
+    awk -v n="$n" -v i="$i" 'NF && (NR - 1) % n == i' "$ids" > "$R/$part.txt"
+    if [ -s "$R/$part.txt" ]; then
+      STEP_TAIL=4 step "$part" "$limit" $T $(cat "$R/$part.txt") &
+    fi
+  done
+}

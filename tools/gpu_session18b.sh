@@ -18,28 +18,21 @@ set -u
 OUT=${OUT:-/tmp/s18b_out}; R=/tmp/s18b; mkdir -p "$R" "$OUT"
 export DEADLINE=${DEADLINE:-560}
 source "$(dirname "$0")/gpu_common.sh"
+parts_ok "${MAIN_PARTS:-2}" || exit 2  # before any test runs
 install_whl
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm,driver_version --format=csv > "$R/gpu.txt" 2>&1
 export PYTHONPATH=/tmp/site:$PYTHONPATH CUDA_VISIBLE_DEVICES=0
 T="$PY -m pytest -q -rfE -m gpu -p no:cacheprovider"
 $T --collect-only tests/test_kernels_gpu.py -k "not triton and not options" 2>/dev/null \
   | grep '::' > "$R/main_ids.txt"
-PARTS=${MAIN_PARTS:-2}; PART_NAMES=(a b c d e f g h)
-if [ "$PARTS" -lt 1 ] || [ "$PARTS" -gt ${#PART_NAMES[@]} ]; then
-  echo "MAIN_PARTS=$PARTS: expected 1 to ${#PART_NAMES[@]}" >&2; exit 2
-fi
-for i in $(seq 0 $((PARTS - 1))); do  # part a gets ids 1, 1+N, ...: with N=2 the halves as before
-  awk -v n="$PARTS" -v i="$i" '(NR - 1) % n == i' "$R/main_ids.txt" > "$R/main_${PART_NAMES[$i]}.txt"
-done
 echo "main tests: $(wc -l < "$R/main_ids.txt")" | tee -a "$R/steps.log"
 $PY -c "import os, runpy; runpy.run_path('tests/conftest.py'); print('conftest XLA_FLAGS:', repr(os.environ.get('XLA_FLAGS')))" \
   2>&1 | tail -1 | tee -a "$R/steps.log"
 others() { STEP_TAIL=6 step others "${OTHERS_S:-90}" $T tests --ignore=tests/test_kernels_gpu.py; }
 if [ "${OTHERS_FIRST:-0}" = 1 ]; then others; elif [ "${OTHERS_PARALLEL:-0}" = 1 ]; then others & fi
 if [ "${TRITON:-0}" = 1 ]; then STEP_TAIL=4 step k_triton 500 $T tests/test_kernels_gpu.py -k triton & fi
-for i in $(seq 0 $((PARTS - 1))); do
-  STEP_TAIL=4 step "k_main_${PART_NAMES[$i]}" 500 $T $(cat "$R/main_${PART_NAMES[$i]}.txt") &
-done
+# part a gets ids 1, 1+N, ...: with N = 2 the halves as before (logs k_main_a, k_main_b)
+run_id_parts k_main "$R/main_ids.txt" "${MAIN_PARTS:-2}" 500 || exit 2
 STEP_TAIL=4 step k_options 500 $T tests/test_kernels_gpu.py -k "options and not triton" &
 wait
 if [ "${OTHERS_FIRST:-0}" != 1 ] && [ "${OTHERS_PARALLEL:-0}" != 1 ]; then others; fi
