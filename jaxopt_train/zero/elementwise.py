@@ -114,7 +114,8 @@ def elementwise_mismatch(optimizer: optax.GradientTransformation, params, num_sh
 
     Args:
       optimizer: the optax transformation to test.
-      params: the parameters (only the tree structure, ranks and dtypes are read).
+      params: the parameters (only the tree structure, ranks and dtypes are read; floats
+        narrower than float32 are checked in float32: `_check_dtype`).
       num_shards: devices sharing the parameters.
       specs: `leaf_specs(params, ...)` for the per-leaf layout (shards keep each
         leaf's rank and the tree's structure); None for the flat layout (each
@@ -148,13 +149,25 @@ def _with_nan(grads, dims):
     return out
 
 
+def _check_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype a leaf's surrogate is checked in: float32 for the floats narrower than it.
+    The check asks whether the optimizer's math is per element, which no dtype changes; in
+    bfloat16 the two programs' rounding alone parts them by a percent: on jaxlib 0.11.2
+    sgd + momentum's bf16 update 5 differed by 1.04% (1.91e-6 of 1.83e-4; a momentum kept
+    in bf16 carries each step's rounding on), over the 1% a bf16 tolerance could allow and
+    still see a mask's 10%. In float32 the rounding is ~1e-7 of the updates."""
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+        return np.dtype(np.float32)
+    return dtype
+
+
 def _mismatch(optimizer, params, num_shards: int, specs, axis_name: str,
               nonfinite: bool) -> str | None:
     leaves, treedef = jax.tree.flatten(params)
     dims = ([None] * len(leaves) if specs is None
             else [spec_dim(s, axis_name) for s in treedef.flatten_up_to(specs)])
     shapes = [_surrogate_shape(tuple(np.shape(x)), d, num_shards) for x, d in zip(leaves, dims)]
-    dtypes = [np.dtype(jnp.result_type(x)) for x in leaves]  # Python floats too
+    dtypes = [_check_dtype(np.dtype(jnp.result_type(x))) for x in leaves]  # Python floats too
     rng = np.random.default_rng(0)
 
     # Host (numpy) surrogates, split and joined on the host: the compiled program holds only
@@ -247,11 +260,12 @@ def _leaf_split_join(dims, num_shards: int):
 def _first_difference(whole, sharded, num_shards: int, setting: str) -> str | None:
     for step, (w, s) in enumerate(zip(whole, sharded)):
         for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(w)[0], jax.tree.leaves(s)):
-            # f32: 1e-3, not less: a schedule-free optimizer's updates are differences of
-            # params, which two programs round apart by an ulp of the params (~1.5e-4 of the
-            # update here); what the check must catch differs by percents (a per-shard clip,
-            # a mask a 1-D slice gets wrong: a weight decay ~10% of the update at ~1e3).
-            rtol = 1e-3 if np.dtype(a.dtype).itemsize >= 4 else 1e-2
+            # 1e-3 (the floats are f32 or wider: `_check_dtype`), not less: a schedule-free
+            # optimizer's updates are differences of params, which two programs round apart by
+            # an ulp of the params (~1.5e-4 of the update here); what the check must catch
+            # differs by percents (a per-shard clip, a mask a 1-D slice gets wrong: a weight
+            # decay ~10% of the update at ~1e3).
+            rtol = 1e-3
             a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
             # A NaN gradient leaves NaNs (or infs) in the updates: they must be where the whole
             # tree's are; the finite rest is compared below.
