@@ -903,7 +903,7 @@ def test_mosaic_default_halves_the_tile_when_few_ctas_run_a_long_k_loop(m, n, k,
 def test_autotune_picks_fastest_correct_candidate_and_caches_it(tmp_path, monkeypatch):
     small, large = (MatmulConfig(block_m=16, block_n=16, block_k=16, num_stages=1),
                     MatmulConfig(block_m=32, block_n=32, block_k=32, num_stages=1))
-    fake_seconds = {small: 2e-3, large: 1e-3}
+    fake_seconds = {small: 2e-3, large: 1e-3, None: 3e-3}  # None: XLA's dot (config=None)
     timed = []
 
     def timer(fn):
@@ -921,11 +921,12 @@ def test_autotune_picks_fastest_correct_candidate_and_caches_it(tmp_path, monkey
     monkeypatch.setattr(matmul_mod, "matmul", spying_matmul)
     winners = autotune([(40, 24, 36)], jnp.bfloat16, backend="interpret",
                        candidates=[small, large], timer=timer)
-    assert winners == {(40, 24, 36): large} and timed == [small, large]
+    assert winners == {(40, 24, 36): large} and timed == [small, large, None]
     data = json.loads((tmp_path / "matmul_autotune.json").read_text())
     assert sorted(key.rsplit("|", 1)[1] for key in data) == ["40x24x36", "m64_n32_k64"]
     for key, entry in data.items():
         assert "jax" + jax.__version__ in key and entry["config"] == large.to_dict()
+        assert (entry["seconds"], entry["xla_seconds"]) == (1e-3, 3e-3)
     autotune_mod._loaded.clear()  # read back from disk, as a new process would
     device_kind = jax.devices()[0].device_kind
     assert autotune_mod.lookup("interpret", device_kind, 33, 17, 60, jnp.bfloat16) == large
@@ -1218,11 +1219,12 @@ def test_transposed_layouts_are_cached_and_resolved_apart(monkeypatch):
     monkeypatch.setattr(matmul_mod, "resolve_backend", lambda backend: backend)
     slow, fast = (MatmulConfig(block_m=16, block_n=16, block_k=16, num_stages=1),
                   MatmulConfig(block_m=32, block_n=32, block_k=32, num_stages=1))
-    times = iter([2.0, 1.0])
+    times = iter([2.0, 1.0, 3.0])  # the last: XLA's dot, in the same layout
     winners = autotune([(64, 32, 48)], backend="triton", candidates=[slow, fast], transposed="a",
                        timer=lambda fn: (fn(), next(times))[1], input_sets=1)
     assert winners == {(64, 32, 48): fast}
     assert seen[0] == ((48, 64), (48, 32), "a", "triton")  # A stored (K, M)
+    assert seen[-1] == ((48, 64), (48, 32), "a", "xla")
     autotune_mod._loaded.clear()
     assert autotune_mod.lookup("triton", kind, 64, 32, 48, jnp.bfloat16, "a") == fast
     assert autotune_mod.lookup("triton", kind, 64, 32, 48, jnp.bfloat16) is None
@@ -1313,7 +1315,8 @@ def test_autotune_times_the_shapes_own_default_first(monkeypatch):
     autotune([(16, 16, 16)], backend="interpret", timer=timer, write_cache=False)
     default = configs.default_config("interpret", jax.devices()[0].device_kind, 16, 16, 16)
     listed = autotune_mod.default_candidates("interpret")
-    assert timed == [default] + [c for c in listed if c != default]
+    # XLA's dot last (matmul called with config=None), on the same timer.
+    assert timed == [default] + [c for c in listed if c != default] + [None]
     # The winner of a tie is the first timed: the default.
     assert autotune([(16, 16, 16)], backend="interpret", timer=lambda fn: 1.0,
                     write_cache=False) == {(16, 16, 16): default}

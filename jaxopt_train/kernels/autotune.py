@@ -36,7 +36,8 @@ import numpy as np
 from jaxopt_train._checks import is_int
 from jaxopt_train.kernels.autotune_cache import (TRANSPOSED, _check_transposed, _loaded,  # noqa: F401
                                                  cache_key, cache_path, check_cache_writable,
-                                                 lookup, shape_bucket, store)
+                                                 lookup, lookup_timings, shape_bucket, store,
+                                                 xla_is_faster)
 from jaxopt_train.kernels.configs import (BACKENDS, TRANSPOSING_BACKENDS, MatmulConfig,
                                           as_config, default_config, shared_memory_per_block,
                                           triton_shared_memory_bytes)
@@ -184,15 +185,16 @@ def _given_candidates(candidates) -> list[MatmulConfig] | None:
     return given
 
 
-def _seconds(timer: Timer, fn: Callable[[], jax.Array], config: MatmulConfig) -> float:
-    """`timer(fn)` as a float; a NaN would win the shape (nothing compares below it)."""
+def _seconds(timer: Timer, fn: Callable[[], jax.Array], what) -> float:
+    """`timer(fn)` as a float; a NaN would win the shape (nothing compares below it).
+    `what` (a config, or "XLA's dot") names the timed call in the error."""
     seconds = timer(fn)
     try:
         value = float(seconds)
     except (TypeError, ValueError):
         value = float("nan")
     if not 0 <= value < float("inf"):
-        raise ValueError(f"timer returned {seconds!r} for {config}; expected a finite number "
+        raise ValueError(f"timer returned {seconds!r} for {what}; expected a finite number "
                          f"of seconds >= 0")
     return value
 
@@ -227,8 +229,8 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
              candidates: Sequence[MatmulConfig | dict] | None = None, timer: Timer | None = None,
              write_cache: bool = True, seed: int = 0,
              budget_s: float | None = None, input_sets: int = 4,
-             transposed: str | None = None,
-             quick: bool = False) -> dict[tuple[int, int, int], MatmulConfig]:
+             transposed: str | None = None, quick: bool = False,
+             compare_xla: bool = True) -> dict[tuple[int, int, int], MatmulConfig]:
     """Finds the fastest correct config for each (M, N, K) and caches it.
 
     Every candidate first runs on random data and must match `matmul_reference`
@@ -258,6 +260,13 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
             A stored (K, M) (a dense layer's weight gradient), "b" for A @ B^T with
             B stored (N, K) (its input gradient, a tied LM head). Winners are cached
             under that layout; only mosaic_gpu and triton read it.
+        quick: sweep `default_candidates(backend, quick=True)`, about 10 configs.
+        compare_xla: also time XLA's dot (`matmul(backend="xla")`, in the same layout) on
+            the same input sets with the same timer, after the sweep: logged beside the
+            winner, with a warning where it is faster, and cached with the winner, so that
+            `matmul(backend="auto")` runs XLA's dot on a tuned shape where the kernel lost
+            (as PyTorch's max-autotune keeps cuBLAS among its choices). An explicit kernel
+            backend still runs the kernel, with the winning config.
 
     Returns:
         {(M, N, K): winning config}.
@@ -283,7 +292,7 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
                                  or not budget_s >= 0):
         raise ValueError(f"budget_s={budget_s!r} must be None or a number >= 0 of seconds")
     # Any other value was taken for its truth: write_cache="no" wrote the cache.
-    for name, flag in (("write_cache", write_cache), ("quick", quick)):
+    for name, flag in (("write_cache", write_cache), ("quick", quick), ("compare_xla", compare_xla)):
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{name} must be a bool; got {flag!r}")
     # True was seeded as 1; 1.5 failed in jax.random.key naming a JitTracer.
@@ -392,14 +401,36 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
                 f"{wrong} gave a relative error over {reference_tolerance(dtype)}{last}"
             ) from last_error
         winners[(m, n, k)] = best[1]
+        xla_seconds = _time_xla(matmul_mod, timer, sets, transposed) if compare_xla else None
+        if xla_seconds is not None:
+            speed = xla_seconds / best[0] if best[0] > 0 else float("inf")
+            logger.info("autotune %s %s: XLA's dot %.1f us; the winner runs at %.3gx its speed",
+                        backend, (m, n, k), xla_seconds * 1e6, speed)
+            if xla_seconds < best[0]:
+                logger.warning("autotune %s %s: XLA's dot is faster than every candidate (the "
+                               "winner %s runs at %.3gx its speed); matmul(backend='auto') runs "
+                               "XLA's dot on this shape%s", backend, (m, n, k), best[1], speed,
+                               "" if write_cache else " once it is cached")
         if write_cache:
             try:
-                store(backend, device_kind, m, n, k, dtype, best[1], best[0], transposed)
+                store(backend, device_kind, m, n, k, dtype, best[1], best[0], transposed,
+                      xla_seconds)
             except OSError as err:  # checked before the sweep, yet it can still happen
                 logger.warning("autotune %s %s: the winner %s was not cached (%s: %s); it is "
                                "still returned", backend, (m, n, k), best[1],
                                type(err).__name__, err)
     return winners
+
+
+def _time_xla(matmul_mod, timer: Timer, sets, transposed: str | None) -> float:
+    """Seconds per call of XLA's dot (what `backend="auto"` would run instead) in the tuned
+    layout, over the same rotating input sets and timer as the candidates."""
+    if transposed is None:
+        fn = jax.jit(lambda a, b: matmul_mod.matmul(a, b, backend="xla", config=None))
+    else:
+        fn = jax.jit(lambda a, b: matmul_mod._product_with_transpose(
+            a, b, transposed, a.dtype, "xla", None))
+    return _seconds(timer, rotating(fn, sets), "XLA's dot")
 
 
 def parse_shapes(parser, flag: str, text: str) -> list[tuple[int, int, int]]:
@@ -495,8 +526,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"autotune: {err}", file=sys.stderr)
         return 1
     layout = "" if args.transposed is None else f" ({args.transposed}^T)"
+    kind = jax.devices()[0].device_kind
     for shape, config in winners.items():
-        print(f"{backend} {'x'.join(map(str, shape))}{layout}: {config}")
+        seconds, xla_seconds = lookup_timings(backend, kind, *shape, jnp.dtype(args.dtype),
+                                              args.transposed)
+        versus = ""
+        if seconds is not None and xla_seconds is not None:
+            speed = xla_seconds / seconds if seconds > 0 else float("inf")
+            versus = (f"; {seconds * 1e6:.1f} us, XLA's dot {xla_seconds * 1e6:.1f} us: "
+                      f"{speed:.3f}x XLA" + (" (auto runs XLA's dot here)" if speed < 1 else ""))
+        print(f"{backend} {'x'.join(map(str, shape))}{layout}: {config}{versus}")
     print(f"cache: {cache_path()}")
     return 0
 

@@ -138,6 +138,38 @@ def lookup(backend: str, device_kind: str, m: int, n: int, k: int, dtype,
     return None
 
 
+def xla_is_faster(backend: str, device_kind: str, m: int, n: int, k: int, dtype,
+                  transposed: str | None = None) -> bool:
+    """Whether `autotune` timed XLA's dot faster than its best `backend` config on this
+    exact shape and layout (its `xla_seconds` below its `seconds`). Only the exact shape
+    counts: a bucket holds one neighbour's timings, and on Hopper the kernel's ratio to XLA
+    moves by 0.1-0.3x between shapes of one bucket (BENCHMARKS.md, thirty-second session).
+    Entries written without XLA's time (before it was measured, or by `store` without
+    it) say nothing, so the kernel runs."""
+    seconds, xla_seconds = lookup_timings(backend, device_kind, m, n, k, dtype, transposed)
+    return seconds is not None and xla_seconds is not None and xla_seconds < seconds
+
+
+def lookup_timings(backend: str, device_kind: str, m: int, n: int, k: int, dtype,
+                   transposed: str | None = None) -> tuple[float | None, float | None]:
+    """(the winner's seconds, XLA's dot's seconds) cached for this exact shape and layout;
+    None for each that is missing or not a number >= 0 (a hand-edited entry)."""
+    try:
+        path = cache_path()
+    except RuntimeError:
+        return None, None
+    entry = _read(path).get(cache_key(backend, device_kind, m, n, k, dtype, transposed, exact=True))
+    if not isinstance(entry, dict):
+        return None, None
+
+    def seconds(name):
+        value = entry.get(name)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")
+        return float(value) if ok else None
+
+    return seconds("seconds"), seconds("xla_seconds")
+
+
 @contextlib.contextmanager
 def _locked(path: pathlib.Path):
     """Holds an exclusive lock on `path`'s lock file, so that two processes storing
@@ -218,9 +250,11 @@ def _dims(m, n, k) -> tuple[int, int, int]:
 
 
 def store(backend: str, device_kind: str, m: int, n: int, k: int, dtype, config: MatmulConfig,
-          seconds: float, transposed: str | None = None) -> None:
+          seconds: float, transposed: str | None = None, xla_seconds: float | None = None) -> None:
     """Adds one winner to the cache file, under its exact shape and its bucket (atomic
-    rename; other entries kept, except an earlier winner of the bucket).
+    rename; other entries kept, except an earlier winner of the bucket). `xla_seconds`,
+    XLA's dot timed beside the winner, is kept with it: where it is the smaller,
+    `matmul(backend="auto")` runs XLA's dot on that exact shape (`xla_is_faster`).
 
     The file is re-read under a lock before the merge, so entries another process stored
     since this one read it are kept. A file whose content cannot be parsed is not
@@ -237,6 +271,8 @@ def store(backend: str, device_kind: str, m: int, n: int, k: int, dtype, config:
     path = cache_path()
     entry = {"config": config.to_dict(), "seconds": float(seconds), "shape": [m, n, k],
              "transposed": transposed}
+    if xla_seconds is not None:
+        entry["xla_seconds"] = float(xla_seconds)
     path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(path):
         try:

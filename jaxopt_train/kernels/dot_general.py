@@ -33,8 +33,8 @@ from jax import lax
 
 from jaxopt_train._typed_sharding import explicit_sharding
 from jaxopt_train.kernels.configs import BACKENDS, MatmulConfig, as_config
-from jaxopt_train.kernels.matmul import (matmul, pallas_refuses_here, resolve_backend,
-                                         writes_preactivation)
+from jaxopt_train.kernels.matmul import (auto_prefers_xla, matmul, pallas_refuses_here,
+                                         resolve_backend, writes_preactivation)
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,9 @@ def make_dot_general(backend: str = "auto", config: MatmulConfig | dict | None =
     """Returns a `lax.dot_general`-compatible function backed by `matmul(backend=...)`.
 
     The backend is resolved on first call (not here: nothing touches devices at
-    construction). If it resolves to "xla" the function is `lax.dot_general`.
+    construction). If it resolves to "xla" the function is `lax.dot_general`; with
+    "auto", so is every call on a shape where `autotune` timed XLA's dot faster than the
+    kernel (`matmul`'s rule).
     The name and the config are checked here, though: a typo should fail where the
     layer is built, not inside the model's first forward pass.
     """
@@ -112,14 +114,19 @@ def make_dot_general(backend: str = "auto", config: MatmulConfig | dict | None =
             state["resolved"] = resolve_backend(backend)
         return state["resolved"]
 
+    def tuned_xla(lhs, rhs, transpose_b: bool) -> bool:
+        """"auto" only: `autotune` timed XLA's dot faster than the kernel on this shape."""
+        return backend == "auto" and auto_prefers_xla(resolved(), lhs, rhs, lhs.dtype, transpose_b)
+
     def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                     out_sharding=None, **kwargs):
         if resolved() != "xla" and not kwargs and _kernel_eligible(
                 lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding,
                 resolved()):
-            return matmul(lhs, rhs, out_dtype=preferred_element_type or lhs.dtype,
-                          backend=resolved(), config=config,
-                          transpose_b=_dims(dimension_numbers)[0][1] == (1,))
+            transpose_b = _dims(dimension_numbers)[0][1] == (1,)
+            if not tuned_xla(lhs, rhs, transpose_b):
+                return matmul(lhs, rhs, out_dtype=preferred_element_type or lhs.dtype,
+                              backend=resolved(), config=config, transpose_b=transpose_b)
         extra = dict(kwargs)
         if out_sharding is not None:
             extra["out_sharding"] = out_sharding
@@ -133,7 +140,7 @@ def make_dot_general(backend: str = "auto", config: MatmulConfig | dict | None =
         an operand typed with explicit sharding, a BlockSpec kernel under shard_map's
         varying-axes checking)."""
         if (resolved() == "xla" or not _dense_eligible(x, kernel, bias)
-                or pallas_refuses_here(x, resolved())):
+                or pallas_refuses_here(x, resolved()) or tuned_xla(x, kernel, False)):
             return None
         return matmul(x, kernel, bias=bias, activation=activation, backend=resolved(),
                       config=config, save_preactivation=True)

@@ -12,7 +12,7 @@ Backends: "mosaic_gpu" (Pallas on Hopper: TMA, wgmma, warp-specialised
 pipeline), "triton" (jax-triton custom call, Ampere and newer), "pallas_tpu" (Mosaic TPU BlockSpec
 kernel), "interpret" (that same BlockSpec kernel interpreted on any platform),
 "xla" (`jnp.dot`, the fallback) and "auto" (picked by platform, logged at debug
-level). The VJP (`matmul_vjp`) runs dA = dZ @ B^T and dB = A^T @ dZ through the
+level; XLA's dot on a shape where `autotune` timed it faster than the kernel). The VJP (`matmul_vjp`) runs dA = dZ @ B^T and dB = A^T @ dZ through the
 same backend.
 """
 
@@ -404,6 +404,9 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
         activation: None, "gelu" (tanh approximation), "relu" or "silu".
         out_dtype: result dtype (bfloat16, float16 or float32); default `a.dtype`.
         backend: one of "auto", "mosaic_gpu", "triton", "pallas_tpu", "interpret", "xla".
+            "auto" takes the platform's kernel backend, or XLA's dot where none runs or
+            where `autotune` timed XLA's dot faster on this exact (M, N, K) and layout
+            (then the whole call, backward included, runs XLA's dot).
         config: a `MatmulConfig` (or dict of its fields) overriding the autotuned
             or shipped tiling; used for the backward matmuls too.
         transpose_b: `b` is (N, K) and the product is `a @ b.T` (a tied embedding
@@ -444,7 +447,7 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
     from jaxopt_train.kernels.matmul_vjp import _matmul_2d  # noqa: PLC0415 (it imports this module)
 
     config = as_config(config)
-    backend = resolve_backend(backend)
+    requested, backend = backend, resolve_backend(backend)
     # Inside shard_map with varying-axes checking, a replicated `b` times a per-device `a`
     # gives a per-device dB, which a custom VJP may not return for an invariant `b`: cast
     # the operands to vary alike first (differentiating the cast psums dB back, as jnp.dot's
@@ -452,6 +455,8 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
     a, b, bias = to_varying((a, b, bias), varying_axes_of_tree((a, b, bias)))
     if 0 in a.shape or 0 in b.shape:  # no tile to launch: the epilogue of an empty (K=0: zero) product
         return _empty_matmul(a.astype(compute), b.astype(compute), bias, activation, out_dtype, transpose_b)
+    if requested == "auto" and backend != "xla" and auto_prefers_xla(backend, a, b, compute, transpose_b):
+        backend = "xla"
     if backend == "xla":  # N-D: no reshape (see `matmul_vjp._xla_products`)
         return _matmul_2d(a.astype(compute), b.astype(compute), bias, activation, out_dtype,
                           backend, config, transpose_b, save_preactivation)
@@ -468,6 +473,23 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
     out = _matmul_2d(a2, b.astype(compute), bias, activation, out_dtype, backend, config,
                      transpose_b, save_preactivation)
     return out.reshape(*batch_shape, n)
+
+
+def auto_prefers_xla(backend: str, a, b, compute, transpose_b: bool) -> bool:
+    """Whether `autotune` timed XLA's dot faster than every `backend` config on this exact
+    (M, N, K) and layout on this device (a shape-blind "auto" took the kernel on Hopper's
+    small and odd shapes, where it runs at 0.68-0.87x XLA's dot: BENCHMARKS.md)."""
+    from jaxopt_train.kernels.autotune_cache import xla_is_faster  # noqa: PLC0415
+
+    m, k = int(np.prod(a.shape[:-1])), a.shape[-1]
+    n = b.shape[0 if transpose_b else 1]
+    # Backends that multiply a transposed copy run (and are tuned in) the plain layout.
+    transposed = "b" if transpose_b and backend in TRANSPOSING_BACKENDS else None
+    if not xla_is_faster(backend, _device_kind(), m, n, k, compute, transposed):
+        return False
+    logger.debug("matmul backend auto -> xla for %dx%dx%d%s: autotune timed XLA's dot faster "
+                 "than every %s config there", m, n, k, " (b^T)" if transposed else "", backend)
+    return True
 
 
 def _empty_matmul(a, b, bias, activation, out_dtype, transpose_b):
