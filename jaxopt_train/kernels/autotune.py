@@ -292,7 +292,8 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
                                  or not budget_s >= 0):
         raise ValueError(f"budget_s={budget_s!r} must be None or a number >= 0 of seconds")
     # Any other value was taken for its truth: write_cache="no" wrote the cache.
-    for name, flag in (("write_cache", write_cache), ("quick", quick), ("compare_xla", compare_xla)):
+    for name, flag in (("write_cache", write_cache), ("quick", quick),
+                       ("compare_xla", compare_xla)):
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{name} must be a bool; got {flag!r}")
     # True was seeded as 1; 1.5 failed in jax.random.key naming a JitTracer.

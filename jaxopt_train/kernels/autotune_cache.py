@@ -164,7 +164,8 @@ def lookup_timings(backend: str, device_kind: str, m: int, n: int, k: int, dtype
 
     def seconds(name):
         value = entry.get(name)
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+              and 0 <= value < float("inf"))
         return float(value) if ok else None
 
     return seconds("seconds"), seconds("xla_seconds")

@@ -12,8 +12,8 @@ Backends: "mosaic_gpu" (Pallas on Hopper: TMA, wgmma, warp-specialised
 pipeline), "triton" (jax-triton custom call, Ampere and newer), "pallas_tpu" (Mosaic TPU BlockSpec
 kernel), "interpret" (that same BlockSpec kernel interpreted on any platform),
 "xla" (`jnp.dot`, the fallback) and "auto" (picked by platform, logged at debug
-level; XLA's dot on a shape where `autotune` timed it faster than the kernel). The VJP (`matmul_vjp`) runs dA = dZ @ B^T and dB = A^T @ dZ through the
-same backend.
+level; XLA's dot on a shape where `autotune` timed it faster than the kernel). The VJP
+(`matmul_vjp`) runs dA = dZ @ B^T and dB = A^T @ dZ through the same backend.
 """
 
 from __future__ import annotations
@@ -455,7 +455,8 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
     a, b, bias = to_varying((a, b, bias), varying_axes_of_tree((a, b, bias)))
     if 0 in a.shape or 0 in b.shape:  # no tile to launch: the epilogue of an empty (K=0: zero) product
         return _empty_matmul(a.astype(compute), b.astype(compute), bias, activation, out_dtype, transpose_b)
-    if requested == "auto" and backend != "xla" and auto_prefers_xla(backend, a, b, compute, transpose_b):
+    if (requested == "auto" and backend != "xla"
+            and auto_prefers_xla(backend, a, b, compute, transpose_b)):
         backend = "xla"
     if backend == "xla":  # N-D: no reshape (see `matmul_vjp._xla_products`)
         return _matmul_2d(a.astype(compute), b.astype(compute), bias, activation, out_dtype,
