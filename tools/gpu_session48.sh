@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Forty-eighth session, one call (~5 min on one H100/H200), carry [".whl"]:
+# Forty-eighth session, one call (~4-5 min on one H100/H200), carry [".whl"]:
 #   1. on jax 0.11.2's CPU (the suite's -O0), beside the GPU steps: the tests behind call 1's
 #      three failures (ZeRO's check now in f32; the two collectives tests that segfaulted XLA
 #      while compiling), then tools/probe_collectives_segv.py (each reduction alone, -O0 or not);
@@ -21,9 +21,9 @@ cat "$R/gpu.txt"
   PROBE_WORKERS=4 STEP_TAIL=0 step probe 300 $PY tools/probe_collectives_segv.py
 ) &
 export CUDA_VISIBLE_DEVICES=0 JAXOPT_TRAIN_CACHE_DIR=$R/cache
-SHAPES=1024x1024x1024,2048x512x2048,1000x777x513,3000x5000x1000,8192x8192x8192
-STEP_TAIL=20 step autotune 300 $PY -m jaxopt_train.kernels.autotune --backend mosaic_gpu --quick \
-  --shapes $SHAPES
+SHAPES=${SHAPES:-1024x1024x1024,1000x777x513,3000x5000x1000,8192x8192x8192}
+STEP_TAIL=20 step autotune 240 $PY -m jaxopt_train.kernels.autotune --backend mosaic_gpu --quick \
+  --budget-s "${BUDGET_S:-25}" --shapes "$SHAPES"
 STEP_TAIL=8 step auto_pick 60 $PY -c "
 import jax, jax.numpy as jnp
 from jaxopt_train.kernels import matmul
