@@ -97,8 +97,10 @@ def test_auto_runs_xla_on_a_tuned_shape_where_xla_was_faster(auto_is_interpret):
     assert not _runs_kernel(auto, a, b)
     # A leading batch folds into M: (2, 12) rows are the tuned 24.
     assert not _runs_kernel(auto, a.reshape(2, 12, 40), b)
-    # Named, the kernel runs; a shape of the same bucket that was not tuned runs it too.
+    # Named, the kernel runs; so it does with a config given (a tiling asked for), and on a
+    # shape of the same bucket that was not tuned.
     assert _runs_kernel(lambda a, b: matmul_mod.matmul(a, b, backend="interpret"), a, b)
+    assert _runs_kernel(lambda a, b: matmul_mod.matmul(a, b, config=SMALL), a, b)
     assert _runs_kernel(auto, *_operands(20, 16, 40))
     # XLA's dot on the tuned shape gives XLA's result, and differentiates.
     want = matmul_mod.matmul(a, b, backend="xla", out_dtype=jnp.float32)
@@ -142,6 +144,8 @@ def test_dot_general_auto_falls_to_lax_on_a_shape_xla_won(auto_is_interpret):
     named = dot_general_mod.make_dot_general("interpret")
     assert not _runs_kernel(lambda a, b: auto(a, b, dims), a, b)
     assert _runs_kernel(lambda a, b: named(a, b, dims), a, b)
+    tiled = dot_general_mod.make_dot_general("auto", config=SMALL)  # a tiling asked for
+    assert _runs_kernel(lambda a, b: tiled(a, b, dims), a, b)
     assert _runs_kernel(lambda a, b: auto(a, b, dims), *_operands(20, 16, 40))
     assert auto.fused_dense(a, b, None, "gelu") is None  # the plain layer, so XLA's dot
     assert named.fused_dense(a, b, None, "gelu") is not None

@@ -99,8 +99,8 @@ def make_dot_general(backend: str = "auto", config: MatmulConfig | dict | None =
 
     The backend is resolved on first call (not here: nothing touches devices at
     construction). If it resolves to "xla" the function is `lax.dot_general`; with
-    "auto", so is every call on a shape where `autotune` timed XLA's dot faster than the
-    kernel (`matmul`'s rule).
+    "auto" and no `config`, so is every call on a shape where `autotune` timed XLA's dot
+    faster than the kernel (`matmul`'s rule).
     The name and the config are checked here, though: a typo should fail where the
     layer is built, not inside the model's first forward pass.
     """
@@ -115,8 +115,10 @@ def make_dot_general(backend: str = "auto", config: MatmulConfig | dict | None =
         return state["resolved"]
 
     def tuned_xla(lhs, rhs, transpose_b: bool) -> bool:
-        """"auto" only: `autotune` timed XLA's dot faster than the kernel on this shape."""
-        return backend == "auto" and auto_prefers_xla(resolved(), lhs, rhs, lhs.dtype, transpose_b)
+        """"auto" without a config only (a config is a tiling asked for): `autotune` timed
+        XLA's dot faster than the kernel on this shape."""
+        return (backend == "auto" and config is None
+                and auto_prefers_xla(resolved(), lhs, rhs, lhs.dtype, transpose_b))
 
     def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                     out_sharding=None, **kwargs):

@@ -404,9 +404,9 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
         activation: None, "gelu" (tanh approximation), "relu" or "silu".
         out_dtype: result dtype (bfloat16, float16 or float32); default `a.dtype`.
         backend: one of "auto", "mosaic_gpu", "triton", "pallas_tpu", "interpret", "xla".
-            "auto" takes the platform's kernel backend, or XLA's dot where none runs or
-            where `autotune` timed XLA's dot faster on this exact (M, N, K) and layout
-            (then the whole call, backward included, runs XLA's dot).
+            "auto" takes the platform's kernel backend, or XLA's dot where none runs or,
+            without a `config`, where `autotune` timed XLA's dot faster on this exact
+            (M, N, K) and layout (then the whole call, backward included, runs XLA's dot).
         config: a `MatmulConfig` (or dict of its fields) overriding the autotuned
             or shipped tiling; used for the backward matmuls too.
         transpose_b: `b` is (N, K) and the product is `a @ b.T` (a tied embedding
@@ -455,7 +455,8 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
     a, b, bias = to_varying((a, b, bias), varying_axes_of_tree((a, b, bias)))
     if 0 in a.shape or 0 in b.shape:  # no tile to launch: the epilogue of an empty (K=0: zero) product
         return _empty_matmul(a.astype(compute), b.astype(compute), bias, activation, out_dtype, transpose_b)
-    if (requested == "auto" and backend != "xla"
+    # A config given is a tiling asked for: the kernel runs it.
+    if (requested == "auto" and config is None and backend != "xla"
             and auto_prefers_xla(backend, a, b, compute, transpose_b)):
         backend = "xla"
     if backend == "xla":  # N-D: no reshape (see `matmul_vjp._xla_products`)
