@@ -36,8 +36,8 @@ import numpy as np
 from jaxopt_train._checks import is_int
 from jaxopt_train.kernels.autotune_cache import (TRANSPOSED, _check_transposed, _loaded,  # noqa: F401
                                                  cache_key, cache_path, check_cache_writable,
-                                                 lookup, lookup_timings, shape_bucket, store,
-                                                 xla_is_faster)
+                                                 lookup, lookup_timings, shape_bucket,
+                                                 speed_against_xla, store)
 from jaxopt_train.kernels.configs import (BACKENDS, TRANSPOSING_BACKENDS, MatmulConfig,
                                           as_config, default_config, shared_memory_per_block,
                                           triton_shared_memory_bytes)
@@ -404,10 +404,10 @@ def autotune(shapes: Iterable[Sequence[int]], dtype=jnp.bfloat16, *, backend: st
         winners[(m, n, k)] = best[1]
         xla_seconds = _time_xla(matmul_mod, timer, sets, transposed) if compare_xla else None
         if xla_seconds is not None:
-            speed = xla_seconds / best[0] if best[0] > 0 else float("inf")
+            speed = speed_against_xla(best[0], xla_seconds)
             logger.info("autotune %s %s: XLA's dot %.1f us; the winner runs at %.3gx its speed",
                         backend, (m, n, k), xla_seconds * 1e6, speed)
-            if xla_seconds < best[0]:
+            if speed < 1:
                 logger.warning("autotune %s %s: XLA's dot is faster than every candidate (the "
                                "winner %s runs at %.3gx its speed); matmul(backend='auto') runs "
                                "XLA's dot on this shape%s", backend, (m, n, k), best[1], speed,
@@ -533,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
                                               args.transposed)
         versus = ""
         if seconds is not None and xla_seconds is not None:
-            speed = xla_seconds / seconds if seconds > 0 else float("inf")
+            speed = speed_against_xla(seconds, xla_seconds)
             versus = (f"; {seconds * 1e6:.1f} us, XLA's dot {xla_seconds * 1e6:.1f} us: "
                       f"{speed:.3f}x XLA" + (" (auto runs XLA's dot here)" if speed < 1 else ""))
         print(f"{backend} {'x'.join(map(str, shape))}{layout}: {config}{versus}")

@@ -147,7 +147,13 @@ def xla_is_faster(backend: str, device_kind: str, m: int, n: int, k: int, dtype,
     Entries written without XLA's time (before it was measured, or by `store` without
     it) say nothing, so the kernel runs."""
     seconds, xla_seconds = lookup_timings(backend, device_kind, m, n, k, dtype, transposed)
-    return seconds is not None and xla_seconds is not None and xla_seconds < seconds
+    return seconds is not None and xla_seconds is not None and speed_against_xla(
+        seconds, xla_seconds) < 1
+
+
+def speed_against_xla(seconds: float, xla_seconds: float) -> float:
+    """A winner's speed as a multiple of XLA's dot's (below 1: XLA's dot is faster there)."""
+    return xla_seconds / seconds if seconds > 0 else float("inf")
 
 
 def lookup_timings(backend: str, device_kind: str, m: int, n: int, k: int, dtype,
